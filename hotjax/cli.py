@@ -1,0 +1,75 @@
+"""The `hotjax` command line. JAX is imported only after the device count is settled."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from hotjax.errors import UserError
+
+SIMULATED_CPU_DEVICES = 8
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hotjax", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser(
+        "train", help="train a LLaMA model (default: the small preset on the Python stdlib)")
+    train.add_argument("--model", default="small", help="model preset (default: small)")
+    layout = train.add_mutually_exclusive_group()
+    layout.add_argument("--strategy", help='mesh and rules, e.g. "data=2,fsdp=4" or '
+                        '"fsdp=8,rules=fsdp" (default: data parallel over all devices)')
+    layout.add_argument("--strategies", metavar="TABLE.toml", help="a strategy table")
+    train.add_argument("--devices", type=int, help="use N devices; on CPU, N simulated ones "
+                       f"(default: all accelerators, or {SIMULATED_CPU_DEVICES} simulated CPUs)")
+    train.add_argument("--data", help="a directory of text files, a .jsonl with a 'text' field, "
+                       "or a text file (default: the Python standard library's .py files)")
+    train.add_argument("--tokenizer", help="tokenizer.json, a SentencePiece .model, or 'bytes' "
+                       "(default: a byte-level BPE trained on the corpus and cached)")
+    train.add_argument("--vocab-size", type=int, default=8192,
+                       help="vocabulary of the BPE trained when no --tokenizer is given")
+    train.add_argument("--context", type=int, default=512,
+                       help="row length in tokens with --strategy (a table sets its own)")
+    train.add_argument("--steps", type=int, default=100)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--batch-tokens", type=int, default=8192,
+                       help="tokens per optimizer step, padding included")
+    train.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    train.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    train.add_argument("--warmup-steps", type=int, default=20)
+    train.add_argument("--metrics-jsonl", metavar="PATH", help="one JSON object per step")
+    train.add_argument("--log-every", type=int, default=10, help="print a line every N steps")
+    return parser
+
+
+def _train(args: argparse.Namespace) -> None:
+    if args.devices is not None and args.devices < 1:
+        raise UserError(f"--devices {args.devices}: pass a positive number of devices")
+    # Only the CPU backend reads this, and only before JAX starts: on an accelerator it is inert.
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(args.devices or SIMULATED_CPU_DEVICES))
+    from hotjax.compile_cache import enable_compilation_cache
+    from hotjax.run import RunConfig, train
+
+    enable_compilation_cache()
+    options = {k: v for k, v in vars(args).items() if k != "command"}
+    train(RunConfig(**options))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        {"train": _train}[args.command](args)
+    except UserError as e:
+        print(f"hotjax: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hotjax: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Text to token ids: a Hugging Face tokenizer.json, a SentencePiece model, raw bytes, or a
+byte-level BPE trained on the corpus and cached by the corpus fingerprint."""
+
+import hashlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import sentencepiece
+import tokenizers
+
+from hotjax import cache_root
+from hotjax.data.corpus import Corpus
+from hotjax.errors import UserError
+
+BPE_SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2 of a trained BPE
+BPE_SAMPLE_CHARS = 8 << 20  # train on about this much text, so training takes seconds
+# (BOS, EOS) pairs tried in order on a tokenizer.json.
+HF_SPECIALS = (
+    ("<s>", "</s>"),
+    ("<|begin_of_text|>", "<|end_of_text|>"),
+    ("<|endoftext|>", "<|endoftext|>"),
+)
+_FIX = "pass a tokenizer.json, a SentencePiece .model, or 'bytes'"
+
+
+class Tokenizer(Protocol):
+    """What the data pipeline needs from a tokenizer; `encode` adds no special tokens."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def bos_id(self) -> int: ...
+    @property
+    def eos_id(self) -> int: ...
+    @property
+    def pad_id(self) -> int: ...
+    @property
+    def identity(self) -> str: ...  # names the vocabulary, e.g. "hf:<sha256[:16]>"
+
+    def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; then pad, BOS and EOS."""
+
+    vocab_size: int = 259
+    pad_id: int = 256
+    bos_id: int = 257
+    eos_id: int = 258
+    identity: str = "bytes"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer; pad is `<pad>` if the vocabulary has it, else 0."""
+
+    hf: tokenizers.Tokenizer
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    identity: str
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        encodings = self.hf.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+
+@dataclass(frozen=True)
+class SentencePieceTokenizer:
+    """A SentencePiece model (LLaMA style: BOS 1, EOS 2); pad is 0 if the model has none."""
+
+    sp: sentencepiece.SentencePieceProcessor
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    identity: str
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.sp.encode(list(texts))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.sp.decode(list(ids))
+
+
+def load_tokenizer(
+    path: str | None,
+    corpus: Corpus | None,
+    vocab_size: int = 8192,
+    cache_dir: Path | None = None,
+) -> Tokenizer:
+    """Load `path` ('bytes', `*.json`, `*.model`), or with None train a BPE on `corpus`."""
+    if path == "bytes":
+        return ByteTokenizer()
+    if path is None:
+        if corpus is None:
+            raise ValueError("load_tokenizer needs a corpus to train a tokenizer on")
+        return train_bpe(corpus, vocab_size, cache_dir or default_cache_dir())
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"tokenizer file not found: {path} — {_FIX}")
+    if file.suffix == ".json":
+        return _load_hf(file)
+    if file.suffix == ".model":
+        return _load_sentencepiece(file)
+    raise UserError(f"unknown tokenizer file type: {path} — {_FIX}")
+
+
+def default_cache_dir() -> Path:
+    """Where trained tokenizers are kept: `$HOTJAX_CACHE/tokenizers`."""
+    return cache_root() / "tokenizers"
+
+
+def train_bpe(corpus: Corpus, vocab_size: int, cache_dir: Path) -> HFTokenizer:
+    """A byte-level BPE trained on a fixed sample of `corpus`, cached by its fingerprint."""
+    minimum = 256 + len(BPE_SPECIALS)
+    if vocab_size < minimum:
+        raise UserError(f"vocab size {vocab_size} is too small — a byte-level BPE needs {minimum}")
+    path = cache_dir / f"bpe-{vocab_size}-{corpus.fingerprint}.json"
+    if not path.is_file():
+        hf = tokenizers.Tokenizer(tokenizers.models.BPE())
+        hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = tokenizers.decoders.ByteLevel()
+        trainer = tokenizers.trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(BPE_SPECIALS),
+            initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        hf.train_from_iterator(_sample(corpus), trainer=trainer)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        hf.save(str(tmp))
+        os.replace(tmp, path)
+    return _load_hf(path)
+
+
+def _sample(corpus: Corpus) -> Iterator[str]:
+    """Documents in a fixed shuffled order until about BPE_SAMPLE_CHARS of text."""
+    total = 0
+    for i in np.random.default_rng(0).permutation(corpus.num_documents):
+        if total >= BPE_SAMPLE_CHARS:
+            return
+        text = corpus.read(int(i))
+        total += len(text)
+        yield text
+
+
+def _load_hf(file: Path) -> HFTokenizer:
+    try:
+        hf = tokenizers.Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises plain Exception for unreadable or corrupt files
+        raise UserError(f"cannot load tokenizer {file}: {_first_line(e)} — {_FIX}") from e
+    for bos, eos in HF_SPECIALS:
+        bos_id, eos_id = hf.token_to_id(bos), hf.token_to_id(eos)
+        if bos_id is not None and eos_id is not None:
+            pad_id = hf.token_to_id("<pad>")
+            return HFTokenizer(
+                hf=hf,
+                vocab_size=hf.get_vocab_size(with_added_tokens=True),
+                bos_id=bos_id,
+                eos_id=eos_id,
+                pad_id=0 if pad_id is None else pad_id,
+                identity=f"hf:{_sha(file)}",
+            )
+    wanted = ", ".join(f"{bos}/{eos}" if bos != eos else bos for bos, eos in HF_SPECIALS)
+    raise UserError(f"tokenizer {file} has no BOS/EOS special tokens: expected one of {wanted}")
+
+
+def _load_sentencepiece(file: Path) -> SentencePieceTokenizer:
+    try:
+        sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
+    except (OSError, RuntimeError) as e:
+        raise UserError(f"cannot load tokenizer {file}: {_first_line(e)} — {_FIX}") from e
+    if sp.bos_id() < 0 or sp.eos_id() < 0:
+        raise UserError(f"SentencePiece model {file} has no BOS/EOS — train it with bos_id/eos_id")
+    return SentencePieceTokenizer(
+        sp=sp,
+        vocab_size=sp.get_piece_size(),
+        bos_id=sp.bos_id(),
+        eos_id=sp.eos_id(),
+        pad_id=max(sp.pad_id(), 0),
+        identity=f"sentencepiece:{_sha(file)}",
+    )
+
+
+def _sha(file: Path) -> str:
+    return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

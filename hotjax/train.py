@@ -1,0 +1,111 @@
+"""One strategy's training step: the loss over real tokens, the jitted update, its sharded state."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hotjax.data import Batch
+from hotjax.optim import OptimConfig, make_optimizer
+from models.llama import LlamaConfig, Params, abstract_params, bind, init_params, param_axes
+from sharding.strategy import Layout, Strategy
+
+BATCH_KEYS = ("tokens", "segment_ids", "positions")
+
+
+class TrainState(NamedTuple):
+    step: jax.Array
+    params: Params  # fp32 master weights
+    opt_state: optax.OptState
+
+
+def next_token_loss(
+    logits_BxTxV: jax.Array, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Summed cross-entropy and the number of predicted tokens.
+
+    A token is a target only if it continues the same document as the token before it, so
+    padding (segment 0) and the first token of each packed document are never predicted.
+    """
+    valid_BxT1 = (segment_ids_BxT[:, 1:] == segment_ids_BxT[:, :-1]) & (segment_ids_BxT[:, 1:] > 0)
+    logits_BxT1xV = logits_BxTxV[:, :-1].astype(jnp.float32)
+    target_logit_BxT1 = jnp.take_along_axis(logits_BxT1xV, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
+    nll_BxT1 = jax.nn.logsumexp(logits_BxT1xV, axis=-1) - target_logit_BxT1
+    return jnp.sum(jnp.where(valid_BxT1, nll_BxT1, 0.0)), jnp.sum(valid_BxT1)
+
+
+def _step(state: TrainState, batch: dict[str, jax.Array], *, config: LlamaConfig,
+          tx: optax.GradientTransformation, layout: Layout) -> tuple[TrainState, dict]:
+    def loss_fn(params: Params) -> tuple[jax.Array, jax.Array]:
+        model = bind(config, params)
+        logits = model(batch["tokens"], batch["segment_ids"], batch["positions"], layout.constrain)
+        total, count = next_token_loss(logits, batch["tokens"], batch["segment_ids"])
+        return total / jnp.maximum(count, 1), count
+
+    (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "targets": count}
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+
+class Trainer:
+    """Model state laid out under one strategy, and its train step compiled per batch shape."""
+
+    def __init__(self, config: LlamaConfig, optim: OptimConfig, strategy: Strategy,
+                 devices: Sequence[jax.Device]):
+        self.config, self.optim = config, optim
+        self.layout = Layout(strategy, devices)
+        self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
+        axes = param_axes(config)
+        self.tx = make_optimizer(optim, axes)
+        params = self.layout.param_shardings(axes, abstract_params(config))
+        abstract_opt = jax.eval_shape(self.tx.init, abstract_params(config))
+        # Optimizer moments mirror their parameter's layout; step counters are replicated.
+        opt = optax.tree_map_params(self.tx, lambda _, s: s, abstract_opt, params,
+                                    transform_non_params=lambda _: self.layout.replicated)
+        self.state_shardings = TrainState(self.layout.replicated, params, opt)
+
+    def init(self, seed: int) -> TrainState:
+        def fresh() -> TrainState:
+            params = init_params(self.config, seed)
+            return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
+
+        return jax.jit(fresh, out_shardings=self.state_shardings)()
+
+    def batch_arrays(self, batch: Batch) -> dict[str, jax.Array]:
+        """The batch on devices, its rows padded with empty rows to split evenly."""
+        rows = batch.tokens.shape[0]
+        pad = -rows % self.layout.batch_shards
+        return {k: jax.device_put(np.pad(getattr(batch, k), ((0, pad), (0, 0))),
+                                  self.layout.batch_sharding) for k in BATCH_KEYS}
+
+    def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
+        """One optimizer update. `state` is donated: use the returned one."""
+        return self.compiled(batch["tokens"].shape)(state, batch)
+
+    def compiled(self, shape: tuple[int, int]) -> jax.stages.Compiled:
+        """The AOT-compiled step for one batch shape, built once."""
+        if shape not in self._compiled:
+            step = functools.partial(_step, config=self.config, tx=self.tx, layout=self.layout)
+            batch_shardings = {k: self.layout.batch_sharding for k in BATCH_KEYS}
+            jitted = jax.jit(step, in_shardings=(self.state_shardings, batch_shardings),
+                             out_shardings=(self.state_shardings, self.layout.replicated),
+                             donate_argnums=0)
+            abstract_batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in BATCH_KEYS}
+            self._compiled[shape] = jitted.lower(jax.eval_shape(lambda: self.init(0)),
+                                                 abstract_batch).compile()
+        return self._compiled[shape]
+
+
+@functools.cache
+def get_trainer(config: LlamaConfig, optim: OptimConfig, strategy: Strategy,
+                devices: tuple[jax.Device, ...]) -> Trainer:
+    """One trainer (and so one set of compiled steps) per (config, strategy, devices)."""
+    return Trainer(config, optim, strategy, devices)

@@ -1,0 +1,312 @@
+"""LLaMA in Flax NNX: every parameter carries logical axis names; layers are stacked and scanned."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+# Applies a sharding constraint to an activation, given its logical axis names. The identity
+# when no strategy is active; `sharding.Strategy.constrain` when one is.
+Constrain = Callable[[Array, tuple[str | None, ...]], Array]
+
+
+def _no_constraint(x: Array, _axes: tuple[str | None, ...]) -> Array:
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling for long contexts (HF `rope_type="llama3"`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    head_dim: int | None = None  # defaults to dim // n_heads
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    max_seq_len: int = 4096
+    compute_dtype: str = "bfloat16"
+    remat: bool = False  # recompute each layer's activations in the backward pass
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.compute_dtype)
+
+    def num_params(self) -> int:
+        d, h = self.dim, self.head_dim
+        attn = d * h * (2 * self.n_heads + 2 * self.n_kv_heads)
+        layer = attn + 3 * d * self.ffn_dim + 2 * d
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.n_layers * layer + d + head
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
+
+_LLAMA3_ROPE = RopeScaling(8.0, 1.0, 4.0, 8192)
+
+PRESETS: dict[str, LlamaConfig] = {
+    # Tests: compiles in seconds on CPU; GQA and an odd vocabulary on purpose.
+    "tiny": LlamaConfig(vocab_size=259, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=176,
+                        max_seq_len=1024),
+    # The CPU demo: ~12M parameters with the default 8k tokenizer.
+    "small": LlamaConfig(vocab_size=8192, dim=256, n_layers=8, n_heads=8, n_kv_heads=4,
+                         ffn_dim=688, max_seq_len=4096),
+    "llama2-7b": LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                             ffn_dim=11008, max_seq_len=4096),
+    "llama2-13b": LlamaConfig(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40,
+                              ffn_dim=13824, max_seq_len=4096),
+    "llama2-70b": LlamaConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                              ffn_dim=28672, max_seq_len=4096),
+    "llama3-8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                             ffn_dim=14336, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE,
+                             max_seq_len=8192),
+    # HotSPa's "32B" (SOSP'24 §7): GPT-2 tokenizer padded to 30592, 32K context.
+    "hotspa-32b": LlamaConfig(vocab_size=30592, dim=6656, n_layers=60, n_heads=64,
+                              n_kv_heads=64, ffn_dim=17920, max_seq_len=32768),
+}
+
+
+def preset(name: str) -> LlamaConfig:
+    from hotjax.errors import UserError
+
+    if name not in PRESETS:
+        raise UserError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def _param(init: Array, axes: tuple[str, ...]) -> nnx.Param:
+    return nnx.Param(init, out_sharding=axes, eager_sharding=False)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float = 0.02) -> Array:
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
+
+
+class Layers(nnx.Module):
+    """All transformer blocks, each parameter stacked along a leading `layers` axis."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        L, D, N, K, H, F = (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                            cfg.ffn_dim)
+        self.attn_norm = _param(jnp.ones((L, D)), ("layers", "norm"))
+        self.wq = _param(_normal(rngs, (L, D, N, H)), ("layers", "embed", "heads", "head_dim"))
+        self.wk = _param(_normal(rngs, (L, D, K, H)), ("layers", "embed", "kv_heads", "head_dim"))
+        self.wv = _param(_normal(rngs, (L, D, K, H)), ("layers", "embed", "kv_heads", "head_dim"))
+        self.wo = _param(_normal(rngs, (L, N, H, D)), ("layers", "heads", "head_dim", "embed"))
+        self.mlp_norm = _param(jnp.ones((L, D)), ("layers", "norm"))
+        self.w_gate = _param(_normal(rngs, (L, D, F)), ("layers", "embed", "mlp"))
+        self.w_up = _param(_normal(rngs, (L, D, F)), ("layers", "embed", "mlp"))
+        self.w_down = _param(_normal(rngs, (L, F, D)), ("layers", "mlp", "embed"))
+
+
+class Llama(nnx.Module):
+    """Decoder-only LLaMA. fp32 parameters; matmuls in `config.compute_dtype`."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        V, D = config.vocab_size, config.dim
+        self.embed = _param(_normal(rngs, (V, D)), ("vocab", "embed"))
+        self.layers = Layers(config, rngs=rngs)
+        self.final_norm = _param(jnp.ones((D,)), ("norm",))
+        if not config.tie_embeddings:
+            self.lm_head = _param(_normal(rngs, (D, V)), ("embed", "vocab"))
+
+    def __call__(
+        self,
+        tokens_BxT: Array,
+        segment_ids_BxT: Array | None = None,
+        positions_BxT: Array | None = None,
+        constrain: Constrain = _no_constraint,
+    ) -> Array:
+        """Logits [B, T, V] in fp32. Tokens attend only within their segment (document)."""
+        cfg = self.config
+        B, T = tokens_BxT.shape
+        if segment_ids_BxT is None:
+            segment_ids_BxT = jnp.ones((B, T), jnp.int32)
+        if positions_BxT is None:
+            positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+        embed_VxD = self.embed[...].astype(cfg.dtype)
+        x_BxTxD = constrain(jnp.take(embed_VxD, tokens_BxT, axis=0), ("batch", "seq", "embed"))
+        mask_Bx1xTxT = _document_causal_mask(segment_ids_BxT)
+        cos_BxTxH, sin_BxTxH = rope_tables(cfg, positions_BxT)
+
+        def block(x_BxTxD: Array, w: dict[str, Array]) -> tuple[Array, None]:
+            w = {k: v.astype(cfg.dtype) for k, v in w.items()}
+            h = _rms_norm(x_BxTxD, w["attn_norm"], cfg.norm_eps)
+            x_BxTxD = x_BxTxD + _attention(h, w, cos_BxTxH, sin_BxTxH, mask_Bx1xTxT, constrain)
+            x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
+            h = _rms_norm(x_BxTxD, w["mlp_norm"], cfg.norm_eps)
+            x_BxTxD = x_BxTxD + _mlp(h, w, constrain)
+            return constrain(x_BxTxD, ("batch", "seq", "embed")), None
+
+        if cfg.remat:
+            block = jax.checkpoint(block)
+        stacked = nnx.to_pure_dict(nnx.state(self.layers))
+        x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, stacked)
+
+        x_BxTxD = _rms_norm(x_BxTxD, self.final_norm[...].astype(cfg.dtype), cfg.norm_eps)
+        head_DxV = embed_VxD.T if cfg.tie_embeddings else self.lm_head[...].astype(cfg.dtype)
+        logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV,
+                                  preferred_element_type=jnp.float32)
+        return constrain(logits_BxTxV, ("batch", "inner_seq", "vocab"))
+
+
+def _rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def _document_causal_mask(segment_ids_BxT: Array) -> Array:
+    T = segment_ids_BxT.shape[1]
+    causal_TxT = jnp.tril(jnp.ones((T, T), jnp.bool_))
+    same_doc_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+    return (causal_TxT[None] & same_doc_BxTxT)[:, None]
+
+
+def rope_frequencies(cfg: LlamaConfig) -> Array:
+    """Inverse frequencies [head_dim/2], with Llama-3 scaling when configured."""
+    H = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(cfg: LlamaConfig, positions_BxT: Array) -> tuple[Array, Array]:
+    """cos and sin [B, T, head_dim] for the rotate-half convention (as Hugging Face)."""
+    angles_BxTxh = positions_BxT[..., None].astype(jnp.float32) * rope_frequencies(cfg)
+    angles_BxTxH = jnp.concatenate([angles_BxTxh, angles_BxTxh], axis=-1)
+    return jnp.cos(angles_BxTxH).astype(cfg.dtype), jnp.sin(angles_BxTxH).astype(cfg.dtype)
+
+
+def _rotate(x_BxTxNxH: Array, cos_BxTxH: Array, sin_BxTxH: Array) -> Array:
+    half = x_BxTxNxH.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BxTxNxH[..., half:], x_BxTxNxH[..., :half]], axis=-1)
+    return x_BxTxNxH * cos_BxTxH[:, :, None] + rotated * sin_BxTxH[:, :, None]
+
+
+def _attention(
+    x_BxTxD: Array,
+    w: dict[str, Array],
+    cos_BxTxH: Array,
+    sin_BxTxH: Array,
+    mask_Bx1xTxT: Array,
+    constrain: Constrain,
+) -> Array:
+    q_BxTxNxH = jnp.einsum("btd,dnh->btnh", x_BxTxD, w["wq"])
+    k_BxTxKxH = jnp.einsum("btd,dkh->btkh", x_BxTxD, w["wk"])
+    v_BxTxKxH = jnp.einsum("btd,dkh->btkh", x_BxTxD, w["wv"])
+    q_BxTxNxH = constrain(_rotate(q_BxTxNxH, cos_BxTxH, sin_BxTxH),
+                          ("batch", "inner_seq", "heads", "head_dim"))
+    k_BxTxKxH = constrain(_rotate(k_BxTxKxH, cos_BxTxH, sin_BxTxH),
+                          ("batch", "kv_seq", "kv_heads", "head_dim"))
+    v_BxTxKxH = constrain(v_BxTxKxH, ("batch", "kv_seq", "kv_heads", "head_dim"))
+    out_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
+                                               mask=mask_Bx1xTxT)
+    out_BxTxNxH = constrain(out_BxTxNxH, ("batch", "inner_seq", "heads", "head_dim"))
+    return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, w["wo"])
+
+
+def _mlp(x_BxTxD: Array, w: dict[str, Array], constrain: Constrain) -> Array:
+    gate_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, w["w_gate"])
+    up_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, w["w_up"])
+    hidden_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "inner_seq", "mlp"))
+    return jnp.einsum("btf,fd->btd", hidden_BxTxF, w["w_down"])
+
+
+def init_model(config: LlamaConfig, seed: int = 0) -> Llama:
+    """A freshly initialised model (unsharded)."""
+    return Llama(config, rngs=nnx.Rngs(params=seed))
+
+
+# The functional view used by the trainer: parameters as a plain nested dict of arrays, the
+# same tree that checkpoints and the Hugging Face mapping use.
+Params = dict[str, Any]
+
+
+@functools.cache
+def _abstract(config: LlamaConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: init_model(config)))
+
+
+def param_axes(config: LlamaConfig) -> Params:
+    """Each parameter's logical axis names, e.g. `('layers', 'embed', 'mlp')`."""
+    nested: Params = {}
+    for path, var in _abstract(config)[1].flat_state():
+        *outer, name = path
+        node = nested
+        for key in outer:
+            node = node.setdefault(key, {})
+        node[name] = tuple(var.out_sharding)
+    return nested
+
+
+def abstract_params(config: LlamaConfig) -> Params:
+    """Each parameter as a `jax.ShapeDtypeStruct` (fp32 master weights)."""
+    return nnx.to_pure_dict(_abstract(config)[1])
+
+
+def init_params(config: LlamaConfig, seed: int = 0) -> Params:
+    """Fresh parameters; under `jit` with sharded outputs they are created in place."""
+    return nnx.to_pure_dict(nnx.state(init_model(config, seed)))
+
+
+def bind(config: LlamaConfig, params: Params) -> Llama:
+    """The `Llama` module over `params` (works on traced arrays inside `jit`)."""
+    graphdef, state = _abstract(config)
+    state = jax.tree.map(lambda v: v, state)  # a fresh copy: replace_by_pure_dict mutates
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+# Re-exported here, the model's home; models.hf imports this module, hence the late import.
+from models.hf import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402, F401

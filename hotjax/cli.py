@@ -7,9 +7,11 @@ import os
 import sys
 from collections.abc import Sequence
 
+from hotjax.config import RunConfig
 from hotjax.errors import UserError
 
 SIMULATED_CPU_DEVICES = 8
+_RUN = RunConfig()  # the defaults
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train", help="train a LLaMA model (default: the small preset on the Python stdlib)")
-    train.add_argument("--model", default="small", help="model preset (default: small)")
+    train.add_argument("--model", default=_RUN.model, help="model preset (default: %(default)s)")
     layout = train.add_mutually_exclusive_group()
     layout.add_argument("--strategy", help='mesh and rules, e.g. "data=2,fsdp=4" or '
                         '"fsdp=8,rules=fsdp" (default: data parallel over all devices)')
@@ -29,19 +31,21 @@ def _parser() -> argparse.ArgumentParser:
                        "or a text file (default: the Python standard library's .py files)")
     train.add_argument("--tokenizer", help="tokenizer.json, a SentencePiece .model, or 'bytes' "
                        "(default: a byte-level BPE trained on the corpus and cached)")
-    train.add_argument("--vocab-size", type=int, default=8192,
+    train.add_argument("--vocab-size", type=int, default=_RUN.vocab_size,
                        help="vocabulary of the BPE trained when no --tokenizer is given")
-    train.add_argument("--context", type=int, default=512,
+    train.add_argument("--context", type=int, default=_RUN.context,
                        help="row length in tokens with --strategy (a table sets its own)")
-    train.add_argument("--steps", type=int, default=100)
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--batch-tokens", type=int, default=8192,
+    train.add_argument("--steps", type=int, default=_RUN.steps)
+    train.add_argument("--seed", type=int, default=_RUN.seed)
+    train.add_argument("--batch-tokens", type=int, default=_RUN.batch_tokens,
                        help="tokens per optimizer step, padding included")
-    train.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    train.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    train.add_argument("--warmup-steps", type=int, default=20)
+    train.add_argument("--compute-dtype", choices=("bfloat16", "float32"),
+                       default=_RUN.compute_dtype)
+    train.add_argument("--lr", type=float, default=_RUN.lr, help="peak learning rate")
+    train.add_argument("--warmup-steps", type=int, default=_RUN.warmup_steps)
     train.add_argument("--metrics-jsonl", metavar="PATH", help="one JSON object per step")
-    train.add_argument("--log-every", type=int, default=10, help="print a line every N steps")
+    train.add_argument("--log-every", type=int, default=_RUN.log_every,
+                       help="print a line every N steps")
     return parser
 
 
@@ -51,7 +55,7 @@ def _train(args: argparse.Namespace) -> None:
     # Only the CPU backend reads this, and only before JAX starts: on an accelerator it is inert.
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(args.devices or SIMULATED_CPU_DEVICES))
     from hotjax.compile_cache import enable_compilation_cache
-    from hotjax.run import RunConfig, train
+    from hotjax.run import train
 
     enable_compilation_cache()
     options = {k: v for k, v in vars(args).items() if k != "command"}

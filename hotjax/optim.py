@@ -23,10 +23,13 @@ class OptimConfig:
     clip_norm: float = 1.0
 
     def schedule(self) -> optax.Schedule:
-        warmup = min(self.warmup_steps, max(self.total_steps - 1, 0))
-        return optax.warmup_cosine_decay_schedule(
+        """Linear warmup to `lr`, cosine decay to `lr * min_lr_ratio` by `total_steps`."""
+        warmup = min(self.warmup_steps, self.total_steps)
+        curve = optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=self.lr, warmup_steps=warmup,
             decay_steps=max(self.total_steps, warmup + 1), end_value=self.lr * self.min_lr_ratio)
+        # Counted from 1, so that the first update is not a zero-learning-rate no-op.
+        return lambda count: curve(count + 1)
 
 
 def make_optimizer(cfg: OptimConfig, axes: Params) -> optax.GradientTransformation:

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from hotjax.config import RunConfig
 from hotjax.data import PackedBatches, load_tokenizer, open_corpus
 from hotjax.errors import UserError
 from hotjax.optim import OptimConfig
@@ -19,26 +20,6 @@ from hotjax.train import get_trainer
 from models.llama import preset
 from sharding.strategy import Strategy
 from sharding.table import StrategyTable, load_table
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    model: str = "small"
-    strategy: str | None = None  # "data=2,fsdp=4"; default: data parallel over all devices
-    strategies: str | None = None  # a TOML strategy table
-    devices: int | None = None
-    data: str | None = None  # default: the Python standard library
-    tokenizer: str | None = None  # default: a byte-level BPE trained on the corpus, cached
-    vocab_size: int = 8192
-    context: int = 512
-    steps: int = 100
-    seed: int = 0
-    batch_tokens: int = 8192
-    compute_dtype: str = "bfloat16"
-    lr: float = 1e-3
-    warmup_steps: int = 20
-    metrics_jsonl: str | None = None
-    log_every: int = 10
 
 
 def strategy_table(run: RunConfig, num_devices: int) -> StrategyTable:
@@ -52,7 +33,7 @@ def strategy_table(run: RunConfig, num_devices: int) -> StrategyTable:
                             f"built yet): use a table with one [[bucket]], or --strategy")
     else:
         spec = run.strategy or f"data={num_devices},rules=dp"
-        table = StrategyTable.single(Strategy.parse(spec), run.context)
+        table = StrategyTable.single(Strategy.parse(spec), run.context, f"--strategy {spec!r}")
     table.check_devices(num_devices)
     return table
 
@@ -82,9 +63,10 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
 
     table = strategy_table(run, len(devices))
     seq_len = table.max_len
+    model = preset(run.model)
     corpus = open_corpus(run.data)
     tokenizer = load_tokenizer(run.tokenizer, corpus, vocab_size=run.vocab_size)
-    config = dataclasses.replace(preset(run.model), vocab_size=tokenizer.vocab_size,
+    config = dataclasses.replace(model, vocab_size=tokenizer.vocab_size,
                                  compute_dtype=run.compute_dtype)
     optim = OptimConfig(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps)
     strategy = table.buckets[0].strategy

@@ -13,6 +13,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 Array = jax.Array
+# Logical axis names: strategies map these to mesh axes. `seq` is the residual stream's
+# sequence axis, `inner_seq` the one inside attention and the MLP, `kv_seq` that of keys/values.
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm")
+ACTIVATION_AXES = ("batch", "seq", "inner_seq", "kv_seq", "embed", "heads", "kv_heads",
+                   "head_dim", "mlp", "vocab")
 # Applies a sharding constraint to an activation, given its logical axis names. The identity
 # when no strategy is active; `sharding.Strategy.constrain` when one is.
 Constrain = Callable[[Array, tuple[str | None, ...]], Array]

@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hotjax.errors import UserError
+from models.llama import ACTIVATION_AXES, PARAM_AXES
 
 # Outermost to innermost: the innermost axes stay inside a node, where links are fastest.
 MESH_AXES = ("data", "fsdp", "context", "tensor")
@@ -20,9 +21,13 @@ MESH_AXES = ("data", "fsdp", "context", "tensor")
 AxisMap = tuple[tuple[str, tuple[str, ...]], ...]
 
 
-def _axis_map(mapping: Mapping[str, str | Sequence[str] | None], where: str) -> AxisMap:
+def _axis_map(mapping: Mapping[str, str | Sequence[str] | None], logical_axes: Sequence[str],
+              where: str) -> AxisMap:
     out = []
     for logical, mesh_axes in sorted(mapping.items()):
+        if logical not in logical_axes:
+            raise UserError(f"{where}: unknown logical axis {logical!r}: use "
+                            f"{', '.join(logical_axes)}")
         if mesh_axes is None:
             mesh_axes = ()
         elif isinstance(mesh_axes, str):
@@ -45,9 +50,10 @@ class Rules:
     activations: AxisMap
 
     @classmethod
-    def from_mappings(cls, name: str, params: Mapping, activations: Mapping) -> Rules:
-        return cls(name, _axis_map(params, f"rules {name!r} params"),
-                   _axis_map(activations, f"rules {name!r} activations"))
+    def from_mappings(cls, name: str, params: Mapping, activations: Mapping,
+                      where: str = "rules") -> Rules:
+        return cls(name, _axis_map(params, PARAM_AXES, f"{where}: params"),
+                   _axis_map(activations, ACTIVATION_AXES, f"{where}: activations"))
 
     def mesh_axes_used(self) -> set[str]:
         return {a for _, axes in self.params + self.activations for a in axes}
@@ -65,20 +71,18 @@ RULE_SETS: dict[str, Rules] = {
 DEFAULT_RULES = "fsdp"
 
 
-def named_rules(name: str) -> Rules:
-    if name not in RULE_SETS:
-        raise UserError(f"unknown rule set {name!r}: choose one of {', '.join(RULE_SETS)}, "
-                        f"or give an inline table of logical -> mesh axes")
-    return RULE_SETS[name]
-
-
 def _parse_rules(value: str | Mapping[str, Any], where: str) -> Rules:
     if isinstance(value, str):
-        return named_rules(value)
-    if not isinstance(value, Mapping) or set(value) - {"params", "activations"}:
+        if value not in RULE_SETS:
+            raise UserError(f"{where}: unknown rule set {value!r}: choose one of "
+                            f"{', '.join(RULE_SETS)}, or give an inline table of logical -> "
+                            f"mesh axes")
+        return RULE_SETS[value]
+    if not isinstance(value, Mapping) or not value or set(value) - {"params", "activations"}:
         raise UserError(f"{where}: rules must be a rule-set name or a table with 'params' and "
                         f"'activations' (each logical axis -> mesh axes)")
-    return Rules.from_mappings("inline", value.get("params", {}), value.get("activations", {}))
+    return Rules.from_mappings("inline", value.get("params", {}), value.get("activations", {}),
+                               where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +103,7 @@ class Strategy:
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise UserError(f"{where}: mesh axis {axis}={size!r} must be a positive integer")
         sizes = tuple(mesh.get(a, 1) for a in MESH_AXES)
-        strategy = cls(sizes, _parse_rules(rules or DEFAULT_RULES, where))
+        strategy = cls(sizes, _parse_rules(DEFAULT_RULES if rules is None else rules, where))
         idle = [f"{a}={n}" for a, n in strategy.axes.items()
                 if n > 1 and a not in strategy.rules.mesh_axes_used()]
         if idle:
@@ -119,9 +123,11 @@ class Strategy:
             if not sep:
                 raise UserError(f"--strategy {text!r}: expected AXIS=SIZE items, "
                                 f"like 'data=2,fsdp=4'")
+            if key in mesh or (key == "rules" and rules is not None):
+                raise UserError(f"--strategy {text!r}: {key!r} is given twice: give it once")
             if key == "rules":
                 rules = value.strip()
-            elif value.strip().isdigit():
+            elif value.strip().isdecimal():
                 mesh[key] = int(value)
             else:
                 raise UserError(f"--strategy {text!r}: size of {key!r} must be a positive integer")

@@ -41,15 +41,17 @@ class StrategyTable:
 
     def check_devices(self, num_devices: int) -> None:
         for i, bucket in enumerate(self.buckets, 1):
-            if bucket.strategy.num_devices != num_devices:
-                raise UserError(f"{self.source}: bucket {i} (max_len {bucket.max_len}) mesh "
-                                f"{bucket.strategy} uses {bucket.strategy.num_devices} devices but "
+            used = bucket.strategy.num_devices
+            if used != num_devices:
+                where = (self.source if len(self.buckets) == 1
+                         else f"{self.source}: bucket {i} (max_len {bucket.max_len})")
+                raise UserError(f"{where}: mesh {bucket.strategy} uses {used} devices but "
                                 f"{num_devices} are in use: make its sizes multiply to "
-                                f"{num_devices}")
+                                f"{num_devices}, or pass --devices {used}")
 
     @classmethod
-    def single(cls, strategy: Strategy, max_len: int) -> StrategyTable:
-        return cls((Bucket(max_len, strategy),), source="--strategy")
+    def single(cls, strategy: Strategy, max_len: int, source: str) -> StrategyTable:
+        return cls((Bucket(max_len, strategy),), source)
 
 
 def parse_table(data: dict[str, Any], source: str) -> StrategyTable:
@@ -64,6 +66,9 @@ def parse_table(data: dict[str, Any], source: str) -> StrategyTable:
     buckets = []
     for i, entry in enumerate(entries, 1):
         where = f"{source}: bucket {i}"
+        if not isinstance(entry, dict):
+            raise UserError(f"{where}: each bucket must be a table: write [[bucket]] entries "
+                            f"with max_len and mesh")
         unknown = set(entry) - {"max_len", "mesh", "rules"}
         if unknown:
             raise UserError(f"{where}: unknown key {sorted(unknown)[0]!r}: "

@@ -1,0 +1,28 @@
+"""What a training run is asked to do: the options of `hotjax train`, as one frozen record.
+
+Free of JAX imports, so the command line can read its defaults before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: str = "small"
+    strategy: str | None = None  # "data=2,fsdp=4"; default: data parallel over all devices
+    strategies: str | None = None  # a TOML strategy table
+    devices: int | None = None
+    data: str | None = None  # default: the Python standard library
+    tokenizer: str | None = None  # default: a byte-level BPE trained on the corpus, cached
+    vocab_size: int = 8192
+    context: int = 512
+    steps: int = 50
+    seed: int = 0
+    batch_tokens: int = 8192
+    compute_dtype: str = "bfloat16"
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    metrics_jsonl: str | None = None
+    log_every: int = 10

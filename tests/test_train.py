@@ -1,0 +1,115 @@
+"""The single-strategy trainer: its loss, and that every layout computes what one device does."""
+
+import dataclasses
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hotjax.data import Batch, ByteTokenizer, PackedBatches, open_corpus
+from hotjax.optim import OptimConfig
+from hotjax.train import get_trainer, next_token_loss
+from models.llama import PRESETS
+from sharding.strategy import Strategy
+
+TINY = dataclasses.replace(PRESETS["tiny"], compute_dtype="float32")
+OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=3)
+
+
+@pytest.fixture(scope="module")
+def stdlib_batches(tmp_path_factory) -> list[Batch]:
+    """Mixed-length pieces of real code, so rows hold several documents and some padding."""
+    rng = np.random.default_rng(0)
+    text = open_corpus(None).read(0)
+    starts = rng.integers(0, len(text) - 400, size=300)
+    pieces = [text[s:s + n] for s, n in zip(starts, rng.integers(5, 300, size=300), strict=True)]
+    path = tmp_path_factory.mktemp("corpus") / "pieces.jsonl"
+    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in pieces))
+    batches = PackedBatches(open_corpus(str(path)), ByteTokenizer(), seq_len=128,
+                            batch_tokens=1024, seed=0)
+    return list(itertools.islice(batches, 3))
+
+
+def _run(strategy: str, devices, batches, config=TINY):
+    trainer = get_trainer(config, OPTIM, Strategy.parse(strategy), tuple(devices))
+    state = trainer.init(seed=0)
+    losses, params = [], []
+    for batch in batches:
+        state, metrics = trainer.step(state, trainer.batch_arrays(batch))
+        losses.append(float(metrics["loss"]))
+        params.append(jax.tree.map(np.asarray, state.params))
+    return np.array(losses), params
+
+
+@pytest.fixture(scope="module")
+def one_device_run(devices, stdlib_batches):
+    return _run("data=1", devices[:1], stdlib_batches)
+
+
+@pytest.mark.parametrize("strategy", ["data=8,rules=dp", "fsdp=8", "data=2,fsdp=4"])
+def test_every_strategy_trains_exactly_like_one_device(strategy, devices, stdlib_batches,
+                                                       one_device_run):
+    losses, params = _run(strategy, devices, stdlib_batches)
+    ref_losses, ref_params = one_device_run
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert losses[-1] < losses[0]  # the three updates did something
+    for step, tolerance in ((0, 1e-5), (2, 1e-4)):
+        # Adam divides by sqrt(v): for rarely seen tokens' embedding rows, fp32 reduction-order
+        # noise in a tiny gradient moves the update, so later steps drift slightly more.
+        diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params[step],
+                             ref_params[step])
+        assert max(jax.tree.leaves(diffs)) <= tolerance, (step, diffs)
+
+
+def test_first_loss_is_the_untrained_cross_entropy(one_device_run):
+    # Initial logits are near zero, so the loss starts at about ln(vocab).
+    losses, _ = one_device_run
+    assert abs(losses[0] - np.log(TINY.vocab_size)) < 0.05
+
+
+def test_loss_counts_only_tokens_that_continue_a_document():
+    rng = np.random.default_rng(0)
+    V = 11
+    logits = rng.normal(size=(2, 6, V)).astype(np.float32)
+    tokens = rng.integers(0, V, size=(2, 6)).astype(np.int32)
+    segments = np.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]], np.int32)
+    total, count = next_token_loss(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(segments))
+
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    # Targets: row 0 predicts positions 1, 2 (doc 1) and 4 (doc 2); row 1 predicts 1..5.
+    targets = [(0, 1), (0, 2), (0, 4)] + [(1, t) for t in range(1, 6)]
+    expected = -sum(log_probs[b, t - 1, tokens[b, t]] for b, t in targets)
+    assert int(count) == len(targets)
+    np.testing.assert_allclose(float(total), expected, rtol=1e-6)
+
+
+def test_padding_content_does_not_change_the_loss(devices, stdlib_batches):
+    batch = stdlib_batches[0]
+    assert (batch.segment_ids == 0).any(), "the test needs a batch with padding"
+    noisy = np.where(batch.segment_ids == 0, 7, batch.tokens).astype(np.int32)
+    trainer = get_trainer(TINY, OPTIM, Strategy.parse("data=8,rules=dp"), tuple(devices))
+    losses = []
+    for tokens in (batch.tokens, noisy):
+        _, metrics = trainer.step(trainer.init(seed=0),
+                                  trainer.batch_arrays(dataclasses.replace(batch, tokens=tokens)))
+        losses.append(float(metrics["loss"]))
+    assert losses[0] == losses[1]
+
+
+def test_bfloat16_compute_keeps_float32_master_weights(devices, stdlib_batches, one_device_run):
+    bf16 = dataclasses.replace(TINY, compute_dtype="bfloat16")
+    losses, params = _run("data=8,rules=dp", devices, stdlib_batches, config=bf16)
+    assert all(p.dtype == np.float32 for p in jax.tree.leaves(params[-1]))
+    ref_losses, _ = one_device_run
+    np.testing.assert_allclose(losses, ref_losses, atol=2e-2)
+
+
+def test_rows_are_padded_to_the_batch_sharding(devices):
+    trainer = get_trainer(TINY, OPTIM, Strategy.parse("data=8,rules=dp"), tuple(devices))
+    rows = np.ones((3, 16), np.int32)
+    arrays = trainer.batch_arrays(Batch(rows, rows, rows * 0))
+    assert arrays["tokens"].shape == (8, 16)
+    assert int(arrays["segment_ids"].sum()) == 3 * 16

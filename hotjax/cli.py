@@ -1,8 +1,13 @@
-"""The `hotjax` command line. JAX is imported only after the device count is settled."""
+"""The `hotjax` command line. JAX is imported only after the device count is settled.
+
+Each command group lives beside what it drives and registers itself here through
+`register(commands)`, which adds a subparser whose `handler` default takes the parsed args.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -11,15 +16,29 @@ from hotjax.config import RunConfig
 from hotjax.errors import UserError
 
 SIMULATED_CPU_DEVICES = 8
+# Modules with a `register(commands)` function, each adding one command group.
+COMMAND_MODULES: tuple[str, ...] = ()
 _RUN = RunConfig()  # the defaults
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hotjax", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+def start_jax(devices: int | None) -> None:
+    """Settle the device count, then turn on the persistent compilation cache.
 
+    On a CPU-only machine `devices` (default 8) simulated devices are made; only the CPU
+    backend reads the variable, and only before JAX starts, so on an accelerator it is inert.
+    """
+    if devices is not None and devices < 1:
+        raise UserError(f"--devices {devices}: pass a positive number of devices")
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(devices or SIMULATED_CPU_DEVICES))
+    from hotjax.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()
+
+
+def _register_train(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser(
         "train", help="train a LLaMA model (default: the small preset on the Python stdlib)")
+    train.set_defaults(handler=_train)
     train.add_argument("--model", default=_RUN.model, help="model preset (default: %(default)s)")
     layout = train.add_mutually_exclusive_group()
     layout.add_argument("--strategy", help='mesh and rules, e.g. "data=2,fsdp=4" or '
@@ -46,26 +65,29 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--metrics-jsonl", metavar="PATH", help="one JSON object per step")
     train.add_argument("--log-every", type=int, default=_RUN.log_every,
                        help="print a line every N steps")
-    return parser
 
 
 def _train(args: argparse.Namespace) -> None:
-    if args.devices is not None and args.devices < 1:
-        raise UserError(f"--devices {args.devices}: pass a positive number of devices")
-    # Only the CPU backend reads this, and only before JAX starts: on an accelerator it is inert.
-    os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(args.devices or SIMULATED_CPU_DEVICES))
-    from hotjax.compile_cache import enable_compilation_cache
+    start_jax(args.devices)
     from hotjax.run import train
 
-    enable_compilation_cache()
-    options = {k: v for k, v in vars(args).items() if k != "command"}
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "handler")}
     train(RunConfig(**options))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hotjax", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    _register_train(commands)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(commands)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        {"train": _train}[args.command](args)
+        args.handler(args)
     except UserError as e:
         print(f"hotjax: error: {e}", file=sys.stderr)
         return 2

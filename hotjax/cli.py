@@ -17,7 +17,7 @@ from hotjax.errors import UserError
 
 SIMULATED_CPU_DEVICES = 8
 # Modules with a `register(commands)` function, each adding one command group.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("sharding.cli", "hotjax.data.cli")
 _RUN = RunConfig()  # the defaults
 
 

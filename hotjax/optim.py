@@ -19,7 +19,7 @@ class OptimConfig:
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
-    eps: float = 1e-8
+    eps: float = 1e-5  # as LLaMA 2 (Touvron et al. 2023, §2.2)
     clip_norm: float = 1.0
 
     def schedule(self) -> optax.Schedule:

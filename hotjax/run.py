@@ -17,7 +17,7 @@ from hotjax.data import PackedBatches, load_tokenizer, open_corpus
 from hotjax.errors import UserError
 from hotjax.optim import OptimConfig
 from hotjax.train import get_trainer
-from models.llama import preset
+from models.llama import padded_vocab, preset
 from sharding.strategy import Strategy
 from sharding.table import StrategyTable, load_table
 
@@ -66,7 +66,7 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
     model = preset(run.model)
     corpus = open_corpus(run.data)
     tokenizer = load_tokenizer(run.tokenizer, corpus, vocab_size=run.vocab_size)
-    config = dataclasses.replace(model, vocab_size=tokenizer.vocab_size,
+    config = dataclasses.replace(model, vocab_size=padded_vocab(tokenizer.vocab_size),
                                  compute_dtype=run.compute_dtype)
     optim = OptimConfig(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps)
     strategy = table.buckets[0].strategy

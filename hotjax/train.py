@@ -12,9 +12,10 @@ import numpy as np
 import optax
 
 from hotjax.data import Batch
+from hotjax.errors import UserError
 from hotjax.optim import OptimConfig, make_optimizer
 from models.llama import LlamaConfig, Params, abstract_params, bind, init_params, param_axes
-from sharding.strategy import Layout, Strategy
+from sharding.strategy import Layout, Strategy, fit_to_model
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions")
 
@@ -35,13 +36,17 @@ def next_token_loss(
     """
     valid_BxT1 = (segment_ids_BxT[:, 1:] == segment_ids_BxT[:, :-1]) & (segment_ids_BxT[:, 1:] > 0)
     logits_BxT1xV = logits_BxTxV[:, :-1].astype(jnp.float32)
-    target_logit_BxT1 = jnp.take_along_axis(logits_BxT1xV, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
+    # A one-hot contraction rather than a gather: with the vocabulary split over `tensor` each
+    # rank reduces its own slice, so full logits are never gathered (vocab-parallel CE).
+    target_BxT1xV = jax.nn.one_hot(tokens_BxT[:, 1:], logits_BxTxV.shape[-1], dtype=jnp.float32)
+    target_logit_BxT1 = jnp.sum(logits_BxT1xV * target_BxT1xV, axis=-1)
     nll_BxT1 = jax.nn.logsumexp(logits_BxT1xV, axis=-1) - target_logit_BxT1
     return jnp.sum(jnp.where(valid_BxT1, nll_BxT1, 0.0)), jnp.sum(valid_BxT1)
 
 
 def _step(state: TrainState, batch: dict[str, jax.Array], *, config: LlamaConfig,
-          tx: optax.GradientTransformation, layout: Layout) -> tuple[TrainState, dict]:
+          tx: optax.GradientTransformation, layout: Layout, grad_shardings: Params
+          ) -> tuple[TrainState, dict]:
     def loss_fn(params: Params) -> tuple[jax.Array, jax.Array]:
         model = bind(config, params)
         logits = model(batch["tokens"], batch["segment_ids"], batch["positions"], layout.constrain)
@@ -49,6 +54,7 @@ def _step(state: TrainState, batch: dict[str, jax.Array], *, config: LlamaConfig
         return total / jnp.maximum(count, 1), count
 
     (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grads = jax.lax.with_sharding_constraint(grads, grad_shardings)  # ZeRO-2 reduce-scatters
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "targets": count}
@@ -61,15 +67,18 @@ class Trainer:
     def __init__(self, config: LlamaConfig, optim: OptimConfig, strategy: Strategy,
                  devices: Sequence[jax.Device]):
         self.config, self.optim = config, optim
+        strategy, self.notes = fit_to_model(strategy, config)
         self.layout = Layout(strategy, devices)
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
-        axes = param_axes(config)
+        axes, shapes = param_axes(config), abstract_params(config)
         self.tx = make_optimizer(optim, axes)
-        params = self.layout.param_shardings(axes, abstract_params(config))
-        abstract_opt = jax.eval_shape(self.tx.init, abstract_params(config))
-        # Optimizer moments mirror their parameter's layout; step counters are replicated.
-        opt = optax.tree_map_params(self.tx, lambda _, s: s, abstract_opt, params,
-                                    transform_non_params=lambda _: self.layout.replicated)
+        params = self.layout.param_shardings(axes, shapes)
+        self.grad_shardings = self.layout.param_shardings(axes, shapes, strategy.grad_spec)
+        moments = self.layout.param_shardings(axes, shapes, strategy.optimizer_spec)
+        # Optimizer moments are laid out like their parameter (or split further under ZeRO-1/2);
+        # step counters are replicated.
+        opt = optax.tree_map_params(self.tx, lambda _, s: s, jax.eval_shape(self.tx.init, shapes),
+                                    moments, transform_non_params=lambda _: self.layout.replicated)
         self.state_shardings = TrainState(self.layout.replicated, params, opt)
 
     def init(self, seed: int) -> TrainState:
@@ -81,7 +90,11 @@ class Trainer:
 
     def batch_arrays(self, batch: Batch) -> dict[str, jax.Array]:
         """The batch on devices, its rows padded with empty rows to split evenly."""
-        rows = batch.tokens.shape[0]
+        rows, seq_len = batch.tokens.shape
+        if seq_len % self.layout.seq_shards:
+            raise UserError(f"rows of {seq_len} tokens do not split {self.layout.seq_shards} ways "
+                            f"along the sequence under {self.layout.strategy}: use a row length "
+                            f"that is a multiple of {self.layout.seq_shards}")
         pad = -rows % self.layout.batch_shards
         return {k: jax.device_put(np.pad(getattr(batch, k), ((0, pad), (0, 0))),
                                   self.layout.batch_sharding) for k in BATCH_KEYS}
@@ -93,7 +106,8 @@ class Trainer:
     def compiled(self, shape: tuple[int, int]) -> jax.stages.Compiled:
         """The AOT-compiled step for one batch shape, built once."""
         if shape not in self._compiled:
-            step = functools.partial(_step, config=self.config, tx=self.tx, layout=self.layout)
+            step = functools.partial(_step, config=self.config, tx=self.tx, layout=self.layout,
+                                     grad_shardings=self.grad_shardings)
             batch_shardings = {k: self.layout.batch_sharding for k in BATCH_KEYS}
             jitted = jax.jit(step, in_shardings=(self.state_shardings, batch_shardings),
                              out_shardings=(self.state_shardings, self.layout.replicated),
@@ -109,3 +123,15 @@ def get_trainer(config: LlamaConfig, optim: OptimConfig, strategy: Strategy,
                 devices: tuple[jax.Device, ...]) -> Trainer:
     """One trainer (and so one set of compiled steps) per (config, strategy, devices)."""
     return Trainer(config, optim, strategy, devices)
+
+
+def step_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
+    """Per-device bytes of a compiled step, as XLA reports them (`memory_analysis`).
+
+    `state` is what the donated train state occupies (the arguments, batch included); `peak`
+    adds XLA's temporaries and any outputs not written in place of a donated argument.
+    """
+    stats = compiled.memory_analysis()
+    fresh_outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
+    return {"state": stats.argument_size_in_bytes, "temp": stats.temp_size_in_bytes,
+            "peak": stats.argument_size_in_bytes + stats.temp_size_in_bytes + fresh_outputs}

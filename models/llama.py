@@ -116,6 +116,12 @@ def preset(name: str) -> LlamaConfig:
     return PRESETS[name]
 
 
+def padded_vocab(vocab_size: int, multiple: int = 128) -> int:
+    """The embedding rows for a tokenizer's vocabulary, rounded up (as Megatron does) so the
+    vocabulary splits evenly over tensor-parallel ranks; the extra rows are never targets."""
+    return -(-vocab_size // multiple) * multiple
+
+
 def _param(init: Array, axes: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(init, out_sharding=axes, eager_sharding=False)
 
@@ -168,13 +174,18 @@ class Llama(nnx.Module):
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
-        embed_VxD = self.embed[...].astype(cfg.dtype)
+        # Weights are constrained to their compute layout: the activation rules applied to their
+        # axes, i.e. gathered over `fsdp` and still split over `tensor` (ZeRO-3's all-gather).
+        embed_VxD = constrain(self.embed[...].astype(cfg.dtype), ("vocab", "embed"))
         x_BxTxD = constrain(jnp.take(embed_VxD, tokens_BxT, axis=0), ("batch", "seq", "embed"))
         mask_Bx1xTxT = _document_causal_mask(segment_ids_BxT)
         cos_BxTxH, sin_BxTxH = rope_tables(cfg, positions_BxT)
 
         def block(x_BxTxD: Array, w: dict[str, Array]) -> tuple[Array, None]:
-            w = {k: v.astype(cfg.dtype) for k, v in w.items()}
+            # Re-stated on entry: the backward pass slices saved activations out of the scan's
+            # stack, and without it the partitioner can lose their batch sharding.
+            x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
+            w = {k: constrain(v.astype(cfg.dtype), layer_axes[k]) for k, v in w.items()}
             h = _rms_norm(x_BxTxD, w["attn_norm"], cfg.norm_eps)
             x_BxTxD = x_BxTxD + _attention(h, w, cos_BxTxH, sin_BxTxH, mask_Bx1xTxT, constrain)
             x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
@@ -182,13 +193,15 @@ class Llama(nnx.Module):
             x_BxTxD = x_BxTxD + _mlp(h, w, constrain)
             return constrain(x_BxTxD, ("batch", "seq", "embed")), None
 
+        layer_axes = {k: axes[1:] for k, axes in param_axes(cfg)["layers"].items()}
         if cfg.remat:
             block = jax.checkpoint(block)
         stacked = nnx.to_pure_dict(nnx.state(self.layers))
         x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, stacked)
 
         x_BxTxD = _rms_norm(x_BxTxD, self.final_norm[...].astype(cfg.dtype), cfg.norm_eps)
-        head_DxV = embed_VxD.T if cfg.tie_embeddings else self.lm_head[...].astype(cfg.dtype)
+        head_DxV = embed_VxD.T if cfg.tie_embeddings else constrain(
+            self.lm_head[...].astype(cfg.dtype), ("embed", "vocab"))
         logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV,
                                   preferred_element_type=jnp.float32)
         return constrain(logits_BxTxV, ("batch", "inner_seq", "vocab"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hotjax.errors import UserError
-from models.llama import ACTIVATION_AXES, PARAM_AXES
+from models.llama import ACTIVATION_AXES, PARAM_AXES, LlamaConfig
 
 # Outermost to innermost: the innermost axes stay inside a node, where links are fastest.
 MESH_AXES = ("data", "fsdp", "context", "tensor")
@@ -23,8 +23,15 @@ AxisMap = tuple[tuple[str, tuple[str, ...]], ...]
 
 def _axis_map(mapping: Mapping[str, str | Sequence[str] | None], logical_axes: Sequence[str],
               where: str) -> AxisMap:
+    if not isinstance(mapping, Mapping):
+        raise UserError(f"{where}: expected a table of logical axis -> mesh axes, "
+                        f"got {mapping!r}")
     out = []
     for logical, mesh_axes in sorted(mapping.items()):
+        if not (mesh_axes is None or isinstance(mesh_axes, str) or (
+                isinstance(mesh_axes, Sequence) and all(isinstance(a, str) for a in mesh_axes))):
+            raise UserError(f"{where}: {logical!r} maps to {mesh_axes!r}: give a mesh axis name "
+                            f"or a list of them")
         if logical not in logical_axes:
             raise UserError(f"{where}: unknown logical axis {logical!r}: use "
                             f"{', '.join(logical_axes)}")
@@ -43,32 +50,75 @@ def _axis_map(mapping: Mapping[str, str | Sequence[str] | None], logical_axes: S
 
 @dataclasses.dataclass(frozen=True)
 class Rules:
-    """Where each logical axis goes, for parameters and for activations."""
+    """Where each logical axis goes: parameters, activations, and for ZeRO-1/2 the gradients and
+    optimizer state (which otherwise follow the parameters)."""
 
     name: str
     params: AxisMap
     activations: AxisMap
+    grads: AxisMap | None = None
+    optimizer: AxisMap | None = None
 
     @classmethod
     def from_mappings(cls, name: str, params: Mapping, activations: Mapping,
+                      grads: Mapping | None = None, optimizer: Mapping | None = None,
                       where: str = "rules") -> Rules:
-        return cls(name, _axis_map(params, PARAM_AXES, f"{where}: params"),
-                   _axis_map(activations, ACTIVATION_AXES, f"{where}: activations"))
+        def param_map(mapping: Mapping | None, kind: str) -> AxisMap | None:
+            return None if mapping is None else _axis_map(mapping, PARAM_AXES, f"{where}: {kind}")
+
+        return cls(name, param_map(params, "params"),
+                   _axis_map(activations, ACTIVATION_AXES, f"{where}: activations"),
+                   param_map(grads, "grads"), param_map(optimizer, "optimizer"))
 
     def mesh_axes_used(self) -> set[str]:
-        return {a for _, axes in self.params + self.activations for a in axes}
+        maps = (self.params, self.activations, self.grads or (), self.optimizer or ())
+        return {a for mapping in maps for _, axes in mapping for a in axes}
+
+    def without(self, logical: str) -> Rules:
+        """These rules with `logical` left unsplit everywhere."""
+        def drop(mapping: AxisMap | None) -> AxisMap | None:
+            return None if mapping is None else tuple(p for p in mapping if p[0] != logical)
+
+        return Rules(self.name, drop(self.params), drop(self.activations), drop(self.grads),
+                     drop(self.optimizer))
 
 
-_BATCH = {"batch": ("data", "fsdp")}
+# Rule sets build on each other: dp < fsdp < context < megatron < megatron-sp. Axes of size 1
+# drop out of every spec, so one rule set serves any mesh that has a subset of its axes.
+_DP = {"batch": ("data", "fsdp")}
+_FSDP = {"embed": "fsdp"}
+_CONTEXT = {**_DP, "seq": "context", "inner_seq": "context"}  # K/V (`kv_seq`) are gathered
+_TP_PARAMS = {**_FSDP, "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
+              "vocab": "tensor"}
+_TP = {**_CONTEXT, "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+_SP = {**_TP, "seq": ("context", "tensor")}  # the residual stream split on tensor as well
+
+
+def _rules(name: str, params: dict, activations: dict, **zero: dict) -> Rules:
+    return Rules.from_mappings(name, params, activations, **zero)
+
 
 RULE_SETS: dict[str, Rules] = {
     # Data parallel: parameters replicated, the batch split over every data-like axis.
-    "dp": Rules.from_mappings("dp", params={}, activations=_BATCH),
-    # FSDP / ZeRO-3: parameters (hence grads and optimizer state) split on `embed` over `fsdp`,
-    # gathered per layer inside the step; the batch split as in dp.
-    "fsdp": Rules.from_mappings("fsdp", params={"embed": "fsdp"}, activations=_BATCH),
+    "dp": _rules("dp", {}, _DP),
+    # ZeRO-1: optimizer state split over fsdp; ZeRO-2: gradients too. Compute params replicated.
+    "zero1": _rules("zero1", {}, _DP, optimizer=_FSDP),
+    "zero2": _rules("zero2", {}, _DP, grads=_FSDP, optimizer=_FSDP),
+    # FSDP / ZeRO-3: parameters (hence grads and optimizer state) split on `embed` over fsdp,
+    # gathered layer by layer inside the step.
+    "fsdp": _rules("fsdp", _FSDP, _DP),
+    # Context parallelism: activations split on the sequence; K/V gathered inside attention.
+    "context": _rules("context", _FSDP, _CONTEXT),
+    # Megatron tensor parallelism: attention by heads, the MLP by its hidden axis, embedding and
+    # LM head by vocabulary (so full logits are never gathered).
+    "megatron": _rules("megatron", _TP_PARAMS, _TP),
+    # ... plus Megatron sequence parallelism between the tensor-parallel regions.
+    "megatron-sp": _rules("megatron-sp", _TP_PARAMS, _SP),
 }
-DEFAULT_RULES = "fsdp"
+# The default: every parallelism the mesh has, without sequence parallelism.
+RULE_SETS["auto"] = dataclasses.replace(RULE_SETS["megatron"], name="auto")
+DEFAULT_RULES = "auto"
+_INLINE_KEYS = ("params", "activations", "grads", "optimizer")
 
 
 def _parse_rules(value: str | Mapping[str, Any], where: str) -> Rules:
@@ -78,11 +128,11 @@ def _parse_rules(value: str | Mapping[str, Any], where: str) -> Rules:
                             f"{', '.join(RULE_SETS)}, or give an inline table of logical -> "
                             f"mesh axes")
         return RULE_SETS[value]
-    if not isinstance(value, Mapping) or not value or set(value) - {"params", "activations"}:
-        raise UserError(f"{where}: rules must be a rule-set name or a table with 'params' and "
-                        f"'activations' (each logical axis -> mesh axes)")
+    if not isinstance(value, Mapping) or not value or set(value) - set(_INLINE_KEYS):
+        raise UserError(f"{where}: rules must be a rule-set name or a table with "
+                        f"{', '.join(map(repr, _INLINE_KEYS))} (each logical axis -> mesh axes)")
     return Rules.from_mappings("inline", value.get("params", {}), value.get("activations", {}),
-                               where)
+                               value.get("grads"), value.get("optimizer"), where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +197,20 @@ class Strategy:
         used = "·".join(f"{a}{n}" for a, n in self.axes.items() if n > 1) or "single"
         return f"{used} [{self.rules.name}]"
 
+    def param_spec(self, axes: Sequence[str | None]) -> PartitionSpec:
+        return _spec(axes, self.rules.params, self.axes)
+
+    def grad_spec(self, axes: Sequence[str | None]) -> PartitionSpec:
+        return _spec(axes, self.rules.params if self.rules.grads is None else self.rules.grads,
+                     self.axes)
+
+    def optimizer_spec(self, axes: Sequence[str | None]) -> PartitionSpec:
+        mapping = self.rules.params if self.rules.optimizer is None else self.rules.optimizer
+        return _spec(axes, mapping, self.axes)
+
+    def activation_spec(self, axes: Sequence[str | None]) -> PartitionSpec:
+        return _spec(axes, self.rules.activations, self.axes)
+
 
 def canonical_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
     """Node-major device order: every strategy's mesh is a reshape of this one list."""
@@ -154,20 +218,51 @@ def canonical_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.D
     return sorted(devices, key=lambda d: (d.process_index, d.id))
 
 
-def _spec(axes: Sequence[str | None], mapping: AxisMap, mesh: Mesh) -> PartitionSpec:
+def _spec(axes: Sequence[str | None], mapping: AxisMap, sizes: Mapping[str, int]
+          ) -> PartitionSpec:
     lookup = dict(mapping)
     taken: set[str] = set()
     parts: list[Any] = []
     for logical in axes:
         # A mesh axis shards at most one dimension; size-1 axes are left out of the spec.
-        mesh_axes = tuple(a for a in lookup.get(logical, ())
-                          if a not in taken and mesh.shape[a] > 1)
+        mesh_axes = tuple(a for a in lookup.get(logical, ()) if a not in taken and sizes[a] > 1)
         taken.update(mesh_axes)
         parts.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1
                      else mesh_axes)
     while parts and parts[-1] is None:
         parts.pop()
     return PartitionSpec(*parts)
+
+
+def ways(spec: PartitionSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """How many pieces each dimension of an array under `spec` is cut into."""
+    return tuple(math.prod(sizes[a] for a in _as_tuple(part)) for part in spec)
+
+
+def fit_to_model(strategy: Strategy, config: LlamaConfig) -> tuple[Strategy, tuple[str, ...]]:
+    """The strategy adapted to the model's head counts, and notes on what was adapted.
+
+    With GQA and `tensor` larger than the K/V head count, each K/V head is replicated over
+    `tensor / n_kv_heads` ranks, as Megatron does.
+    """
+    tensor = strategy.axes["tensor"]
+    rules = strategy.rules
+    heads_on_tensor = any(logical in ("heads", "kv_heads") and "tensor" in axes
+                          for logical, axes in rules.params + rules.activations)
+    if tensor == 1 or not heads_on_tensor:
+        return strategy, ()
+    if config.n_heads % tensor:
+        raise UserError(f"{strategy}: {config.n_heads} attention heads do not split over "
+                        f"tensor={tensor}: choose a tensor size that divides {config.n_heads}")
+    if config.n_kv_heads % tensor == 0:
+        return strategy, ()
+    if tensor % config.n_kv_heads:
+        raise UserError(f"{strategy}: {config.n_kv_heads} K/V heads neither split over nor "
+                        f"replicate evenly across tensor={tensor}: choose a tensor size that "
+                        f"divides or is a multiple of {config.n_kv_heads}")
+    note = (f"{config.n_kv_heads} K/V heads < tensor={tensor}: each K/V head is replicated over "
+            f"{tensor // config.n_kv_heads} tensor ranks")
+    return dataclasses.replace(strategy, rules=strategy.rules.without("kv_heads")), (note,)
 
 
 class Layout:
@@ -183,24 +278,22 @@ class Layout:
         grid = np.asarray(canonical_devices(devices), dtype=object).reshape(strategy.sizes)
         self.mesh = Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
-    def param_spec(self, axes: Sequence[str | None]) -> PartitionSpec:
-        return _spec(axes, self.strategy.rules.params, self.mesh)
+    def param_shardings(self, axes_tree: Any, shapes: Any,
+                        spec: Callable[[Sequence[str | None]], PartitionSpec] | None = None) -> Any:
+        """NamedShardings for a tree of logical axes (by default the parameters' placement; pass
+        `strategy.grad_spec` or `optimizer_spec` for ZeRO); every split dimension must divide."""
+        spec = spec or self.strategy.param_spec
 
-    def activation_spec(self, axes: Sequence[str | None]) -> PartitionSpec:
-        return _spec(axes, self.strategy.rules.activations, self.mesh)
-
-    def param_shardings(self, axes_tree: Any, shapes: Any, ) -> Any:
-        """NamedShardings for a tree of logical axes; every split dimension must divide."""
         def one(path: tuple, axes: tuple[str, ...], shape: jax.ShapeDtypeStruct) -> NamedSharding:
-            spec = self.param_spec(axes)
-            for dim, (size, part) in enumerate(zip(shape.shape, spec, strict=False)):
-                ways = math.prod(self.mesh.shape[a] for a in _as_tuple(part))
-                if size % ways:
+            placement = spec(axes)
+            for dim, (size, pieces) in enumerate(zip(shape.shape, ways(placement, self.mesh.shape),
+                                                     strict=False)):
+                if size % pieces:
                     name = "/".join(str(getattr(k, "key", k)) for k in path)
                     raise UserError(f"parameter {name} dimension {dim} ({axes[dim]}={size}) does "
-                                    f"not split {ways} ways under {self.strategy}: choose sizes "
+                                    f"not split {pieces} ways under {self.strategy}: choose sizes "
                                     f"that divide it")
-            return NamedSharding(self.mesh, spec)
+            return NamedSharding(self.mesh, placement)
 
         return jax.tree_util.tree_map_with_path(one, axes_tree, shapes,
                                                 is_leaf=lambda x: isinstance(x, tuple))
@@ -208,17 +301,21 @@ class Layout:
     def constrain(self, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
         """The activation-sharding hook handed to the model."""
         return jax.lax.with_sharding_constraint(
-            x, NamedSharding(self.mesh, self.activation_spec(axes)))
+            x, NamedSharding(self.mesh, self.strategy.activation_spec(axes)))
 
     @property
     def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, self.activation_spec(("batch", "seq")))
+        return NamedSharding(self.mesh, self.strategy.activation_spec(("batch", "seq")))
 
     @property
     def batch_shards(self) -> int:
         """How many ways the rows of a batch are split; row counts must be a multiple of it."""
-        part = self.activation_spec(("batch",))
-        return math.prod(self.mesh.shape[a] for a in _as_tuple(part[0] if part else None))
+        return math.prod(ways(self.strategy.activation_spec(("batch",)), self.mesh.shape))
+
+    @property
+    def seq_shards(self) -> int:
+        """How many ways each row is split along the sequence; row lengths must divide by it."""
+        return math.prod(ways(self.strategy.activation_spec((None, "seq")), self.mesh.shape))
 
     @property
     def replicated(self) -> NamedSharding:

@@ -1,0 +1,114 @@
+"""Every parallelism as a strategy: one train step under it equals the single-device step."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from hotjax.data import Batch
+from hotjax.optim import OptimConfig
+from hotjax.train import Trainer, get_trainer, step_memory
+from models.llama import PRESETS
+from sharding.strategy import Strategy
+
+# Divisible by every mesh size used here; GQA with 4 K/V heads for 8 query heads.
+CONFIG = dataclasses.replace(PRESETS["tiny"], vocab_size=256, compute_dtype="float32")
+GQA2 = dataclasses.replace(CONFIG, n_kv_heads=2)
+# Adam's first update is about lr * grad / (|grad| + eps): where a gradient is near zero, fp32
+# reduction order moves it, so params can differ by up to ~lr there. LLaMA's lr and eps keep that
+# well under 1e-5.
+OPTIM = OptimConfig(lr=1e-3, warmup_steps=1, total_steps=2)
+ROWS, SEQ = 8, 64
+
+STRATEGIES = [
+    ("data=8,rules=dp", CONFIG),
+    ("fsdp=8,rules=fsdp", CONFIG),
+    ("fsdp=8,rules=zero1", CONFIG),
+    ("fsdp=8,rules=zero2", CONFIG),
+    ("context=8,rules=context", CONFIG),
+    ("tensor=8,rules=megatron", CONFIG),
+    ("tensor=8,rules=megatron-sp", CONFIG),
+    ("data=2,tensor=4,rules=megatron-sp", CONFIG),
+    ("fsdp=2,context=4,rules=context", CONFIG),
+    ("data=2,fsdp=2,tensor=2", CONFIG),
+    ("data=2,context=2,tensor=2,rules=megatron-sp", CONFIG),
+    ("tensor=8", GQA2),  # K/V heads replicated over the tensor group
+]
+
+
+@pytest.fixture(scope="module")
+def batch() -> Batch:
+    """Rows of several documents each, with padding, in the shapes every strategy accepts."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 256, size=(ROWS, SEQ)).astype(np.int32)
+    segments = np.zeros((ROWS, SEQ), np.int32)
+    positions = np.zeros((ROWS, SEQ), np.int32)
+    for r in range(ROWS):
+        cuts = np.sort(rng.choice(np.arange(4, SEQ - 4), size=2, replace=False))
+        bounds = [0, *cuts, SEQ - r]  # row r ends in r padding tokens
+        for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True), start=1):
+            segments[r, a:b], positions[r, a:b] = s, np.arange(b - a)
+    return Batch(tokens, segments, positions)
+
+
+def _one_step(trainer: Trainer, batch: Batch):
+    state, metrics = trainer.step(trainer.init(seed=0), trainer.batch_arrays(batch))
+    return float(metrics["loss"]), jax.tree.map(np.asarray, state.params)
+
+
+@pytest.fixture(scope="module")
+def single_device(devices, batch):
+    return {config: _one_step(get_trainer(config, OPTIM, Strategy.parse("data=1"),
+                                          tuple(devices[:1])), batch)
+            for config in (CONFIG, GQA2)}
+
+
+@pytest.mark.parametrize("strategy, config", STRATEGIES, ids=[s for s, _ in STRATEGIES])
+def test_one_step_equals_the_single_device_step(strategy, config, devices, batch, single_device,
+                                                capfd):
+    trainer = Trainer(config, OPTIM, Strategy.parse(strategy), devices)
+    # Compiled here, outside the persistent cache, so the partitioner's warnings are seen.
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        trainer.compiled((ROWS, SEQ))
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
+
+    loss, params = _one_step(trainer, batch)
+    ref_loss, ref_params = single_device[config]
+    assert abs(loss - ref_loss) <= 1e-5
+    diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params, ref_params)
+    assert max(jax.tree.leaves(diffs)) <= 1e-5, diffs
+
+
+def test_kv_heads_fewer_than_tensor_are_replicated_and_said_so(devices):
+    trainer = get_trainer(GQA2, OPTIM, Strategy.parse("tensor=8"), tuple(devices))
+    assert trainer.notes == ("2 K/V heads < tensor=8: each K/V head is replicated over 4 "
+                             "tensor ranks",)
+    wk = trainer.state_shardings.params["layers"]["wk"]
+    wq = trainer.state_shardings.params["layers"]["wq"]
+    assert wk.spec == jax.sharding.PartitionSpec()  # replicated
+    assert wq.spec == jax.sharding.PartitionSpec(None, None, "tensor")
+
+
+def test_xla_state_memory_shrinks_with_sharding_as_expected(devices):
+    """Per-device bytes of params + Adam moments (fp32), as XLA reports them for the step."""
+    norms = 2 * CONFIG.n_layers * CONFIG.dim + CONFIG.dim  # norm scales are never split
+    matrices = CONFIG.num_params() - norms
+    batch_bytes = 3 * ROWS * SEQ * 4  # tokens, segment ids, positions: int32
+    # Per device: (parameter copies, Adam-moment copies) of the matrices, and batch split ways.
+    expected = {
+        "data=8,rules=dp": (1, 2, 8),
+        "fsdp=8,rules=zero1": (1, 2 / 8, 8),
+        "fsdp=8,rules=zero2": (1, 2 / 8, 8),
+        "fsdp=8,rules=fsdp": (1 / 8, 2 / 8, 8),
+        "data=2,tensor=4,rules=megatron": (1 / 4, 2 / 4, 2),
+    }
+    for strategy, (params, moments, batch_ways) in expected.items():
+        trainer = get_trainer(CONFIG, OPTIM, Strategy.parse(strategy), tuple(devices))
+        state = step_memory(trainer.compiled((ROWS, SEQ)))["state"]
+        # Slack of 64 bytes: Adam's step counter and the train step, a few scalars.
+        assert state == pytest.approx(4 * ((params + moments) * matrices + 3 * norms)
+                                      + batch_bytes / batch_ways, abs=64), strategy

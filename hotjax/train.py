@@ -17,7 +17,8 @@ from hotjax.optim import OptimConfig, make_optimizer
 from models.llama import LlamaConfig, Params, abstract_params, bind, init_params, param_axes
 from sharding.strategy import Layout, Strategy, fit_to_model
 
-BATCH_KEYS = ("tokens", "segment_ids", "positions")
+BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets")
+NO_TARGET = -1
 
 
 class TrainState(NamedTuple):
@@ -26,22 +27,34 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
-def next_token_loss(
-    logits_BxTxV: jax.Array, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Summed cross-entropy and the number of predicted tokens.
+def next_token_targets(tokens_BxT: np.ndarray, segment_ids_BxT: np.ndarray) -> np.ndarray:
+    """Each position's next token, or `NO_TARGET` where the next token does not continue the
+    same document (the last token of a document, padding). Made on the host, before any
+    reordering of the sequence, so the loss is a per-position sum whatever the token order."""
+    targets_BxT = np.full_like(tokens_BxT, NO_TARGET)
+    next_segment_BxT1 = segment_ids_BxT[:, 1:]
+    continues_BxT1 = (next_segment_BxT1 == segment_ids_BxT[:, :-1]) & (next_segment_BxT1 > 0)
+    targets_BxT[:, :-1] = np.where(continues_BxT1, tokens_BxT[:, 1:], NO_TARGET)
+    return targets_BxT
 
-    A token is a target only if it continues the same document as the token before it, so
-    padding (segment 0) and the first token of each packed document are never predicted.
-    """
-    valid_BxT1 = (segment_ids_BxT[:, 1:] == segment_ids_BxT[:, :-1]) & (segment_ids_BxT[:, 1:] > 0)
-    logits_BxT1xV = logits_BxTxV[:, :-1].astype(jnp.float32)
+
+def token_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Summed cross-entropy over positions with a target, and their number."""
+    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
     # A one-hot contraction rather than a gather: with the vocabulary split over `tensor` each
-    # rank reduces its own slice, so full logits are never gathered (vocab-parallel CE).
-    target_BxT1xV = jax.nn.one_hot(tokens_BxT[:, 1:], logits_BxTxV.shape[-1], dtype=jnp.float32)
-    target_logit_BxT1 = jnp.sum(logits_BxT1xV * target_BxT1xV, axis=-1)
-    nll_BxT1 = jax.nn.logsumexp(logits_BxT1xV, axis=-1) - target_logit_BxT1
-    return jnp.sum(jnp.where(valid_BxT1, nll_BxT1, 0.0)), jnp.sum(valid_BxT1)
+    # rank reduces its own slice, so full logits are never gathered (vocab-parallel CE). The
+    # one-hot of NO_TARGET is all zeros, and those positions are masked out below.
+    target_BxTxV = jax.nn.one_hot(targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32)
+    target_logit_BxT = jnp.sum(logits_BxTxV * target_BxTxV, axis=-1)
+    nll_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1) - target_logit_BxT
+    valid_BxT = targets_BxT != NO_TARGET
+    return jnp.sum(jnp.where(valid_BxT, nll_BxT, 0.0)), jnp.sum(valid_BxT)
+
+
+def balanced_order(seq_len: int, ways: int) -> np.ndarray:
+    """Column order giving context rank i the chunks i and 2*ways-1-i of the sequence."""
+    chunks = np.arange(seq_len).reshape(2 * ways, -1)
+    return np.concatenate([chunks[j] for i in range(ways) for j in (i, 2 * ways - 1 - i)])
 
 
 def _step(state: TrainState, batch: dict[str, jax.Array], *, config: LlamaConfig,
@@ -50,7 +63,7 @@ def _step(state: TrainState, batch: dict[str, jax.Array], *, config: LlamaConfig
     def loss_fn(params: Params) -> tuple[jax.Array, jax.Array]:
         model = bind(config, params)
         logits = model(batch["tokens"], batch["segment_ids"], batch["positions"], layout.constrain)
-        total, count = next_token_loss(logits, batch["tokens"], batch["segment_ids"])
+        total, count = token_loss(logits, batch["targets"])
         return total / jnp.maximum(count, 1), count
 
     (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -90,14 +103,24 @@ class Trainer:
 
     def batch_arrays(self, batch: Batch) -> dict[str, jax.Array]:
         """The batch on devices, its rows padded with empty rows to split evenly."""
+        strategy = self.layout.strategy
         rows, seq_len = batch.tokens.shape
-        if seq_len % self.layout.seq_shards:
-            raise UserError(f"rows of {seq_len} tokens do not split {self.layout.seq_shards} ways "
-                            f"along the sequence under {self.layout.strategy}: use a row length "
-                            f"that is a multiple of {self.layout.seq_shards}")
+        chunks = self.layout.seq_shards * (2 if strategy.balanced else 1)
+        if seq_len % chunks:
+            raise UserError(f"rows of {seq_len} tokens do not split into {chunks} chunks along "
+                            f"the sequence under {strategy}: use a row length that is a "
+                            f"multiple of {chunks}")
+        arrays = {"tokens": batch.tokens, "segment_ids": batch.segment_ids,
+                  "positions": batch.positions,
+                  "targets": next_token_targets(batch.tokens, batch.segment_ids)}
+        if strategy.balanced:
+            # Attention masks by document positions, so any column order computes the same.
+            order = balanced_order(seq_len, strategy.seq_ways("context"))
+            arrays = {k: v[:, order] for k, v in arrays.items()}
         pad = -rows % self.layout.batch_shards
-        return {k: jax.device_put(np.pad(getattr(batch, k), ((0, pad), (0, 0))),
-                                  self.layout.batch_sharding) for k in BATCH_KEYS}
+        return {k: jax.device_put(np.pad(v, ((0, pad), (0, 0)), constant_values=NO_TARGET
+                                         if k == "targets" else 0), self.layout.batch_sharding)
+                for k, v in arrays.items()}
 
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer update. `state` is donated: use the returned one."""

@@ -178,7 +178,7 @@ class Llama(nnx.Module):
         # axes, i.e. gathered over `fsdp` and still split over `tensor` (ZeRO-3's all-gather).
         embed_VxD = constrain(self.embed[...].astype(cfg.dtype), ("vocab", "embed"))
         x_BxTxD = constrain(jnp.take(embed_VxD, tokens_BxT, axis=0), ("batch", "seq", "embed"))
-        mask_Bx1xTxT = _document_causal_mask(segment_ids_BxT)
+        mask_Bx1xTxT = _document_causal_mask(segment_ids_BxT, positions_BxT)
         cos_BxTxH, sin_BxTxH = rope_tables(cfg, positions_BxT)
 
         def block(x_BxTxD: Array, w: dict[str, Array]) -> tuple[Array, None]:
@@ -213,11 +213,12 @@ def _rms_norm(x: Array, weight: Array, eps: float) -> Array:
     return weight * x32.astype(x.dtype)
 
 
-def _document_causal_mask(segment_ids_BxT: Array) -> Array:
-    T = segment_ids_BxT.shape[1]
-    causal_TxT = jnp.tril(jnp.ones((T, T), jnp.bool_))
+def _document_causal_mask(segment_ids_BxT: Array, positions_BxT: Array) -> Array:
+    """Query t sees key s iff both are in one document and s is not later in it. Causality
+    comes from document positions, not row order, so a reordered row masks the same."""
     same_doc_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-    return (causal_TxT[None] & same_doc_BxTxT)[:, None]
+    causal_BxTxT = positions_BxT[:, None, :] <= positions_BxT[:, :, None]
+    return (same_doc_BxTxT & causal_BxTxT)[:, None]
 
 
 def rope_frequencies(cfg: LlamaConfig) -> Array:

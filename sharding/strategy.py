@@ -141,10 +141,13 @@ class Strategy:
 
     sizes: tuple[int, ...]
     rules: Rules
+    # Context parallelism with causal attention: each context rank holds sequence chunks i and
+    # 2C-1-i, so every rank has as much of the causal triangle as any other.
+    balanced: bool = False
 
     @classmethod
     def create(cls, mesh: Mapping[str, int], rules: str | Mapping | None = None,
-               where: str = "strategy") -> Strategy:
+               where: str = "strategy", balanced: bool = False) -> Strategy:
         unknown = [a for a in mesh if a not in MESH_AXES]
         if unknown:
             raise UserError(f"{where}: unknown mesh axis {unknown[0]!r}: "
@@ -153,7 +156,13 @@ class Strategy:
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise UserError(f"{where}: mesh axis {axis}={size!r} must be a positive integer")
         sizes = tuple(mesh.get(a, 1) for a in MESH_AXES)
-        strategy = cls(sizes, _parse_rules(DEFAULT_RULES if rules is None else rules, where))
+        if not isinstance(balanced, bool):
+            raise UserError(f"{where}: balanced={balanced!r} must be true or false")
+        strategy = cls(sizes, _parse_rules(DEFAULT_RULES if rules is None else rules, where),
+                       balanced)
+        if balanced and strategy.seq_ways("context") == 1:
+            raise UserError(f"{where}: a balanced chunk order needs the sequence split over a "
+                            f"context axis larger than 1: add one, or drop balanced")
         idle = [f"{a}={n}" for a, n in strategy.axes.items()
                 if n > 1 and a not in strategy.rules.mesh_axes_used()]
         if idle:
@@ -164,26 +173,32 @@ class Strategy:
 
     @classmethod
     def parse(cls, text: str) -> Strategy:
-        """From the command line: `"data=2,fsdp=4"`, optionally with `",rules=NAME"`."""
+        """From the command line: `"data=2,fsdp=4"`, optionally with `",rules=NAME"` and
+        `",balanced=true"`."""
         mesh: dict[str, int] = {}
-        rules = None
+        rules, balanced = None, None
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, value = item.partition("=")
             key = key.strip()
             if not sep:
                 raise UserError(f"--strategy {text!r}: expected AXIS=SIZE items, "
                                 f"like 'data=2,fsdp=4'")
-            if key in mesh or (key == "rules" and rules is not None):
+            if key in mesh or (key == "rules" and rules is not None) or (
+                    key == "balanced" and balanced is not None):
                 raise UserError(f"--strategy {text!r}: {key!r} is given twice: give it once")
             if key == "rules":
                 rules = value.strip()
+            elif key == "balanced":
+                if value.strip().lower() not in ("true", "false"):
+                    raise UserError(f"--strategy {text!r}: balanced must be true or false")
+                balanced = value.strip().lower() == "true"
             elif value.strip().isdecimal():
                 mesh[key] = int(value)
             else:
                 raise UserError(f"--strategy {text!r}: size of {key!r} must be a positive integer")
         if not mesh:
             raise UserError(f"--strategy {text!r}: give at least one mesh axis, e.g. 'data=8'")
-        return cls.create(mesh, rules, where=f"--strategy {text!r}")
+        return cls.create(mesh, rules, where=f"--strategy {text!r}", balanced=bool(balanced))
 
     @property
     def axes(self) -> dict[str, int]:
@@ -195,7 +210,12 @@ class Strategy:
 
     def __str__(self) -> str:
         used = "·".join(f"{a}{n}" for a, n in self.axes.items() if n > 1) or "single"
-        return f"{used} [{self.rules.name}]"
+        return f"{used} [{self.rules.name}{', balanced' if self.balanced else ''}]"
+
+    def seq_ways(self, axis: str) -> int:
+        """How many ways the residual sequence is split over one mesh axis."""
+        part = self.activation_spec((None, "seq"))
+        return self.axes[axis] if len(part) > 1 and axis in _as_tuple(part[1]) else 1
 
     def param_spec(self, axes: Sequence[str | None]) -> PartitionSpec:
         return _spec(axes, self.rules.params, self.axes)

@@ -69,10 +69,10 @@ def parse_table(data: dict[str, Any], source: str) -> StrategyTable:
         if not isinstance(entry, dict):
             raise UserError(f"{where}: each bucket must be a table: write [[bucket]] entries "
                             f"with max_len and mesh")
-        unknown = set(entry) - {"max_len", "mesh", "rules"}
+        unknown = set(entry) - {"max_len", "mesh", "rules", "balanced"}
         if unknown:
             raise UserError(f"{where}: unknown key {sorted(unknown)[0]!r}: "
-                            f"use max_len, mesh, rules")
+                            f"use max_len, mesh, rules, balanced")
         max_len = entry.get("max_len")
         if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
             raise UserError(f"{where}: max_len must be a positive integer, got {max_len!r}")
@@ -83,7 +83,8 @@ def parse_table(data: dict[str, Any], source: str) -> StrategyTable:
         mesh = entry.get("mesh")
         if not isinstance(mesh, dict) or not mesh:
             raise UserError(f"{where}: mesh must be a table like {{ data = 8 }}")
-        buckets.append(Bucket(max_len, Strategy.create(mesh, entry.get("rules"), where)))
+        buckets.append(Bucket(max_len, Strategy.create(mesh, entry.get("rules"), where,
+                                                       entry.get("balanced", False))))
     return StrategyTable(tuple(buckets), source)
 
 

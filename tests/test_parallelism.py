@@ -1,6 +1,10 @@
 """Every parallelism as a strategy: one train step under it equals the single-device step."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -8,7 +12,7 @@ import pytest
 
 from hotjax.data import Batch
 from hotjax.optim import OptimConfig
-from hotjax.train import Trainer, get_trainer, step_memory
+from hotjax.train import BATCH_KEYS, balanced_order, get_trainer, step_memory
 from models.llama import PRESETS
 from sharding.strategy import Strategy
 
@@ -27,10 +31,12 @@ STRATEGIES = [
     ("fsdp=8,rules=zero1", CONFIG),
     ("fsdp=8,rules=zero2", CONFIG),
     ("context=8,rules=context", CONFIG),
+    ("context=8,rules=context,balanced=true", CONFIG),
     ("tensor=8,rules=megatron", CONFIG),
     ("tensor=8,rules=megatron-sp", CONFIG),
     ("data=2,tensor=4,rules=megatron-sp", CONFIG),
     ("fsdp=2,context=4,rules=context", CONFIG),
+    ("data=2,context=4,rules=megatron-sp,balanced=true", CONFIG),
     ("data=2,fsdp=2,tensor=2", CONFIG),
     ("data=2,context=2,tensor=2,rules=megatron-sp", CONFIG),
     ("tensor=8", GQA2),  # K/V heads replicated over the tensor group
@@ -52,7 +58,7 @@ def batch() -> Batch:
     return Batch(tokens, segments, positions)
 
 
-def _one_step(trainer: Trainer, batch: Batch):
+def _one_step(trainer, batch: Batch):
     state, metrics = trainer.step(trainer.init(seed=0), trainer.batch_arrays(batch))
     return float(metrics["loss"]), jax.tree.map(np.asarray, state.params)
 
@@ -65,22 +71,34 @@ def single_device(devices, batch):
 
 
 @pytest.mark.parametrize("strategy, config", STRATEGIES, ids=[s for s, _ in STRATEGIES])
-def test_one_step_equals_the_single_device_step(strategy, config, devices, batch, single_device,
-                                                capfd):
-    trainer = Trainer(config, OPTIM, Strategy.parse(strategy), devices)
-    # Compiled here, outside the persistent cache, so the partitioner's warnings are seen.
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        trainer.compiled((ROWS, SEQ))
-    finally:
-        jax.config.update("jax_enable_compilation_cache", True)
-    assert "Involuntary full rematerialization" not in capfd.readouterr().err
-
+def test_one_step_equals_the_single_device_step(strategy, config, devices, batch, single_device):
+    trainer = get_trainer(config, OPTIM, Strategy.parse(strategy), tuple(devices))
     loss, params = _one_step(trainer, batch)
     ref_loss, ref_params = single_device[config]
     assert abs(loss - ref_loss) <= 1e-5
     diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params, ref_params)
     assert max(jax.tree.leaves(diffs)) <= 1e-5, diffs
+
+
+def test_strategies_compile_without_involuntary_rematerialization():
+    """The partitioner warns when it must replicate an array to reshard it; compiled in a fresh
+    process without the persistent cache, so that every strategy is really partitioned."""
+    script = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "import jax, test_parallelism as t\n"
+        "from hotjax.train import Trainer\n"
+        "from sharding.strategy import Strategy\n"
+        "for spec, config in t.STRATEGIES:\n"
+        "    trainer = Trainer(config, t.OPTIM, Strategy.parse(spec), jax.devices())\n"
+        "    trainer.compiled((t.ROWS, t.SEQ))\n"
+        "    print('compiled', spec, flush=True)\n")
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu",
+           "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env, cwd=Path(__file__).parent.parent, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == [f"compiled {spec}" for spec, _ in STRATEGIES]
+    assert "Involuntary full rematerialization" not in result.stderr
 
 
 def test_kv_heads_fewer_than_tensor_are_replicated_and_said_so(devices):
@@ -97,7 +115,7 @@ def test_xla_state_memory_shrinks_with_sharding_as_expected(devices):
     """Per-device bytes of params + Adam moments (fp32), as XLA reports them for the step."""
     norms = 2 * CONFIG.n_layers * CONFIG.dim + CONFIG.dim  # norm scales are never split
     matrices = CONFIG.num_params() - norms
-    batch_bytes = 3 * ROWS * SEQ * 4  # tokens, segment ids, positions: int32
+    batch_bytes = len(BATCH_KEYS) * ROWS * SEQ * 4  # int32 tokens, segment ids, positions, ...
     # Per device: (parameter copies, Adam-moment copies) of the matrices, and batch split ways.
     expected = {
         "data=8,rules=dp": (1, 2, 8),
@@ -112,3 +130,11 @@ def test_xla_state_memory_shrinks_with_sharding_as_expected(devices):
         # Slack of 64 bytes: Adam's step counter and the train step, a few scalars.
         assert state == pytest.approx(4 * ((params + moments) * matrices + 3 * norms)
                                       + batch_bytes / batch_ways, abs=64), strategy
+
+
+def test_balanced_order_gives_each_context_rank_chunks_i_and_2c_minus_1_minus_i():
+    order = balanced_order(16, ways=4)  # 8 chunks of 2 tokens; rank r holds order[4r:4r+4]
+    assert order.tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+    # Causal work per rank: a token at position p attends to p + 1 tokens.
+    work = (order + 1).reshape(4, 4).sum(axis=1)
+    assert work.tolist() == [34, 34, 34, 34]

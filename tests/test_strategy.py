@@ -850,3 +850,21 @@ def test_a_bad_rule_in_a_table_names_the_file_and_bucket(rules, expected, tmp_pa
 def test_a_bucket_entry_that_is_not_a_table_is_a_user_error(text, tmp_path):
     with pytest.raises(UserError, match=r"lengths.toml: bucket 1: .*table"):
         load_table(write(tmp_path, text, "lengths.toml"))
+
+
+def test_balanced_chunk_order_is_a_context_parallel_option():
+    strategy = Strategy.parse("fsdp=2,context=4,rules=context,balanced=true")
+    assert strategy.balanced and str(strategy) == "fsdp2·context4 [context, balanced]"
+    assert strategy.seq_ways("context") == 4
+    assert not Strategy.parse("fsdp=2,context=4,rules=context").balanced
+    with pytest.raises(UserError, match="balanced chunk order needs the sequence split over a "
+                                        "context axis"):
+        Strategy.parse("data=8,balanced=true")
+    with pytest.raises(UserError, match="balanced must be true or false"):
+        Strategy.parse("context=8,balanced=yes")
+
+
+def test_a_table_bucket_can_ask_for_the_balanced_order(tmp_path):
+    path = write(tmp_path, "[[bucket]]\nmax_len = 256\nmesh = { context = 8 }\n"
+                           "rules = 'context'\nbalanced = true\n")
+    assert load_table(path).buckets[0].strategy.balanced

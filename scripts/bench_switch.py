@@ -1,0 +1,154 @@
+"""What does a hot switch cost? For every ordered pair of a strategy table's strategies: the
+planner's bytes, max per-device send and lower bound, its planning time, and the planned
+executor's time beside `jax.device_put`'s, measured side by side on the model's parameters.
+
+    python scripts/bench_switch.py [--json] [--table TABLE.toml] [--model tiny|small]
+
+On a CPU-only machine it runs on 8 simulated devices; `--devices-per-node` puts node boundaries
+between them for the planner (the executor's timings do not depend on it). Times are medians of
+`--repeats` runs after one untimed run that compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# The issue's 3-bucket table, for 8 devices.
+DEFAULT_TABLE = {"bucket": [{"max_len": 256, "mesh": {"data": 8}},
+                            {"max_len": 1024, "mesh": {"data": 2, "tensor": 4}},
+                            {"max_len": 4096, "mesh": {"fsdp": 2, "context": 4}}]}
+
+
+def bench_pair(values, source, target, topology, repeats: int) -> dict:
+    import jax
+    import numpy as np
+
+    from sharding.switch import planned_switch, switch
+
+    src = jax.device_put(values, source)
+    started = time.perf_counter()
+    planned = planned_switch(src, target, topology)
+    build_s = time.perf_counter() - started
+    for x, y in zip(jax.tree.leaves(switch(src, target, "plan", topology)),
+                    jax.tree.leaves(switch(src, target, "device_put")), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    def once(method: str) -> float:
+        started = time.perf_counter()
+        jax.block_until_ready(switch(src, target, method, topology))
+        return time.perf_counter() - started
+
+    seconds: dict[str, list[float]] = {"plan": [], "device_put": []}
+    for _ in range(repeats):  # alternating, so both see the same machine
+        for method in seconds:
+            seconds[method].append(once(method))
+    plan = planned.plan
+    return {**plan.summary(), "pieces": sum(len(t.pieces) for t in plan.transfers),
+            "build_s": build_s,
+            "executor_s": statistics.median(seconds["plan"]),
+            "device_put_s": statistics.median(seconds["device_put"]),
+            "executor_runs_s": seconds["plan"], "device_put_runs_s": seconds["device_put"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--table", help="a strategy table (TOML); default: the built-in one")
+    parser.add_argument("--model", default="small", choices=("tiny", "small"))
+    parser.add_argument("--dtype", default=None, help="of the switched params (default: the "
+                                                      "model's compute dtype)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--devices-per-node", type=int, default=None,
+                        help="simulated node size for the planner (default: all local devices)")
+    args = parser.parse_args()
+
+    import jax
+    import numpy as np
+
+    from hotjax.compile_cache import enable_compilation_cache
+    from models.llama import abstract_params, param_axes, preset
+    from sharding.planner import Topology
+    from sharding.strategy import Layout, fit_to_model
+    from sharding.table import load_table, parse_table
+
+    enable_compilation_cache()
+    devices = jax.devices()
+    table = load_table(args.table) if args.table else parse_table(DEFAULT_TABLE, "built-in table")
+    table.check_devices(len(devices))
+    config = preset(args.model)
+    if args.model == "tiny":
+        config = dataclasses.replace(config, vocab_size=256)  # splits over every mesh size
+    dtype = np.dtype(args.dtype or config.compute_dtype)
+    topology = Topology(args.devices_per_node or len(devices))
+    rng = np.random.default_rng(0)
+    values = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(dtype),
+                          abstract_params(config))
+    layouts = {str(s): Layout(fit_to_model(s, config)[0], devices) for s in table.strategies}
+    shardings = {name: layout.param_shardings(param_axes(config), abstract_params(config))
+                 for name, layout in layouts.items()}
+    pairs = []
+    for source, target in itertools.permutations(shardings, 2):
+        pairs.append({"source": source, "target": target,
+                      **bench_pair(values, shardings[source], shardings[target], topology,
+                                   args.repeats)})
+    report = {
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                    "python": platform.python_version(), "jax": jax.__version__,
+                    "devices": f"{len(devices)} {devices[0].platform}",
+                    "devices_per_node": topology.devices_per_node},
+        "model": args.model, "params": config.num_params(), "dtype": str(dtype),
+        "param_bytes": config.num_params() * dtype.itemsize, "table": table.source,
+        "repeats": args.repeats, "pairs": pairs,
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        _print(report)
+    return 0
+
+
+def _print(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m = report["machine"]
+    table = Table(title=f"hot switches of {report['model']} ({report['params'] / 1e6:.1f}M params, "
+                        f"{report['dtype']}, {report['param_bytes'] / 2**20:.1f} MiB) on "
+                        f"{m['devices']} devices, {m['devices_per_node']} a node "
+                        f"({m['cpus']} CPUs); medians of {report['repeats']}")
+    columns = ("source", "target", "moved MiB", "inter-node", "max send", "bound", "msgs",
+               "plan ms", "build s", "executor ms", "device_put ms", "ratio")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("source", "target") else "right")
+    mib = 2**20
+    for p in report["pairs"]:
+        table.add_row(_short(p["source"]), _short(p["target"]), f"{p['bytes_moved'] / mib:.2f}",
+                      f"{p['inter_node_bytes'] / mib:.2f}", f"{p['max_send'] / mib:.2f}",
+                      f"{p['lower_bound'] / mib:.2f}", str(p["messages"]),
+                      f"{p['plan_s'] * 1e3:.1f}", f"{p['build_s']:.1f}",
+                      f"{p['executor_s'] * 1e3:.1f}", f"{p['device_put_s'] * 1e3:.1f}",
+                      f"{p['executor_s'] / p['device_put_s']:.2f}")
+    console = Console(width=max(Console().width, 150))
+    console.print(table)
+    console.print("inter-node, max send and bound (the lower bound on the max send) in MiB; "
+                  "plan ms: the planner alone; build s: planning and compiling the executor's "
+                  "programs; ratio: executor / device_put")
+
+def _short(strategy: str) -> str:
+    return strategy.removesuffix(" [auto]")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

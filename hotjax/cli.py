@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 
+from hotjax import simulate_cpu_devices
 from hotjax.config import RunConfig
 from hotjax.errors import UserError
 
 SIMULATED_CPU_DEVICES = 8
 # Modules with a `register(commands)` function, each adding one command group.
-COMMAND_MODULES: tuple[str, ...] = ("sharding.cli", "hotjax.data.cli")
+COMMAND_MODULES: tuple[str, ...] = ("sharding.cli", "hotjax.data.cli",
+                                    "hotjax.checkpoint.cli")
 _RUN = RunConfig()  # the defaults
 
 
@@ -29,7 +30,7 @@ def start_jax(devices: int | None) -> None:
     """
     if devices is not None and devices < 1:
         raise UserError(f"--devices {devices}: pass a positive number of devices")
-    os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(devices or SIMULATED_CPU_DEVICES))
+    simulate_cpu_devices(devices or SIMULATED_CPU_DEVICES)
     from hotjax.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()
@@ -65,6 +66,20 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--metrics-jsonl", metavar="PATH", help="one JSON object per step")
     train.add_argument("--log-every", type=int, default=_RUN.log_every,
                        help="print a line every N steps")
+    train.add_argument("--device-memory", type=float, metavar="MiB",
+                       help="per-device memory budget: the model state and every compiled step "
+                       "must fit, as XLA's memory analysis reports them")
+    ckpt = train.add_argument_group("checkpoints")
+    ckpt.add_argument("--ckpt-dir", metavar="DIR", help="save checkpoints here; resume from "
+                      "the latest complete one in it")
+    ckpt.add_argument("--save-every", type=int, metavar="N",
+                      help="save every N steps (default: the last step only)")
+    ckpt.add_argument("--resume-from", metavar="PATH", help="resume from this checkpoint: a "
+                      "step directory, or a checkpoint directory (its latest)")
+    ckpt.add_argument("--keep-last", type=int, default=_RUN.keep_last, metavar="N",
+                      help="keep the newest N checkpoints (default: %(default)s)")
+    ckpt.add_argument("--keep-every", type=int, metavar="K",
+                      help="also keep every checkpoint whose step is a multiple of K")
 
 
 def _train(args: argparse.Namespace) -> None:

@@ -26,3 +26,9 @@ class RunConfig:
     warmup_steps: int = 10
     metrics_jsonl: str | None = None
     log_every: int = 10
+    device_memory: float | None = None  # MiB per device the compiled steps must fit in
+    ckpt_dir: str | None = None  # save here, and resume from its latest complete checkpoint
+    save_every: int | None = None  # default: save the last step only
+    resume_from: str | None = None  # a step directory, or a checkpoint directory's latest
+    keep_last: int = 3
+    keep_every: int | None = None  # also keep every step that is a multiple of this

@@ -98,7 +98,7 @@ class HotTrainer:
         self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b),
                             out_shardings=self.home_grads, donate_argnums=0)
         self._apply = jax.jit(
-            functools.partial(_apply, tx=self.home.tx), donate_argnums=(0, 1),
+            functools.partial(_apply, tx=self.home.tx), donate_argnums=0,
             out_shardings=(self.home.state_shardings, self.home.layout.replicated))
         # The planner's view of every switch a step can make: compute weights from home or a
         # bucket into a bucket, and each bucket's fp32 gradients home (-1 stands for home).
@@ -124,6 +124,36 @@ class HotTrainer:
         """Each bucket's rows must split evenly over its strategy's batch shards."""
         return [b.layout.batch_shards for b in self.buckets]
 
+    def train_step(self, state: TrainState, minibatch: MiniBatch) -> tuple[TrainState, dict]:
+        """`step`, with the per-bucket report folded into the metrics as plain numbers."""
+        state, metrics, buckets = self.step(state, minibatch)
+        return state, {**metrics, "tokens": minibatch.real_tokens,
+                       "buckets": [dataclasses.asdict(b) for b in buckets]}
+
+    def prepare(self, minibatch: MiniBatch) -> None:
+        """Compile every bucket's step for this mini-batch's shapes ahead of the first update."""
+        for bucket, batch in zip(self.buckets, minibatch.buckets, strict=True):
+            rows, seq_len = batch.tokens.shape
+            bucket.compiled((rows + -rows % bucket.layout.batch_shards, seq_len))
+
+    def memory(self, minibatch: MiniBatch) -> dict[str, int]:
+        """Per-device bytes, by XLA: the home state, and each bucket's step on top of it."""
+        from hotjax.train import step_memory
+
+        home = self.home.state_bytes()
+        report = {"home state": home}
+        for bucket, spec, batch in zip(self.buckets, self.table.buckets, minibatch.buckets,
+                                       strict=True):
+            rows, seq_len = batch.tokens.shape
+            compiled = bucket.compiled((rows + -rows % bucket.layout.batch_shards, seq_len))
+            report[f"bucket {spec.max_len} ({bucket.layout.strategy})"] = (
+                home + step_memory(compiled)["peak"])
+        return report
+
+    def describe(self) -> str:
+        order = " -> ".join(str(self.table.buckets[i].strategy) for i in self.order)
+        return f"home {self.home.layout.strategy}; bucket order {order}"
+
     def step(self, state: TrainState, minibatch: MiniBatch
              ) -> tuple[TrainState, dict, list[BucketMetrics]]:
         """One optimizer update over all buckets of `minibatch`. `state` is donated."""
@@ -136,8 +166,8 @@ class HotTrainer:
             moved = self.weight_plans[previous, i].bytes_moved + self.grad_plans[i].bytes_moved
             previous = i
             switched = time.perf_counter()
-            g, loss_sum, n = bucket.compiled(batch.tokens.shape)(compute,
-                                                                  bucket.batch_arrays(batch))
+            arrays = bucket.batch_arrays(batch)
+            g, loss_sum, n = bucket.compiled(arrays["tokens"].shape)(compute, arrays)
             g = jax.block_until_ready(g)
             computed = time.perf_counter()
             g = jax.block_until_ready(self.switch(g, self.home_grads))

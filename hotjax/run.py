@@ -9,17 +9,26 @@ from pathlib import Path
 
 import jax
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from hotjax.checkpoint import store
+from hotjax.checkpoint.training import restore_state, run_record
 from hotjax.config import RunConfig
-from hotjax.data import PackedBatches, load_tokenizer, open_corpus
+from hotjax.data import BucketedBatches, PackedBatches, load_tokenizer, open_corpus
 from hotjax.errors import UserError
+from hotjax.hot import HotTrainer
 from hotjax.optim import OptimConfig
 from hotjax.train import get_trainer
 from models.llama import padded_vocab, preset
 from sharding.strategy import Strategy
 from sharding.table import StrategyTable, load_table
+
+# With no --strategy, 8 devices (8 simulated ones on a CPU-only machine) train under this
+# hot-switched bucket table; other device counts use data parallelism at --context.
+DEFAULT_TABLE = Path(__file__).parent.parent / "sharding" / "tables" / "default.toml"
+DEFAULT_TABLE_DEVICES = 8
 
 
 def strategy_table(run: RunConfig, num_devices: int) -> StrategyTable:
@@ -27,10 +36,8 @@ def strategy_table(run: RunConfig, num_devices: int) -> StrategyTable:
         raise UserError("--strategy and --strategies both given: pass one of them")
     if run.strategies:
         table = load_table(run.strategies)
-        if len(table.buckets) > 1:
-            raise UserError(f"{table.source}: {len(table.buckets)} buckets, but this version "
-                            f"trains under one strategy (hot switching between buckets is not "
-                            f"built yet): use a table with one [[bucket]], or --strategy")
+    elif run.strategy is None and num_devices == DEFAULT_TABLE_DEVICES:
+        table = load_table(DEFAULT_TABLE)
     else:
         spec = run.strategy or f"data={num_devices},rules=dp"
         table = StrategyTable.single(Strategy.parse(spec), run.context, f"--strategy {spec!r}")
@@ -56,6 +63,9 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
     if run.metrics_jsonl and not Path(run.metrics_jsonl).parent.is_dir():
         raise UserError(f"--metrics-jsonl {run.metrics_jsonl}: its directory does not exist: "
                         f"create it or choose another path")
+    _check_checkpoint_flags(run)
+    if run.device_memory is not None and run.device_memory <= 0:
+        raise UserError(f"--device-memory {run.device_memory}: give a positive budget in MiB")
     devices = select_devices(run.devices)
     platform = devices[0].platform
     console.print(f"[bold]hotjax[/] on {len(devices)} {platform} device(s)"
@@ -69,28 +79,91 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
     config = dataclasses.replace(model, vocab_size=padded_vocab(tokenizer.vocab_size),
                                  compute_dtype=run.compute_dtype)
     optim = OptimConfig(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps)
-    strategy = table.buckets[0].strategy
-    trainer = get_trainer(config, optim, strategy, tuple(devices))
-    batches = PackedBatches(corpus, tokenizer, seq_len=seq_len, batch_tokens=run.batch_tokens,
-                            seed=run.seed)
+    if len(table.buckets) == 1:
+        trainer = get_trainer(config, optim, table.buckets[0].strategy, tuple(devices))
+        home = trainer
+        batches = PackedBatches(corpus, tokenizer, seq_len=seq_len,
+                                batch_tokens=run.batch_tokens, seed=run.seed)
+        layout = f"strategy {escape(str(home.layout.strategy))} | {batches.rows} rows x {seq_len}"
+    else:
+        trainer = HotTrainer(config, optim, table, devices)
+        home = trainer.home
+        batches = BucketedBatches(corpus, tokenizer, [b.max_len for b in table.buckets],
+                                  batch_tokens=run.batch_tokens,
+                                  row_multiples=trainer.row_multiples(), seed=run.seed)
+        rows = ", ".join(f"{r} x {b.max_len}" for r, b in zip(batches.rows, table.buckets,
+                                                              strict=True))
+        layout = f"{escape(trainer.describe())} | rows {rows}"
     console.print(f"model {run.model}: {config.num_params() / 1e6:.1f}M params, "
                   f"{config.compute_dtype} compute | corpus {corpus.source}: "
                   f"{corpus.num_documents} documents | tokenizer {tokenizer.identity} "
-                  f"({tokenizer.vocab_size} tokens) | strategy {strategy} | "
-                  f"{batches.rows} rows x {seq_len} tokens per step")
+                  f"({tokenizer.vocab_size} tokens) | {layout} tokens per step")
+    for note in trainer.notes:
+        console.print(f"note: {note}")
 
-    started = time.perf_counter()
-    state = trainer.init(run.seed)
-    first = trainer.batch_arrays(next(batches))
-    trainer.compiled(first["tokens"].shape)
-    console.print(f"initialised and compiled in {time.perf_counter() - started:.1f} s")
+    run_meta = run_record(home, tokenizer=tokenizer, seed=run.seed, table=table,
+                          data={"source": corpus.source, "seq_len": seq_len,
+                                "batch_tokens": run.batch_tokens})
+    resume = run.resume_from or (run.ckpt_dir and store.latest(run.ckpt_dir))
+    checkpoints = (store.Checkpoints(run.ckpt_dir, keep_last=run.keep_last,
+                                     keep_every=run.keep_every) if run.ckpt_dir else None)
+    try:
+        started = time.perf_counter()
+        if resume:
+            resumed = restore_state(resume, home, run_meta)
+            state, start = resumed.state, resumed.step
+            if resumed.data is not None:
+                batches.set_state(resumed.data)
+            console.print(f"resumed from {resumed.path} (step {start})")
+        else:
+            state, start = trainer.init(run.seed), 0
+        if checkpoints and any(s > start for s in checkpoints.steps()):
+            raise UserError(f"--ckpt-dir {checkpoints.directory}: holds step "
+                            f"{max(checkpoints.steps())}, past the step resumed from ({start}): "
+                            f"saving there would overwrite it: choose another --ckpt-dir")
+        if start >= run.steps:
+            console.print(f"step {start} reached: nothing to train (--steps {run.steps})")
+            return []
+        first = next(batches)
+        trainer.prepare(first)
+        console.print(f"initialised and compiled in {time.perf_counter() - started:.1f} s")
+        if run.device_memory is not None:
+            _check_memory(trainer.memory(first), run.device_memory, console)
 
-    history = _loop(run, trainer, state, first, batches, console)
+        def save(step: int, state) -> float:
+            return checkpoints.save(step, state.params, state.opt_state, run_meta,
+                                    batches.get_state())
+
+        history = _loop(run, trainer, state, first, batches, console, start,
+                        save if checkpoints else None)
+    finally:
+        if checkpoints:
+            checkpoints.close()  # waits for the last save to commit
     _summary(history, console)
     return history
 
 
-def _loop(run, trainer, state, first, batches, console) -> list[dict]:
+def _check_memory(report: dict[str, int], budget_mib: float, console: Console) -> None:
+    """Every part of the run must fit the per-device budget, as XLA's analysis reports it."""
+    for part, used in report.items():
+        mib = used / 2**20
+        if mib > budget_mib:
+            raise UserError(f"--device-memory {budget_mib}: the {part} needs {mib:,.1f} MiB per "
+                            f"device: use a more sharded strategy for it, or a larger budget")
+    console.print(escape("per-device memory (XLA): " + ", ".join(
+        f"{part} {used / 2**20:,.1f} MiB" for part, used in report.items())))
+
+
+def _check_checkpoint_flags(run: RunConfig) -> None:
+    for flag, value in (("--save-every", run.save_every), ("--keep-last", run.keep_last),
+                        ("--keep-every", run.keep_every)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value}: pass a positive number of steps")
+    if run.save_every and not run.ckpt_dir:
+        raise UserError("--save-every needs --ckpt-dir: pass the directory to save into")
+
+
+def _loop(run, trainer, state, first, batches, console, start, save) -> list[dict]:
     history: list[dict] = []
     sink = open(run.metrics_jsonl, "w") if run.metrics_jsonl else None  # noqa: SIM115
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -98,19 +171,18 @@ def _loop(run, trainer, state, first, batches, console) -> list[dict]:
                         console=console)
     try:
         with progress:
-            task = progress.add_task("train", total=run.steps, status="")
-            arrays, batch = first, None
-            for step in range(1, run.steps + 1):
-                if arrays is None:
-                    batch = next(batches)
-                    arrays = trainer.batch_arrays(batch)
-                tokens = int((arrays["segment_ids"] > 0).sum())
+            task = progress.add_task("train", total=run.steps, completed=start, status="")
+            batch = first
+            for step in range(start + 1, run.steps + 1):
                 started = time.perf_counter()
-                state, metrics = trainer.step(state, arrays)
-                loss = float(metrics["loss"])  # waits for the step
+                state, metrics = trainer.train_step(state, batch)
                 seconds = time.perf_counter() - started
-                record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                          "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+                loss, tokens = metrics["loss"], metrics["tokens"]
+                record = {"step": step, **metrics, "seconds": seconds,
+                          "tokens_per_s": tokens / seconds}
+                if save and (step % (run.save_every or run.steps) == 0 or step == run.steps):
+                    # The data position is taken after this step's batch, before the next one's.
+                    record["save_seconds"] = save(step, state)
                 history.append(record)
                 if sink:
                     sink.write(json.dumps(record) + "\n")
@@ -119,7 +191,8 @@ def _loop(run, trainer, state, first, batches, console) -> list[dict]:
                 progress.update(task, advance=1, status=status)
                 if step % run.log_every == 0 or step == run.steps:
                     progress.console.print(f"step {step:>5}  {status}")
-                arrays = None
+                if step < run.steps:
+                    batch = next(batches)
     finally:
         if sink:
             sink.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -125,6 +126,31 @@ class Trainer:
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer update. `state` is donated: use the returned one."""
         return self.compiled(batch["tokens"].shape)(state, batch)
+
+    def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        """One update from host data; metrics as Python numbers (this waits for the step)."""
+        state, metrics = self.step(state, self.batch_arrays(batch))
+        return state, {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                       "tokens": batch.real_tokens}
+
+    def prepare(self, batch: Batch) -> None:
+        """Compile the step for this batch's shape (rows padded as `batch_arrays` pads them)
+        ahead of the first update."""
+        rows, seq_len = batch.tokens.shape
+        self.compiled((rows + -rows % self.layout.batch_shards, seq_len))
+
+    def state_bytes(self) -> int:
+        """Per-device bytes of the fp32 parameters and optimizer state in this layout."""
+        shapes = jax.eval_shape(lambda: self.init(0))
+        return sum(math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+                   for leaf, sharding in zip(jax.tree.leaves(shapes),
+                                             jax.tree.leaves(self.state_shardings), strict=True))
+
+    def memory(self, batch: Batch) -> dict[str, int]:
+        """Per-device bytes of this strategy's compiled step, by XLA."""
+        rows, seq_len = batch.tokens.shape
+        compiled = self.compiled((rows + -rows % self.layout.batch_shards, seq_len))
+        return {f"step ({self.layout.strategy})": step_memory(compiled)["peak"]}
 
     def compiled(self, shape: tuple[int, int]) -> jax.stages.Compiled:
         """The AOT-compiled step for one batch shape, built once."""

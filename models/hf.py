@@ -155,6 +155,14 @@ def _hf_shape(shape: tuple[int, ...], fan_in: int) -> tuple[int, ...]:
     return shape if not fan_in else (math.prod(shape[fan_in:]), math.prod(shape[:fan_in]))
 
 
+def hf_tensor_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Each HF LLaMA tensor `cfg` implies, name -> shape, in HF file order."""
+    shapes = abstract_params(cfg)
+    return {name: _hf_shape(shapes[key].shape if i is None else shapes["layers"][key].shape[1:],
+                            fan_in)
+            for key, i, name, fan_in in _layout(cfg)}
+
+
 def params_to_hf_state(params: dict[str, Any], cfg: LlamaConfig) -> dict[str, np.ndarray]:
     """HF LLaMA tensors (C-contiguous, params' dtype) of a hotjax pure-dict params tree."""
     host = jax.tree.map(np.asarray, params)

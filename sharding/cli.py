@@ -6,6 +6,7 @@ Imports nothing heavy until a command runs: JAX must start after the device coun
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 
@@ -24,11 +25,13 @@ def _show(args: argparse.Namespace) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from models.llama import preset
+    from models.llama import padded_vocab, preset
     from sharding.report import describe
 
     entries = _strategies(args.table)
-    config = preset(args.model)
+    # As `hotjax train` builds it: the vocabulary padded to split over tensor ranks.
+    model = preset(args.model)
+    config = dataclasses.replace(model, vocab_size=padded_vocab(model.vocab_size))
     reports = [describe(strategy, config) for _, strategy in entries]
     if args.json:
         print(json.dumps(reports, indent=2))

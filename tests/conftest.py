@@ -2,7 +2,9 @@
 
 import os
 
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+from hotjax import simulate_cpu_devices
+
+simulate_cpu_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -39,11 +39,38 @@ def test_training_lowers_the_loss_and_records_every_step(tmp_path):
     assert [r["step"] for r in records] == list(range(1, 9))
     for r in records:
         assert set(r) >= {"step", "loss", "tokens", "seconds", "tokens_per_s"}
-        assert 0 < r["tokens"] <= 2048
+        assert r["tokens"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
     # From uniform guesses over the 259 byte tokens padded to 384 embedding rows, to well below.
     assert records[0]["loss"] == pytest.approx(np.log(384), abs=0.05)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
+
+
+def test_a_bucket_table_trains_with_hot_switching(tmp_path):
+    table = tmp_path / "table.toml"
+    table.write_text("[[bucket]]\nmax_len = 128\nmesh = { data = 8 }\nrules = 'dp'\n"
+                     "[[bucket]]\nmax_len = 256\nmesh = { data = 2, tensor = 4 }\n"
+                     "rules = 'megatron-sp'\n")
+    records = _train(tmp_path, "--steps", "4", "--warmup-steps", "1", "--lr", "1e-2",
+                     "--strategies", str(table))
+    assert [[b["max_len"] for b in r["buckets"]] for r in records][0] in ([128, 256], [256, 128])
+    for r in records:
+        assert r["tokens"] == sum(b["tokens"] for b in r["buckets"]) > 0
+        assert all(b["compute_s"] > 0 and b["switch_s"] >= 0 for b in r["buckets"])
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_a_home_strategy_that_cannot_hold_the_state_is_refused(tmp_path, capsys):
+    table = tmp_path / "table.toml"
+    table.write_text("[[bucket]]\nmax_len = 128\nmesh = { data = 8 }\nrules = 'dp'\n"
+                     "[[bucket]]\nmax_len = 256\nmesh = { data = 2, tensor = 4 }\n"
+                     "rules = 'megatron-sp'\n")
+    # The tiny model's fp32 state is 0.4 MiB per device even in the most sharded layout.
+    assert main([*TINY_RUN, "--steps", "1", "--strategies", str(table),
+                 "--device-memory", "0.1"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("hotjax: error: --device-memory 0.1: the home state needs 0.")
+    assert "use a more sharded strategy" in error
 
 
 def _hotjax(*args: str, cwd=None) -> subprocess.CompletedProcess:

@@ -1,0 +1,78 @@
+"""Hugging Face LLaMA directories to and from weights-only checkpoints, and what `inspect` shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from hotjax.checkpoint import meta as meta_lib
+from hotjax.checkpoint import store
+from hotjax.data import load_tokenizer
+from models.hf import load_hf_checkpoint, save_hf_checkpoint
+from models.llama import LlamaConfig, abstract_params, bind, param_axes
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | None = None) -> Path:
+    """A weights-only checkpoint of a Hugging Face LLaMA directory, at step 0; the tokenizer
+    (`--tokenizer`, else the directory's tokenizer.json if any) is recorded."""
+    store.check_new_directory(out)
+    hf_dir = Path(hf_dir).absolute()
+    model = load_hf_checkpoint(hf_dir, dtype="float32")
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+    if tokenizer is None and (hf_dir / "tokenizer.json").is_file():
+        tokenizer = str(hf_dir / "tokenizer.json")
+    record = meta_lib.record(
+        step=0, source=f"import-hf {hf_dir}", items=[store.PARAMS],
+        model=model.config.to_dict(),
+        tokenizer=meta_lib.tokenizer_record(load_tokenizer(tokenizer, None)) if tokenizer
+        else None)
+    return store.save_weights(out, params, record)
+
+
+def export_hf(path: str | Path, out: str | Path, dtype: str = "float32") -> Path:
+    """A Hugging Face LLaMA directory of a checkpoint's parameters, in `dtype`. Vocabulary
+    padding past the recorded tokenizer's size is left out, so the two agree."""
+    out = store.check_new_directory(out)
+    step_dir = store.find(path)
+    meta = meta_lib.read(step_dir)
+    config = LlamaConfig.from_dict(meta["model"])
+    targets = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
+                           abstract_params(config))
+    params = store.restore(step_dir, {store.PARAMS: targets}).arrays[store.PARAMS]
+    vocab = meta_lib.real_vocab(meta)
+    if vocab < config.vocab_size:
+        params = jax.tree.map(lambda x, axes: x[tuple(slice(0, vocab) if a == "vocab"
+                                                      else slice(None) for a in axes)],
+                              params, param_axes(config))
+        config = dataclasses.replace(config, vocab_size=vocab)
+    tokenizer = meta.get("tokenizer") or {}
+    save_hf_checkpoint(bind(config, params), out, dtype, bos_token_id=tokenizer.get("bos_id"),
+                       eos_token_id=tokenizer.get("eos_id"))
+    return out
+
+
+def describe(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's step, metadata, sizes and arrays (shape and dtype), read without
+    loading any array."""
+    step_dir = store.find(path)
+    meta = meta_lib.read(step_dir)
+    items = {}
+    for item in meta["items"]:
+        arrays = store.saved_arrays(step_dir, item)
+        items[item] = {
+            "disk_bytes": sum(f.stat().st_size for f in (step_dir / item).rglob("*")
+                              if f.is_file()),
+            "bytes": sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in arrays.values()),
+            "arrays": {name: {"shape": list(a.shape), "dtype": str(a.dtype)}
+                       for name, a in arrays.items()}}
+    siblings = store.steps(step_dir.parent)
+    return {"path": str(step_dir), "step": meta["step"],
+            "steps_in_directory": siblings,
+            **{k: v for k, v in meta.items() if k not in ("step", "fingerprints")},
+            "data_position": meta_lib.read_data(step_dir), "arrays": items}

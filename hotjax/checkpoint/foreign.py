@@ -1,0 +1,407 @@
+"""Import of foreign shard sets: per-rank files of a TP/PP/ZeRO run, described by a manifest
+(format: `checkpoint.manifest`), rebuilt into logical tensors and written as a checkpoint.
+
+The parent reads only the files' headers, checks them against the manifest and plans one task
+per logical tensor (per layer); worker processes, given tasks balanced by bytes, read the
+slices, reassemble and cross-check them, and return Hugging Face-named tensors, which
+`models.hf.hf_state_to_params` turns into our parameter tree. Workers import neither JAX nor
+Orbax. Every inconsistency names the rank file and the tensor.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import multiprocessing
+import os
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from hotjax.checkpoint.manifest import Manifest, TensorSpec
+from hotjax.checkpoint.manifest import load as load_manifest
+from hotjax.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Elements [start, stop) of a tensor in a rank file (the whole tensor if start is None)."""
+
+    file: str
+    tensor: str
+    start: int | None = None
+    stop: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """One rank's copy of a local tensor: segments read, concatenated and reshaped."""
+
+    label: str  # the local tensor's name, e.g. layers.0.qkv
+    segments: tuple[Segment, ...]
+    shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        first = self.segments[0]
+        inside = f" (in flat buffer {first.tensor})" if first.start is not None else ""
+        return f"{first.file}: tensor {self.label}{inside}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One logical tensor: each tensor-parallel rank's copies (the first is read, the others
+    compared with it), and the HF tensors it becomes."""
+
+    spec: TensorSpec
+    label: str
+    to: tuple[str, ...]
+    ranks: tuple[tuple[Location, ...], ...]
+    nbytes: int
+
+
+# ---------------------------------------------------------------------------- rank files
+
+_open: dict[str, Any] = {}  # per process: path -> an open safetensors handle or zip file
+
+
+def _headers(file: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Each tensor's shape and dtype, read from the file's header alone."""
+    if not file.is_file():
+        raise UserError(f"{file}: rank file not found (the manifest's `files` names it)")
+    try:
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="numpy") as f:
+                return {n: (tuple(f.get_slice(n).get_shape()),
+                            _st_dtype(f.get_slice(n).get_dtype())) for n in f.keys()}  # noqa: SIM118
+        with zipfile.ZipFile(file) as z:
+            out = {}
+            for member in z.namelist():
+                with z.open(member) as f:
+                    shape, dtype, _ = _npy_header(f)
+                out[member.removesuffix(".npy")] = (shape, dtype)
+            return out
+    except (SafetensorError, zipfile.BadZipFile, ValueError, OSError) as e:
+        raise UserError(f"{file}: not a readable {file.suffix} file ({e})") from None
+
+
+def _st_dtype(name: str) -> np.dtype:
+    import ml_dtypes  # numpy has no bfloat16
+
+    return np.dtype({"F64": np.float64, "F32": np.float32, "F16": np.float16,
+                     "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32,
+                     "I16": np.int16, "I8": np.int8, "U8": np.uint8}[name])
+
+
+def _npy_header(f: Any) -> tuple[tuple[int, ...], np.dtype, bool]:
+    version = np.lib.format.read_magic(f)
+    read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+            else np.lib.format.read_array_header_2_0)
+    shape, fortran, dtype = read(f)
+    return tuple(shape), dtype, fortran
+
+
+def _read(segment: Segment) -> np.ndarray:
+    file = segment.file
+    try:
+        if file.endswith(".safetensors"):
+            handle = _open.get(file) or _open.setdefault(file, safe_open(file, framework="numpy"))
+            if segment.start is None:
+                return handle.get_tensor(segment.tensor)
+            return handle.get_slice(segment.tensor)[segment.start:segment.stop]
+        archive = _open.get(file) or _open.setdefault(file, zipfile.ZipFile(file))
+        with archive.open(segment.tensor + ".npy") as f:
+            shape, dtype, fortran = _npy_header(f)
+            if segment.start is None:
+                count = math.prod(shape)
+                data = np.frombuffer(f.read(count * dtype.itemsize), dtype, count)
+                return data.reshape(shape, order="F" if fortran else "C")
+            f.seek(segment.start * dtype.itemsize, os.SEEK_CUR)
+            count = segment.stop - segment.start
+            return np.frombuffer(f.read(count * dtype.itemsize), dtype, count)
+    except (SafetensorError, zipfile.BadZipFile, ValueError, OSError, KeyError) as e:
+        raise UserError(f"{file}: tensor {segment.tensor}: unreadable ({e})") from None
+
+
+def _read_location(location: Location) -> np.ndarray:
+    parts = [_read(s) for s in location.segments]
+    data = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if data.size != math.prod(location.shape):
+        raise UserError(f"{location}: holds {data.size} elements, the manifest implies "
+                        f"{location.shape}")
+    return data.reshape(location.shape)
+
+
+# ---------------------------------------------------------------------------- planning
+
+def plan(manifest: Manifest, n_layers: int, hf_shapes: dict[str, tuple[int, ...]]) -> list[Task]:
+    """Every task of the import, checked against the rank files' headers and the model."""
+    tp, pp, dp = (manifest.sizes[a] for a in ("tp", "pp", "dp"))
+    per_stage = manifest.layers_per_stage or ((n_layers // pp,) * pp if n_layers % pp == 0
+                                              else None)
+    if per_stage is None or sum(per_stage) != n_layers:
+        raise UserError(f"{manifest.path}: {n_layers} layers do not split over pp={pp} as "
+                        f"given: set parallel.layers_per_stage")
+    first_layer = [sum(per_stage[:s]) for s in range(pp)]
+    _check_targets(manifest, n_layers, hf_shapes)
+    files = {(t, s, d): manifest.file(t, s, d)
+             for t in range(tp) for s in range(pp) for d in range(dp)}
+    headers = {str(file): _headers(file) for file in files.values()}
+    flat = _flat_locations(manifest, per_stage, files, headers)
+
+    def location(spec: TensorSpec, t: int, s: int, d: int, local: str) -> Location:
+        if (t, s, local) in flat:
+            return flat[(t, s, local)]
+        file, shape = files[(t, s, d)], spec.local_shape(tp)
+        found = headers[str(file)].get(local)
+        if found is None:
+            raise UserError(f"{file}: lacks tensor {local}, which the manifest places on rank "
+                            f"tp={t} pp={s} dp={d}")
+        if found[0] != shape:
+            raise UserError(f"{file}: tensor {local} has shape {found[0]}, but the manifest "
+                            f"implies {shape} ({spec.tp} of {list(spec.padded)} over tp={tp})")
+        return Location(local, (Segment(str(file), local),), shape)
+
+    tasks = []
+    for spec in manifest.tensors:
+        # (stages holding it, its name in their files, its global layer)
+        if spec.per_layer:
+            instances = [([s], spec.name.replace("{l}", str(layer)), first_layer[s] + layer)
+                         for s in range(pp) for layer in range(per_stage[s])]
+        else:
+            instances = [(list(range(pp)) if spec.stage == "all" else [spec.stage], spec.name,
+                          None)]
+        for stages, local, layer in instances:
+            ranks = tuple(tuple(location(spec, t, s, d, local) for s in stages
+                                for d in ([0] if (t, s, local) in flat else range(dp)))
+                          for t in range(tp))
+            first = ranks[0][0].segments[0]
+            itemsize = headers[first.file][first.tensor][1].itemsize
+            tasks.append(Task(spec, local if layer is None else f"{local} (layer {layer})",
+                              tuple(name.replace("{L}", str(layer)) for name in spec.to),
+                              ranks, math.prod(spec.padded) * itemsize))
+    return tasks
+
+
+def _check_targets(manifest: Manifest, n_layers: int,
+                   hf_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every HF tensor of the model comes from exactly one manifest tensor, at its shape."""
+    made: dict[str, str] = {}
+    for spec in manifest.tensors:
+        widths: dict[str, int] = {}
+        for name, width in spec.split():
+            widths[name] = widths.get(name, 0) + width
+        for layer in range(n_layers) if spec.per_layer else [None]:
+            for name, width in widths.items():
+                target = name.replace("{L}", str(layer))
+                where = f"{manifest.path}: tensor {spec.name!r}"
+                if target in made and made[target] != spec.name:
+                    raise UserError(f"{where}: maps to {target}, as tensor {made[target]!r} "
+                                    f"does: each target must come from one tensor")
+                made[target] = spec.name
+                if target not in hf_shapes:
+                    raise UserError(f"{where}: maps to {target}, which the model lacks")
+                shape = (width, *spec.shape[1:])
+                if shape != hf_shapes[target]:
+                    raise UserError(f"{where}: gives {target} the shape {shape}, but the model "
+                                    f"needs {hf_shapes[target]}: fix its shape or widths")
+    missing = [name for name in hf_shapes if name not in made]
+    if missing:
+        raise UserError(f"{manifest.path}: no tensor maps to {', '.join(missing[:3])}"
+                        f"{' ...' if len(missing) > 3 else ''}: describe every model tensor")
+
+
+def _flat_locations(manifest: Manifest, per_stage: Sequence[int], files: dict,
+                    headers: dict) -> dict[tuple[int, int, str], Location]:
+    """Where each local tensor of each (tp, pp) rank sits in the ZeRO flat buffers."""
+    tp, pp, dp = (manifest.sizes[a] for a in ("tp", "pp", "dp"))
+    specs = {spec.name: spec for spec in manifest.tensors}
+    out = {}
+    for flat in manifest.flats:
+        for t in range(tp):
+            for s in range(pp):
+                parts = []
+                for d in range(dp):
+                    found = headers[str(files[(t, s, d)])].get(flat.name)
+                    if found is None or len(found[0]) != 1:
+                        what = "lacks" if found is None else "has a non-1-D"
+                        raise UserError(f"{files[(t, s, d)]}: {what} flat buffer {flat.name}")
+                    parts.append(found[0][0])
+                odd = next((d for d in range(dp) if parts[d] != parts[0]), None)
+                if odd is not None:
+                    raise UserError(f"{files[(t, s, odd)]}: flat buffer {flat.name} holds "
+                                    f"{parts[odd]} elements but {files[(t, s, 0)]} holds "
+                                    f"{parts[0]}: ZeRO partitions must be equal")
+                order = [(local, specs[name].local_shape(tp))
+                         for local, name in _flat_order(flat.tensors, specs, s, per_stage[s])]
+                needed, total = sum(math.prod(shape) for _, shape in order), parts[0] * dp
+                if not needed <= total < needed + dp * flat.align:
+                    raise UserError(f"{files[(t, s, 0)]}: flat buffer {flat.name} holds "
+                                    f"{total} elements over dp={dp}, but its tensors need "
+                                    f"{needed} plus under {dp * flat.align} of padding: the "
+                                    f"manifest's tensor list or shapes do not match the file")
+                offset = 0
+                for local, shape in order:
+                    size = math.prod(shape)
+                    segments = _segments(files, t, s, parts[0], flat.name, offset, size)
+                    out[(t, s, local)] = Location(local, segments, shape)
+                    offset += size
+    return out
+
+
+def _flat_order(names: Sequence[str], specs: dict[str, TensorSpec], stage: int,
+                layers: int) -> list[tuple[str, str]]:
+    """(local name, manifest name) of one stage's buffer, in order: each run of {l} names
+    repeated layer-major, tensors of other stages left out."""
+    order: list[tuple[str, str]] = []
+    run: list[str] = []
+    for name in [*names, ""]:
+        if "{l}" in name:
+            run.append(name)
+            continue
+        order += [(n.replace("{l}", str(layer)), n) for layer in range(layers) for n in run]
+        run = []
+        if name and specs[name].stage in ("all", stage):
+            order.append((name, name))
+    return order
+
+
+def _segments(files: dict, t: int, s: int, part: int, name: str, offset: int,
+              size: int) -> tuple[Segment, ...]:
+    segments, position, end = [], offset, offset + size
+    while position < end:
+        d = position // part
+        stop = min(end, (d + 1) * part)
+        segments.append(Segment(str(files[(t, s, d)]), name, position - d * part,
+                                stop - d * part))
+        position = stop
+    return tuple(segments)
+
+
+# ---------------------------------------------------------------------------- conversion
+
+def convert(task: Task) -> dict[str, np.ndarray]:
+    """One logical tensor, rebuilt from its ranks and split into its HF tensors."""
+    spec = task.spec
+    pieces = []
+    for copies in task.ranks:
+        first = _read_location(copies[0])
+        for other in copies[1:]:
+            if not np.array_equal(_read_location(other), first, equal_nan=True):
+                raise UserError(f"{other} differs from its copy in {copies[0].segments[0].file},"
+                                f" though the manifest says they are replicas")
+        if pieces and first.dtype != pieces[0].dtype:
+            raise UserError(f"{copies[0]} is {first.dtype}, but tp rank 0's copy in "
+                            f"{task.ranks[0][0].segments[0].file} is {pieces[0].dtype}")
+        pieces.append(first.T if spec.transpose else first)
+    whole = _merge(spec, pieces, task)
+    whole = whole[tuple(slice(0, n) for n in spec.shape)]  # strip padding
+    out: dict[str, list[np.ndarray]] = {}
+    start = 0
+    for (_, width), target in zip(spec.split(), task.to, strict=True):
+        out.setdefault(target, []).append(whole[start:start + width])
+        start += width
+    return {target: np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0])
+            for target, parts in out.items()}
+
+
+def _merge(spec: TensorSpec, pieces: list[np.ndarray], task: Task) -> np.ndarray:
+    if spec.tp == "shard_v":
+        return np.concatenate(pieces, axis=0)
+    if spec.tp == "shard_h":
+        return np.concatenate(pieces, axis=1)
+    if spec.tp == "shard_nc":
+        n = len(pieces)
+        subs, start = [], 0
+        for width in spec.widths or ():
+            subs += [p[start:start + width // n] for p in pieces]
+            start += width // n
+        return np.concatenate(subs, axis=0)
+    if spec.tp == "replicate":
+        for t, piece in enumerate(pieces[1:], 1):
+            if not np.array_equal(piece, pieces[0], equal_nan=True):
+                raise UserError(f"{task.ranks[t][0]} differs from tp rank 0's copy in "
+                                f"{task.ranks[0][0].segments[0].file}, though the manifest says "
+                                f"tp replicates it")
+        return pieces[0]
+    total = np.sum(np.stack(pieces), axis=0, dtype=pieces[0].dtype)
+    return total if spec.tp == "partial_sum" else total / np.asarray(len(pieces), total.dtype)
+
+
+def _convert_all(tasks: list[Task]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for task in tasks:
+        out.update(convert(task))
+    return out
+
+
+def balance(sizes: Sequence[int], workers: int) -> list[list[int]]:
+    """Task indices per worker: largest first, each to the least-loaded worker (LPT)."""
+    bins: list[list[int]] = [[] for _ in range(max(1, workers))]
+    loads = [0] * len(bins)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        k = loads.index(min(loads))
+        bins[k].append(i)
+        loads[k] += sizes[i]
+    return [b for b in bins if b]
+
+
+def run_tasks(tasks: list[Task], workers: int) -> dict[str, np.ndarray]:
+    """All tasks' tensors, converted by `workers` processes (in this one if 1)."""
+    groups = [[tasks[i] for i in group] for group in balance([t.nbytes for t in tasks], workers)]
+    if len(groups) <= 1:
+        return _convert_all(tasks)
+    # Spawned, not forked: the parent may hold JAX's threads, which fork does not survive.
+    context = multiprocessing.get_context("spawn")
+    out: dict[str, np.ndarray] = {}
+    with concurrent.futures.ProcessPoolExecutor(len(groups), mp_context=context) as pool:
+        for tensors in pool.map(_convert_all, groups):
+            out.update(tensors)
+    return out
+
+
+def import_shards(manifest_path: str | Path, out: str | Path,
+                  workers: int | None = None) -> Path:
+    """Converts the shard set `manifest_path` describes into a weights-only checkpoint."""
+    from hotjax.checkpoint import meta as meta_lib
+    from hotjax.checkpoint import store
+    from models.hf import hf_state_to_params, hf_tensor_shapes
+
+    store.check_new_directory(out)
+    manifest = load_manifest(manifest_path)
+    config = model_config(manifest)
+    tasks = plan(manifest, config.n_layers, hf_tensor_shapes(config))
+    tensors = run_tasks(tasks, workers or min(os.cpu_count() or 1, 8, len(tasks)))
+    params = hf_state_to_params(tensors, config)
+    record = meta_lib.record(step=manifest.step, source=f"import-shards {manifest.path}",
+                             items=[store.PARAMS], model=config.to_dict(),
+                             written_from={"foreign": manifest.describe()})
+    return store.save_weights(out, params, record)
+
+
+def model_config(manifest: Manifest) -> Any:
+    """The manifest's model: a preset, config fields over an optional preset, or an HF config."""
+    import json
+
+    from models.hf import config_from_hf
+    from models.llama import LlamaConfig, preset
+
+    model, where = manifest.model, f"{manifest.path}: model"
+    if isinstance(model, str):
+        return dataclasses.replace(preset(model), compute_dtype="float32")
+    if "hf_config" in model:
+        file = manifest.path.parent / model["hf_config"]
+        try:
+            return config_from_hf(json.loads(file.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"{file}: unreadable HF config ({e})") from None
+    fields = {k: v for k, v in model.items() if k != "preset"}
+    base = preset(model["preset"]).to_dict() if "preset" in model else {}
+    try:
+        return LlamaConfig.from_dict({**base, **fields, "compute_dtype": "float32"})
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{where}: {e}") from None

@@ -1,0 +1,159 @@
+"""A checkpoint's JSON metadata: what wrote it and for which model, data and tokenizer.
+
+Free of JAX and Orbax, so `inspect` and the shard importer's workers stay light. The record:
+
+    format          "hotjax-checkpoint/1"
+    hotjax_version  the writer's version
+    step            the optimizer steps taken
+    source          "train", "import-hf <dir>" or "import-shards <manifest>"
+    items           the array items present: ["params", "opt_state"] or ["params"] (weights only)
+    model           `LlamaConfig.to_dict()`
+    tokenizer       {identity, vocab_size, bos_id, eos_id, pad_id}, or null when unknown
+    seed            the run's seed: it initialised the parameters and orders the data
+    data            what the data position refers to: {source, seq_len, batch_tokens, seed}
+    optimizer       the `OptimConfig` fields, or null
+    strategy_table  {"bucket": [{max_len, mesh, rules}, ...]}, the TOML table's form, or null
+    written_from    the layout that wrote it (for `inspect` only; restore never reads it)
+    fingerprints    {item: {array path: uint32}}: see `store.fingerprints`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from hotjax import __version__
+from hotjax.errors import UserError
+
+FORMAT = "hotjax-checkpoint/1"
+META_FILE = Path("meta") / "metadata"  # where Orbax's JSON handler puts the `meta` item
+DATA_FILE = Path("data") / "metadata"
+REQUIRED = ("format", "step", "items", "model", "fingerprints")
+# Fields that change neither the parameters' shapes nor their meaning.
+_NOT_ARCHITECTURE = ("vocab_size", "compute_dtype", "remat", "max_seq_len")
+
+
+def record(*, step: int, source: str, items: list[str], model: dict[str, Any],
+           seed: int | None = None, tokenizer: dict[str, Any] | None = None,
+           data: dict[str, Any] | None = None,
+           optimizer: dict[str, Any] | None = None, strategy_table: dict[str, Any] | None = None,
+           written_from: dict[str, Any] | None = None,
+           fingerprints: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    return {"format": FORMAT, "hotjax_version": __version__, "step": step, "source": source,
+            "items": items, "model": model, "seed": seed, "tokenizer": tokenizer, "data": data,
+            "optimizer": optimizer, "strategy_table": strategy_table,
+            "written_from": written_from, "fingerprints": fingerprints or {}}
+
+
+def tokenizer_record(tokenizer: Any) -> dict[str, Any]:
+    return {k: getattr(tokenizer, k)
+            for k in ("identity", "vocab_size", "bos_id", "eos_id", "pad_id")}
+
+
+def table_record(table: Any) -> dict[str, Any]:
+    """A strategy table in its TOML form, rules written out in full (`sharding.table`)."""
+    return {"bucket": [{"max_len": b.max_len,
+                        "mesh": {a: n for a, n in b.strategy.axes.items() if n > 1},
+                        "rules": rules_record(b.strategy.rules)} for b in table.buckets]}
+
+
+def rules_record(rules: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": rules.name}
+    for field in dataclasses.fields(rules):
+        mapping = getattr(rules, field.name)
+        if field.name != "name" and mapping is not None:
+            out[field.name] = {logical: list(axes) for logical, axes in mapping}
+    return out
+
+
+def layout_record(layout: Any) -> dict[str, Any]:
+    """The writer's layout, for `inspect`: strategy, mesh and devices."""
+    devices = layout.mesh.devices.flat
+    first = next(iter(devices))
+    return {"strategy": str(layout.strategy),
+            "mesh": {a: n for a, n in layout.strategy.axes.items() if n > 1},
+            "rules": rules_record(layout.strategy.rules),
+            "devices": int(layout.mesh.devices.size), "platform": first.platform,
+            "processes": len({d.process_index for d in layout.mesh.devices.flat})}
+
+
+def read_json(file: Path, what: str) -> dict[str, Any]:
+    if not file.is_file():
+        raise UserError(f"{file}: not found: the checkpoint lacks its {what}; it was not "
+                        f"written by hotjax, or was damaged: resume from another checkpoint")
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{file}: unreadable {what} ({first_line(e)}): the checkpoint is "
+                        f"damaged: resume from another checkpoint") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{file}: {what} is not a JSON object: the checkpoint is damaged")
+    return value
+
+
+def read(step_dir: Path) -> dict[str, Any]:
+    """The metadata of a step directory, checked for the fields restore relies on."""
+    file = step_dir / META_FILE
+    meta = read_json(file, "metadata")
+    missing = [k for k in REQUIRED if k not in meta]
+    if missing:
+        raise UserError(f"{file}: lacks {', '.join(missing)}: not a hotjax checkpoint, or "
+                        f"damaged: resume from another checkpoint")
+    if meta["format"] != FORMAT:
+        raise UserError(f"{file}: format {meta['format']!r} is not {FORMAT!r}: written by "
+                        f"another version of hotjax ({meta.get('hotjax_version', '?')})")
+    return meta
+
+
+def read_data(step_dir: Path) -> dict[str, Any] | None:
+    file = step_dir / DATA_FILE
+    return read_json(file, "data position") if file.parent.exists() else None
+
+
+def check_model(meta: dict[str, Any], model: dict[str, Any], where: Path) -> None:
+    """Raises unless `model` (a `LlamaConfig.to_dict()`) has the checkpoint's architecture.
+
+    Vocabulary sizes may differ by padding only: rows past the tokenizer's vocabulary are
+    never targets, and restore pads or trims them.
+    """
+    saved = meta["model"]
+    differ = [k for k in model if k not in _NOT_ARCHITECTURE and saved.get(k) != model[k]]
+    if differ:
+        ours = ", ".join(f"{k}={saved.get(k)}" for k in differ[:4])
+        theirs = ", ".join(f"{k}={model[k]}" for k in differ[:4])
+        raise UserError(f"{where}: the checkpoint's model has {ours} but this run's has "
+                        f"{theirs}: pass the --model it was written with")
+    real = real_vocab(meta)
+    if model["vocab_size"] != saved["vocab_size"] and model["vocab_size"] < real:
+        raise UserError(f"{where}: the checkpoint's vocabulary has {real} tokens but this run's "
+                        f"model has {model['vocab_size']} rows: use the checkpoint's tokenizer")
+
+
+def real_vocab(meta: dict[str, Any]) -> int:
+    """Rows that hold real tokens; the rest of `model.vocab_size` is padding."""
+    tokenizer = meta.get("tokenizer") or {}
+    return int(tokenizer.get("vocab_size") or meta["model"]["vocab_size"])
+
+
+def check_run(meta: dict[str, Any], *, tokenizer: dict[str, Any], data: dict[str, Any],
+              where: Path) -> None:
+    """Raises unless the data position in the checkpoint means the same in this run."""
+    saved = meta.get("tokenizer")
+    if saved and saved["identity"] != tokenizer["identity"]:
+        raise UserError(f"{where}: written with tokenizer {saved['identity']} but this run "
+                        f"uses {tokenizer['identity']}: pass the checkpoint's --tokenizer")
+    saved_data = meta.get("data")
+    if saved_data:
+        for key, flag in (("source", "--data"), ("seq_len", "--context"),
+                          ("batch_tokens", "--batch-tokens"), ("seed", "--seed")):
+            if saved_data.get(key) != data.get(key):
+                raise UserError(f"{where}: its data position is for {key}={saved_data.get(key)!r}"
+                                f" but this run has {data.get(key)!r}: pass {flag} as the "
+                                f"checkpoint's run did")
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

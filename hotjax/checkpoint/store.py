@@ -1,0 +1,307 @@
+"""Universal checkpoints in Orbax: a step's state saved from home, restored onto any layout.
+
+A checkpoint directory holds one directory per step, each with the items
+- `params`, `opt_state`: arrays in logical form (OCDBT, zarr3): the model's own tree of fp32
+  parameters (stacked layers, unfused Q/K/V) and the optimizer state that mirrors it. No
+  sharding is stored with them, so a restore always names its targets: shape, dtype and the new
+  layout's sharding, on any mesh or device count;
+- `meta`: JSON (`checkpoint.meta`), including a fingerprint of every array;
+- `data`: JSON, the data iterator's position (absent from weights-only checkpoints).
+A step directory is complete or absent: Orbax writes `<step>.orbax-checkpoint-tmp*` and renames
+it once every item is committed, so `latest` never names a partial one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as keep_policies
+from orbax.checkpoint import type_handlers
+
+from hotjax.checkpoint import meta as meta_lib
+from hotjax.errors import UserError
+
+PARAMS, OPT_STATE, META, DATA = "params", "opt_state", "meta", "data"
+TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+def _array_handler() -> ocp.PyTreeCheckpointHandler:
+    # Without the `_sharding` file Orbax would otherwise write, nothing of the writer's layout
+    # is stored with the arrays (restoring from it fails on another device count anyway).
+    # Host (numpy) arrays are written and read in the same format: imports and exports.
+    registry = type_handlers.create_type_handler_registry(
+        (jax.Array, type_handlers.ArrayHandler(enable_write_sharding_file=False)),
+        (np.ndarray, type_handlers.NumpyHandler()))
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_zarr3=True)
+
+
+def _handlers(items: tuple[str, ...] = (PARAMS, OPT_STATE, META, DATA)) -> dict[str, Any]:
+    return {item: ocp.JsonCheckpointHandler() if item in (META, DATA) else _array_handler()
+            for item in items}
+
+
+def array_path(path: tuple) -> str:
+    """`layers/wq`, `1/0/mu/embed`: a tree path as `inspect` and fingerprints name it."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                    for k in path)
+
+
+def _fingerprint(x: Any, xp: Any = jnp) -> Any:
+    # Each element's bits times an odd weight set by its position, summed mod 2**32: integer
+    # arithmetic is exact in any order, so every layout of the same values agrees, and any one
+    # changed element changes the sum. `xp` is jax.numpy (on device) or numpy (on host).
+    bits = x.view({1: xp.uint8, 2: xp.uint16, 4: xp.uint32}[x.dtype.itemsize]).astype(xp.uint32)
+    index = xp.arange(x.size, dtype=xp.uint32).reshape(x.shape)
+    return xp.sum(bits * (2 * index + 1), dtype=xp.uint32)
+
+
+_device_fingerprints = jax.jit(lambda leaves: [_fingerprint(x) for x in leaves])
+
+
+def _fingerprint_values(leaves: list[Any]) -> list[int]:
+    if all(isinstance(x, np.ndarray) for x in leaves):
+        return [int(_fingerprint(x, np)) for x in leaves]
+    return [int(v) for v in jax.device_get(_device_fingerprints(leaves))]
+
+
+def fingerprints(tree: Any) -> dict[str, int]:
+    """Each array's fingerprint, by path: computed where the arrays live, device or host."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    values = _fingerprint_values([x for _, x in leaves])
+    return {array_path(p): v for (p, _), v in zip(leaves, values, strict=True)}
+
+
+def item_fingerprints(items: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """`fingerprints` of several items at once (one computation), by item."""
+    both = fingerprints(items)
+    return {item: {path.split("/", 1)[1]: v for path, v in both.items()
+                   if path.split("/", 1)[0] == item} for item in items}
+
+
+class Checkpoints:
+    """A directory of step checkpoints: asynchronous saves, what to keep, the latest one."""
+
+    def __init__(self, directory: str | Path, *, keep_last: int | None = 3,
+                 keep_every: int | None = None):
+        self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise UserError(f"{self.directory}: not a directory: choose a checkpoint directory")
+        keep: list[Any] = [keep_policies.LatestN(keep_last)]
+        if keep_every:
+            keep.append(keep_policies.EveryNSteps(keep_every))
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=keep_policies.AnyPreservationPolicy(keep),
+            cleanup_tmp_directories=True, enable_async_checkpointing=True,
+            save_root_metadata=False)
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              item_handlers=_handlers())
+
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any],
+             data: dict[str, Any] | None) -> float:
+        """Starts writing one step; returns the seconds the caller was held up.
+
+        Orbax copies every array to host before it returns (its device-to-host transfer is
+        synchronous unless a transfer byte limit is set, which we never set), and writes in
+        a background thread; so the caller may donate these arrays to its next step at once
+        (DESIGN §6). On CPU the host copy is a view, and JAX refuses to reuse a donated buffer
+        that a view still holds.
+        """
+        started = time.perf_counter()
+        meta = {**meta, "step": step, "items": [PARAMS, OPT_STATE],
+                "fingerprints": item_fingerprints({PARAMS: params, OPT_STATE: opt_state})}
+        args = {PARAMS: ocp.args.PyTreeSave(params), OPT_STATE: ocp.args.PyTreeSave(opt_state),
+                META: ocp.args.JsonSave(meta)}
+        if data is not None:
+            args[DATA] = ocp.args.JsonSave(data)
+        self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+        return time.perf_counter() - started
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+def steps(directory: str | Path) -> list[int]:
+    """The complete checkpoints' steps in `directory` (Orbax's notion of finalized)."""
+    directory = Path(directory).absolute()
+    return sorted(ocp.utils.checkpoint_steps(directory)) if directory.is_dir() else []
+
+
+def latest(directory: str | Path) -> Path | None:
+    """The newest complete step directory in `directory`, if any."""
+    found = steps(directory)
+    return Path(directory).absolute() / str(found[-1]) if found else None
+
+
+def find(path: str | Path) -> Path:
+    """The complete step directory `path` names: itself, or the newest one inside it."""
+    path = Path(path).absolute()
+    if TMP_MARK in path.name:
+        raise UserError(f"{path}: an incomplete checkpoint (its save never finished): "
+                        f"resume from a complete one")
+    if not path.is_dir():
+        raise UserError(f"{path}: no such checkpoint directory")
+    if any((path / item).exists() for item in (META, PARAMS, "_CHECKPOINT_METADATA")):
+        return path
+    step_dir = latest(path)
+    if step_dir is None:
+        raise UserError(f"{path}: holds no complete checkpoint")
+    return step_dir
+
+
+def check_new_directory(directory: str | Path) -> Path:
+    """`directory`, unless something is there already: outputs never overwrite."""
+    directory = Path(directory).absolute()
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise UserError(f"{directory}: exists and is not an empty directory: choose a new "
+                        f"output directory (nothing was written)")
+    return directory
+
+
+def save_weights(directory: str | Path, params: Any, meta: dict[str, Any]) -> Path:
+    """Writes a weights-only checkpoint (`params` + `meta`) at `meta['step']`, synchronously."""
+    directory = check_new_directory(directory)
+    params = jax.tree.map(np.asarray, params)
+    meta = {**meta, "items": [PARAMS], "fingerprints": {PARAMS: fingerprints(params)}}
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False,
+                                           save_root_metadata=False)
+    with ocp.CheckpointManager(directory, options=options,
+                               item_handlers=_handlers((PARAMS, META))) as manager:
+        manager.save(meta["step"], args=ocp.args.Composite(
+            **{PARAMS: ocp.args.PyTreeSave(params), META: ocp.args.JsonSave(meta)}), force=True)
+    return directory / str(meta["step"])
+
+
+def saved_arrays(step_dir: Path, item: str) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shape and dtype of every array of one item, read from Orbax's metadata alone."""
+    if not (step_dir / item).is_dir():
+        raise UserError(f"{step_dir / item}: not found: the checkpoint lacks its {item}")
+    handler = _array_handler()
+    try:
+        tree = handler.metadata(step_dir / item).tree
+    except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types
+        raise UserError(f"{step_dir / item / '_METADATA'}: unreadable "
+                        f"({meta_lib.first_line(e)}): the checkpoint is damaged") from None
+    finally:
+        handler.close()
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {array_path(p): jax.ShapeDtypeStruct(tuple(m.shape), m.dtype) for p, m in leaves}
+
+
+class Restored(NamedTuple):
+    path: Path  # the step directory
+    meta: dict[str, Any]
+    arrays: dict[str, Any]  # item -> tree, on the targets' shardings and dtypes
+    data: dict[str, Any] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """How one array is read: at the target's shape and sharding, in its saved dtype."""
+
+    name: str
+    stored: jax.ShapeDtypeStruct
+    args: type_handlers.ArrayRestoreArgs
+    exact: bool  # read at its saved shape (not padded or trimmed), so its fingerprint holds
+
+
+def restore(path: str | Path, targets: Mapping[str, Any], *,
+            vocab: tuple[int, int] | None = None) -> Restored:
+    """Restores the items in `targets`: trees of `jax.ShapeDtypeStruct`, onto their shardings,
+    or as numpy arrays on the host where a target has no sharding.
+
+    Arrays are read in their stored dtype, checked against their fingerprints, then cast to
+    the target's. `vocab=(saved, target)` lets dimensions of the saved vocabulary size be
+    padded with zeros or trimmed to the target's (padding rows only: see `meta.check_model`).
+    """
+    step_dir = find(path)
+    meta = meta_lib.read(step_dir)
+    absent = [item for item in targets if item not in meta["items"]]
+    if absent:
+        raise UserError(f"{step_dir}: holds no {', '.join(absent)} (a weights-only checkpoint)")
+    reads = {item: _reads(step_dir, item, target, vocab) for item, target in targets.items()}
+    args = {item: ocp.args.PyTreeRestore(item=jax.tree.map(lambda r: r.stored, tree),
+                                         restore_args=jax.tree.map(lambda r: r.args, tree))
+            for item, tree in reads.items()}
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**_handlers(tuple(args)))) as c:
+            out = c.restore(step_dir, args=ocp.args.Composite(**args))
+    except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types
+        raise UserError(_damage(e, step_dir)) from None
+    arrays = {}
+    for item, target in targets.items():
+        _check_fingerprints(step_dir / item, out[item], reads[item],
+                            meta["fingerprints"].get(item, {}))
+        arrays[item] = jax.tree.map(lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype),
+                                    out[item], target)
+    return Restored(step_dir, meta, arrays, meta_lib.read_data(step_dir))
+
+
+def _reads(step_dir: Path, item: str, target: Any, vocab: tuple[int, int] | None) -> Any:
+    saved = saved_arrays(step_dir, item)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+    names = [array_path(p) for p, _ in leaves]
+    missing = [n for n in names if n not in saved]
+    extra = sorted(set(saved) - set(names))
+    if missing or extra:
+        which = (f"lacks {', '.join(missing[:3])}" if missing
+                 else f"holds {', '.join(extra[:3])}, which this run lacks")
+        raise UserError(f"{step_dir / item}: {which}: written for another model or optimizer")
+    reads = []
+    for name, (_, t) in zip(names, leaves, strict=True):
+        s = saved[name]
+        resized = vocab is not None and len(s.shape) == len(t.shape) and all(
+            a == b or (a, b) == vocab for a, b in zip(s.shape, t.shape, strict=True))
+        if s.shape != t.shape and not resized:
+            raise UserError(f"{step_dir / item}: array {name} has shape {s.shape} but this run "
+                            f"needs {t.shape}: written for another model")
+        exact = s.shape == t.shape
+        if t.sharding is None and not exact:
+            raise UserError(f"{step_dir / item}: array {name} has shape {s.shape}; resizing it "
+                            f"to {t.shape} needs a device target")
+        args = (type_handlers.RestoreArgs(restore_type=np.ndarray, dtype=s.dtype)
+                if t.sharding is None else
+                type_handlers.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape,
+                                               dtype=s.dtype, strict=exact))
+        reads.append(_Read(name, jax.ShapeDtypeStruct(t.shape, s.dtype, sharding=t.sharding),
+                           args, exact))
+    return jax.tree_util.tree_unflatten(treedef, reads)
+
+
+def _check_fingerprints(item_dir: Path, tree: Any, reads: Any, expected: dict[str, int]) -> None:
+    pairs = [(r, x) for r, x in zip(jax.tree.leaves(reads), jax.tree.leaves(tree), strict=True)
+             if r.exact and r.name in expected]
+    found = _fingerprint_values([x for _, x in pairs])
+    for (r, _), value in zip(pairs, found, strict=True):
+        if value != expected[r.name]:
+            raise UserError(f"{item_dir}: array {r.name} does not match its fingerprint: the "
+                            f"checkpoint is damaged: resume from another one")
+
+
+def _damage(e: BaseException, step_dir: Path) -> str:
+    """One line for a failed read: the item and array TensorStore names, and why."""
+    chain = [e]
+    while (chain[-1].__cause__ or chain[-1].__context__) and len(chain) < 16:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    text = " ".join(str(x) for x in chain)
+    where = re.search(r'local file "([^"]+)"', text)
+    array = re.search(r'in "([^"]+?)/c/', text)
+    reason = meta_lib.first_line(chain[-1]).rsplit('": ', 1)[-1]
+    return (f"{where.group(1) if where else step_dir}: "
+            f"{'array ' + array.group(1).replace('.', '/') + ' ' if array else ''}unreadable "
+            f"({reason}): the checkpoint is truncated or damaged: resume from another one")

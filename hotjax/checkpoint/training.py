@@ -1,0 +1,69 @@
+"""Checkpoints of a training run: restoring a step onto the run's own layout, and what each
+save records about the run."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hotjax.checkpoint import meta as meta_lib
+from hotjax.checkpoint import store
+from hotjax.train import Trainer, TrainState
+
+
+class Resumed(NamedTuple):
+    path: Path  # the step directory
+    state: TrainState
+    step: int
+    data: dict[str, Any] | None  # the data iterator's position; None: start the data afresh
+
+
+def state_targets(trainer: Trainer) -> TrainState:
+    """The trainer's state as `jax.ShapeDtypeStruct`s on its own shardings: restore targets."""
+    shapes = jax.eval_shape(lambda: trainer.init(0))
+    return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                                 sharding=sharding),
+                        shapes, trainer.state_shardings)
+
+
+def run_record(trainer: Trainer, *, tokenizer: Any, data: dict[str, Any], seed: int,
+               table: Any) -> dict[str, Any]:
+    """What every checkpoint of this run records beside its arrays (`meta.record`)."""
+    return meta_lib.record(
+        step=0, source="train", items=[store.PARAMS, store.OPT_STATE],
+        model=trainer.config.to_dict(), seed=seed, tokenizer=meta_lib.tokenizer_record(tokenizer),
+        data={**data, "seed": seed}, optimizer=dataclasses.asdict(trainer.optim),
+        strategy_table=meta_lib.table_record(table),
+        written_from=meta_lib.layout_record(trainer.layout))
+
+
+def restore_state(path: str | Path, trainer: Trainer, record: dict[str, Any]) -> Resumed:
+    """The state saved at `path`, laid out for `trainer`, after checking that it fits the run
+    described by `record` (from `run_record`). A weights-only checkpoint (an import) starts
+    at step 0 with a fresh optimizer state and the data from its beginning."""
+    step_dir = store.find(path)
+    meta = meta_lib.read(step_dir)
+    where = step_dir / meta_lib.META_FILE
+    meta_lib.check_model(meta, record["model"], where)
+    meta_lib.check_run(meta, tokenizer=record["tokenizer"], data=record["data"], where=where)
+    targets = state_targets(trainer)
+    saved_vocab, vocab = meta["model"]["vocab_size"], trainer.config.vocab_size
+    resize = (saved_vocab, vocab) if saved_vocab != vocab else None
+    weights_only = store.OPT_STATE not in meta["items"]
+    items = {store.PARAMS: targets.params}
+    if not weights_only:
+        items[store.OPT_STATE] = targets.opt_state
+    restored = store.restore(step_dir, items, vocab=resize)
+    params = restored.arrays[store.PARAMS]
+    if weights_only:
+        opt_state = jax.jit(trainer.tx.init,
+                            out_shardings=trainer.state_shardings.opt_state)(params)
+        step, data = 0, None
+    else:
+        opt_state, step, data = restored.arrays[store.OPT_STATE], int(meta["step"]), restored.data
+    step_array = jax.device_put(jnp.asarray(step, jnp.int32), trainer.state_shardings.step)
+    return Resumed(step_dir, TrainState(step_array, params, opt_state), step, data)

@@ -1,0 +1,202 @@
+"""Resuming in new processes: the steps after a resume equal the uninterrupted run's, on any
+layout or device count, and after a SIGKILL at any moment, mid-save included."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+
+from hotjax.checkpoint import store
+from hotjax.cli import main
+
+# As tests/test_cli.py and tests/test_checkpoint.py run it: compiled steps are shared.
+TINY_RUN = ["train", "--model", "tiny", "--tokenizer", "bytes", "--context", "256",
+            "--batch-tokens", "2048", "--compute-dtype", "float32", "--log-every", "1"]
+
+
+def _records(metrics: Path) -> list[dict]:
+    if not metrics.exists():
+        return []
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
+
+
+def _start(flags: list[str], devices: int, cwd: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    """`hotjax train` in a new process with `devices` simulated devices; stderr to a file."""
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu",
+           "COLUMNS": "400"}
+    err = cwd / f"{name}.err"
+    with err.open("w") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "hotjax.cli", *TINY_RUN, *flags],
+                                   stdout=subprocess.DEVNULL, stderr=sink, env=env, cwd=cwd)
+    return process, err
+
+
+def _run(flags: list[str], devices: int, cwd: Path, name: str,
+         timeout: float = 240.0) -> tuple[int, str]:
+    """`_start` and wait; a process that stops making progress fails the test, not hangs it."""
+    process, err = _start(flags, devices, cwd, name)
+    try:
+        return process.wait(timeout=timeout), err.read_text()
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        pytest.fail(f"hotjax train {' '.join(flags)} did not finish in {timeout:.0f} s: "
+                    f"{err.read_text()[-1500:]}")
+
+
+class Resume(NamedTuple):
+    origin: str  # which uninterrupted run's step-2 checkpoint it resumes: a key of ORIGINS
+    devices: int
+    flags: tuple[str, ...]
+
+
+ORIGINS = {"data": "data=8", "fsdp": "fsdp=8"}
+# One entry per layout. Tensor and context parallel rule sets and multi-bucket tables join
+# here as they land, e.g. "fsdp->tensor": Resume("fsdp", 8, ("--strategy", "data=2,tensor=4")).
+RESUMES = {
+    "8->4 devices": Resume("data", 4, ("--strategy", "data=4")),
+    "data->fsdp": Resume("data", 8, ("--strategy", "fsdp=8")),
+    "fsdp->data": Resume("fsdp", 8, ("--strategy", "data=8")),
+    "8->2 devices": Resume("fsdp", 2, ("--strategy", "fsdp=2")),
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, tuple[list[dict], Path]]:
+    """Per origin, run as a new process: its four steps' metrics, and its checkpoints (steps 2
+    and 4)."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+
+    def run(origin: str) -> tuple[list[dict], Path]:
+        metrics, ckpt = directory / f"{origin}.jsonl", directory / origin
+        code, err = _run(["--steps", "4", "--strategy", ORIGINS[origin], "--ckpt-dir",
+                          str(ckpt), "--save-every", "2", "--metrics-jsonl", str(metrics)], 8,
+                         directory, origin)
+        assert code == 0, err
+        return _records(metrics), ckpt
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return dict(zip(ORIGINS, pool.map(run, ORIGINS), strict=True))
+
+
+@pytest.fixture(scope="module")
+def resumed(uninterrupted, tmp_path_factory) -> dict[str, tuple[int, str, list[dict]]]:
+    """Every resume in RESUMES, each a new process, two at a time."""
+    directory = tmp_path_factory.mktemp("resumed")
+
+    def resume(i: int, name: str) -> tuple[int, str, list[dict]]:
+        layout, metrics = RESUMES[name], directory / f"{i}.jsonl"
+        step_2 = uninterrupted[layout.origin][1] / "2"
+        code, err = _run(["--steps", "4", *layout.flags, "--resume-from", str(step_2),
+                          "--metrics-jsonl", str(metrics)], layout.devices, directory, str(i))
+        return code, err, _records(metrics)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return dict(zip(RESUMES, pool.map(resume, range(len(RESUMES)), RESUMES), strict=True))
+
+
+@pytest.mark.parametrize("name", RESUMES)
+def test_resumed_steps_equal_the_uninterrupted_run(name, resumed, uninterrupted):
+    code, err, records = resumed[name]
+    assert code == 0, err
+    assert "(step 2)" in err and "resumed from" in err
+    reference = uninterrupted[RESUMES[name].origin][0]
+    assert [r["step"] for r in records] == [3, 4]
+    np.testing.assert_allclose([r["loss"] for r in records],
+                               [r["loss"] for r in reference[2:]], rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- crash safety
+
+STEPS = 12
+# One device: the cheapest process that still trains, saves and restores for real.
+CRASH_RUN = ["--steps", str(STEPS), "--devices", "1", "--strategy", "data=1", "--save-every",
+             "1", "--keep-last", "2"]
+
+
+class Trial(NamedTuple):
+    kill: str  # "mid-save", "random" or "none" (runs to the end)
+    start: int  # the step it resumed from
+    records: list[dict]
+    complete: list[int]  # complete checkpoints left behind
+    partial: list[str]  # partial saves left behind
+
+
+def _wait(condition, process: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and process.poll() is None:
+        assert time.monotonic() < deadline, "the training process made no progress"
+        time.sleep(0.002)
+
+
+def _chain(directory: Path, seed: int, kills: int) -> list[Trial]:
+    """Training processes on one checkpoint directory: each of the first `kills` SIGKILLed
+    after its first step, either as soon as a save is under way or after a seeded random
+    delay; the last runs to the end. Each resumes from what the one before left."""
+    rng = np.random.default_rng(seed)
+    ckpt = directory / "ck"
+    trials = []
+    for i in range(kills + 1):
+        kill = "none" if i == kills else ("mid-save", "random")[i % 2]
+        metrics = directory / f"{i}.jsonl"
+        start = max(store.steps(ckpt), default=0)
+        flags = [*CRASH_RUN, "--ckpt-dir", str(ckpt), "--metrics-jsonl", str(metrics)]
+        if kill == "none":
+            code, text = _run(flags, 1, directory, str(i))
+            assert code == 0, text
+        else:
+            process, err = _start(flags, 1, directory, str(i))
+            try:
+                _wait(lambda m=metrics: len(_records(m)) >= 1, process)
+                if kill == "mid-save":
+                    _wait(lambda: any(store.TMP_MARK in p.name for p in ckpt.iterdir()),
+                          process)
+                else:
+                    time.sleep(rng.uniform(0.0, 0.6))
+            finally:
+                process.send_signal(signal.SIGKILL)
+                process.wait()
+            text = err.read_text()
+        if start:
+            assert f"resumed from {ckpt / str(start)} (step {start})" in text, text
+        else:
+            assert "resumed from" not in text, text
+        trials.append(Trial(kill, start, _records(metrics), store.steps(ckpt),
+                            [p.name for p in ckpt.iterdir() if store.TMP_MARK in p.name]))
+    return trials
+
+
+def test_sigkill_at_any_moment_resumes_from_the_last_complete_checkpoint(tmp_path):
+    reference = tmp_path / "reference.jsonl"
+    assert main([*TINY_RUN, *CRASH_RUN[:6], "--metrics-jsonl", str(reference)]) == 0
+    losses = {r["step"]: r["loss"] for r in _records(reference)}
+    chains = [tmp_path / "a", tmp_path / "b"]
+    for chain in chains:
+        chain.mkdir()
+    # Two chains side by side (five kills each) halve the wall time on two cores.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        trials = [t for ts in pool.map(_chain, chains, [1, 2], [5, 5]) for t in ts]
+
+    assert sum(t.kill != "none" for t in trials) >= 10
+    assert sum(bool(t.partial) for t in trials) >= 3, trials  # kills that hit a save
+    for t in trials:
+        # Each process continued at the exact data position: its steps are the next ones,
+        # with the uninterrupted run's losses.
+        assert [r["step"] for r in t.records] == list(range(t.start + 1,
+                                                             t.start + 1 + len(t.records)))
+        np.testing.assert_allclose([r["loss"] for r in t.records],
+                                   [losses[r["step"]] for r in t.records], rtol=0, atol=1e-5)
+        # A partial save is never among the complete ones, and lies past the newest of them.
+        for name in t.partial:
+            assert int(name.split(".")[0]) > max(t.complete, default=0)
+    for last in (trials[5], trials[11]):
+        assert last.kill == "none" and last.records[-1]["step"] == STEPS
+        assert last.complete[-1] == STEPS

@@ -1,0 +1,121 @@
+"""`hotjax strategy show`: each parameter's placement and per-device state bytes, before a run."""
+
+import dataclasses
+import json
+
+import pytest
+
+from hotjax.cli import main
+from models.llama import PRESETS, padded_vocab
+
+FP32 = 4
+# As `strategy show` (and `hotjax train`) builds them: vocabularies padded to 128s.
+TINY, SMALL = (dataclasses.replace(PRESETS[n], vocab_size=padded_vocab(PRESETS[n].vocab_size))
+               for n in ("tiny", "small"))  # both: 8 query heads, 4 K/V heads
+
+
+def _show(capsys, *args: str) -> list[dict]:
+    assert main(["strategy", "show", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _specs(report: dict) -> dict[str, str]:
+    return {p["name"]: p["spec"] for p in report["params"]}
+
+
+def _sizes(config) -> tuple[int, int]:
+    """(matrix elements, norm-scale elements), counted from the model's shapes."""
+    V, D, L, N, K, H, F = (config.vocab_size, config.dim, config.n_layers, config.n_heads,
+                           config.n_kv_heads, config.head_dim, config.ffn_dim)
+    embed_and_head = 2 * V * D
+    attention = D * N * H + 2 * D * K * H + N * H * D  # wq, wk, wv, wo
+    mlp = 3 * D * F  # w_gate, w_up, w_down
+    return embed_and_head + L * (attention + mlp), (2 * L + 1) * D
+
+
+def test_megatron_splits_heads_mlp_and_vocab_over_tensor(capsys):
+    [report] = _show(capsys, "data=2,tensor=4,rules=megatron", "--model", "small")
+    assert report["strategy"] == "data2·tensor4 [megatron]"
+    assert report["mesh"] == {"data": 2, "tensor": 4} and report["notes"] == []
+    specs = _specs(report)
+    assert specs["layers/wq"] == "(None, None, tensor)"  # (layers, embed, heads, head_dim)
+    assert specs["layers/wk"] == "(None, None, tensor)"  # 4 K/V heads, one per tensor rank
+    assert specs["layers/wo"] == "(None, tensor)"  # (layers, heads, head_dim, embed)
+    assert specs["layers/w_gate"] == specs["layers/w_up"] == "(None, None, tensor)"
+    assert specs["layers/w_down"] == "(None, tensor)"  # (layers, mlp, embed)
+    assert specs["embed"] == "(tensor)" and specs["lm_head"] == "(None, tensor)"
+    assert specs["final_norm"] == specs["layers/attn_norm"] == "replicated"
+    assert all(p["zero"] == {} for p in report["params"])
+    # Every matrix is split 4 ways, norm scales nowhere; the data axis copies everything.
+    matrices, norms = _sizes(SMALL)
+    params = FP32 * (matrices // 4 + norms)
+    assert report["bytes_per_device"] == {"params": params, "grads": params,
+                                          "optimizer": 2 * params}
+    assert report["activations"]["residual stream"] == "(data)"
+    assert report["activations"]["logits"] == "(data, None, tensor)"
+
+
+def test_zero1_replicates_params_and_grads_and_splits_adam_moments(capsys):
+    [report] = _show(capsys, "fsdp=8,rules=zero1", "--model", "tiny")
+    assert report["strategy"] == "fsdp8 [zero1]"
+    specs = _specs(report)
+    assert set(specs.values()) == {"replicated"}
+    zero = {p["name"]: p["zero"] for p in report["params"]}
+    assert zero["layers/wq"] == {"optimizer": "(None, fsdp)"}  # split on `embed`
+    assert zero["layers/w_down"] == {"optimizer": "(None, None, fsdp)"}
+    assert zero["lm_head"] == {"optimizer": "(fsdp)"}
+    assert zero["final_norm"] == {}  # no `embed` axis: stays whole
+    matrices, norms = _sizes(TINY)
+    assert report["bytes_per_device"] == {
+        "params": FP32 * (matrices + norms), "grads": FP32 * (matrices + norms),
+        "optimizer": 2 * FP32 * (matrices // 8 + norms)}
+
+
+def test_a_table_gives_one_report_per_bucket_in_bucket_order(capsys, tmp_path):
+    table = tmp_path / "table.toml"
+    table.write_text('[[bucket]]\nmax_len = 256\nmesh = { data = 8 }\nrules = "dp"\n\n'
+                     '[[bucket]]\nmax_len = 1024\nmesh = { fsdp = 8 }\nrules = "fsdp"\n')
+    short, long = _show(capsys, str(table), "--model", "tiny")
+    assert (short["strategy"], long["strategy"]) == ("data8 [dp]", "fsdp8 [fsdp]")
+    assert _specs(short)["layers/wq"] == "replicated"
+    assert _specs(long)["layers/wq"] == "(None, fsdp)"
+    matrices, norms = _sizes(TINY)
+    assert short["bytes_per_device"]["params"] == FP32 * (matrices + norms)
+    assert long["bytes_per_device"]["params"] == FP32 * (matrices // 8 + norms)
+
+
+def test_kv_heads_fewer_than_tensor_are_replicated_with_a_note(capsys):
+    # `small`, not `tiny`: tiny's 259-token vocabulary does not split over tensor (see below).
+    [report] = _show(capsys, "tensor=8", "--model", "small")
+    assert report["notes"] == ["4 K/V heads < tensor=8: each K/V head is replicated over 2 "
+                               "tensor ranks"]
+    specs = _specs(report)
+    assert specs["layers/wk"] == specs["layers/wv"] == "replicated"
+    assert specs["layers/wq"] == "(None, None, tensor)"
+    assert report["activations"]["attention keys / values"] == "replicated"
+
+
+def test_the_table_names_the_strategy_every_parameter_and_the_state_bytes(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")  # at rich's default 80, 'layers/attn_norm' is cut short
+    assert main(["strategy", "show", "fsdp=8,rules=zero1", "--model", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp8 [zero1] on tiny" in out  # the rule set in brackets, not read as rich markup
+    for name in ("embed", "final_norm", "layers/attn_norm", "layers/wq", "layers/wk",
+                 "layers/wv", "layers/wo", "layers/mlp_norm", "layers/w_gate", "layers/w_up",
+                 "layers/w_down", "lm_head"):
+        assert name in out
+    matrices, norms = _sizes(TINY)
+    assert f"Adam moments {2 * FP32 * (matrices // 8 + norms) / 2**20:,.1f} MiB" in out
+
+
+@pytest.mark.parametrize("strategy, model, expected", [
+    ("tensor=3", "small", "8 attention heads do not split over tensor=3"),
+    ("data=2,rules=bogus", "small", "unknown rule set 'bogus'"),
+], ids=["heads", "rules"])
+def test_bad_input_is_one_error_line_and_exit_code_2(strategy, model, expected, capsys):
+    assert main(["strategy", "show", strategy, "--model", model, "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    errors = captured.err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("hotjax: error:"), captured.err
+    assert expected in errors[0]

@@ -202,9 +202,18 @@ class Llama(nnx.Module):
         x_BxTxD = _rms_norm(x_BxTxD, self.final_norm[...].astype(cfg.dtype), cfg.norm_eps)
         head_DxV = embed_VxD.T if cfg.tie_embeddings else constrain(
             self.lm_head[...].astype(cfg.dtype), ("embed", "vocab"))
-        logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV,
+        wide = _accumulating(cfg.dtype)
+        logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD.astype(wide), head_DxV.astype(wide),
                                   preferred_element_type=jnp.float32)
         return constrain(logits_BxTxV, ("batch", "inner_seq", "vocab"))
+
+
+def _accumulating(dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype for matmuls that accumulate in fp32: XLA:CPU has no fp16 x fp16 -> fp32 dot,
+    so there fp16 operands are widened (bf16 and every accelerator keep their own)."""
+    if jnp.dtype(dtype) == jnp.float16 and jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(dtype)
 
 
 def _rms_norm(x: Array, weight: Array, eps: float) -> Array:
@@ -269,8 +278,10 @@ def _attention(
     k_BxTxKxH = constrain(_rotate(k_BxTxKxH, cos_BxTxH, sin_BxTxH),
                           ("batch", "kv_seq", "kv_heads", "head_dim"))
     v_BxTxKxH = constrain(v_BxTxKxH, ("batch", "kv_seq", "kv_heads", "head_dim"))
-    out_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
-                                               mask=mask_Bx1xTxT)
+    dtype, wide = q_BxTxNxH.dtype, _accumulating(q_BxTxNxH.dtype)
+    out_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH.astype(wide), k_BxTxKxH.astype(wide),
+                                               v_BxTxKxH.astype(wide),
+                                               mask=mask_Bx1xTxT).astype(dtype)
     out_BxTxNxH = constrain(out_BxTxNxH, ("batch", "inner_seq", "heads", "head_dim"))
     return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, w["wo"])
 

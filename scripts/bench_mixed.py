@@ -3,16 +3,24 @@ the same mini-batches of mixed-length documents, under a per-device memory budge
 
     python scripts/bench_mixed.py [--json] [--steps 2] [--device-memory MiB] [--table T.toml]
 
-Methods, all fed exactly the same documents in every mini-batch:
+A mini-batch is the next documents of the shuffled corpus, in order, up to `--batch-tokens`
+real tokens (each document BOS + tokens + EOS, truncated to the context). Every method gets
+exactly those documents, laid out its own way in rows sized once to hold every mini-batch of
+the run (fixed shapes compile once), and builds its batches from the same token arrays:
   hot     the table: each length bucket's rows under its own strategy, switched between;
-  (a)     the best single strategy that fits the longest bucket (the fastest of `--candidates`
-          whose memory fits), documents packed first-fit into full-context rows;
+  (a)     the best single strategy that fits the longest bucket (of `--candidates` whose
+          memory fits, the fastest on one micro-step of real rows; by CPU time on simulated
+          devices), documents packed first-fit-decreasing into full-context rows;
   (b)     that strategy, one document per full-context row, padded;
   (c)     the table's buckets and rows, every bucket under that one strategy.
 The memory budget is enforced with XLA's memory analysis of every compiled micro-step (its
 planned peak, plus the home state and gradient sum that stay resident beside it); a bucket
 holding more rows than fit runs them as several micro-steps of equal shape, whose gradients
-accumulate before the one update, as a static trainer with gradient accumulation would.
+accumulate before the one update, as a static trainer with gradient accumulation would. All
+four run on `HotTrainer` (one optimizer update per mini-batch); its table repeats a bucket
+once per micro-step, since the trainer runs each table bucket as one compiled call. Reported:
+median wall and CPU seconds per step, real tokens/s, the ratios hot/a, hot/b, hot/c and c/a,
+and per bucket the trainer's own tokens, compute, switch seconds and bytes switched.
 On simulated CPU devices the timings compare methods on this machine only (DESIGN §8).
 """
 
@@ -39,10 +47,9 @@ from hotjax.errors import UserError  # noqa: E402
 
 MiB = 2**20
 CONTEXT = 4096
-# 4 rows of CONTEXT tokens for (a); the data pipeline's row planner splits the same capacity
-# over the table's buckets. Small, so that a default run takes minutes on 2 cores; at this size
-# the table's smallest buckets (8 rows for data=8) take more of it than their share of tokens.
-BATCH_TOKENS = 16384
+# Real tokens per mini-batch (at most): about 3 full-context rows, so that a default run takes
+# minutes on 2 cores.
+BATCH_TOKENS = 12288
 # The budget, per device. On `tiny` in fp32 one 4096-token row needs ~3.7 GiB on one device
 # (attention materialises 8 heads x 4096^2 fp32 probabilities per layer on CPU, kept for the
 # backward pass), so data=8, which must hold a whole row per device, does not fit, while an
@@ -57,7 +64,6 @@ CANDIDATES = "; ".join((
     "data=2,tensor=4,rules=megatron-sp",
 ))
 MAX_MICRO_STEPS = 9  # the trainer searches all orders of its buckets: 9! is still quick
-REJECTS = 8  # documents a full mini-batch turns away (to the next one) before it closes
 READ_CHUNK = 64  # documents tokenized at once
 METHODS = ("hot", "a", "b", "c")
 DESCRIBE = {"hot": "hot-switched table", "a": "one strategy, packed to context",
@@ -120,36 +126,50 @@ def pack_buckets(lengths: Sequence[int], parts: Sequence[Part]) -> list[list[lis
     return None if waiting else packed_buckets
 
 
+def draw_minibatches(stream: Iterator[np.ndarray], count: int, tokens: int
+                     ) -> list[list[np.ndarray]]:
+    """`count` mini-batches: the next sequences in stream order up to `tokens` real tokens;
+    the sequence that would pass it starts the next mini-batch. No method shapes the mix."""
+    minibatches, seq = [], next(stream)
+    for _ in range(count):
+        chosen, total = [], 0
+        while total + len(seq) <= tokens:
+            chosen.append(seq)
+            total += len(seq)
+            seq = next(stream)
+        minibatches.append(chosen)
+    return minibatches
+
+
+def rows_needed(minibatches: Sequence[Sequence[np.ndarray]], max_lens: Sequence[int]
+                ) -> dict[str, list[int]]:
+    """The rows each method needs to hold every mini-batch: per bucket of the table (hot and
+    (c)), packed into full-context rows (a), one row per sequence (b)."""
+    from hotjax.data import bucket_of, pack_rows
+
+    needs = {"table": [0] * len(max_lens), "a": [0], "b": [0]}
+    for seqs in minibatches:
+        lengths = [len(s) for s in seqs]
+        for b, max_len in enumerate(max_lens):
+            own = [n for n in lengths if bucket_of(n, max_lens) == b]
+            needs["table"][b] = max(needs["table"][b], len(pack_rows(own, max_len)))
+        needs["a"][0] = max(needs["a"][0], len(pack_rows(lengths, max_lens[-1])))
+        needs["b"][0] = max(needs["b"][0], len(seqs))
+    return needs
+
+
 def layouts(seqs: Sequence[np.ndarray], plans: dict[str, list[Part]]
-            ) -> dict[str, list[list[list[int]]]] | None:
-    """Each method's rows for these sequences, or None if one method has no room for them.
-    (a) packs into full-context rows, (b) gives each sequence a row; hot and (c) share the
-    table's bucketed packing."""
+            ) -> dict[str, list[list[list[int]]]]:
+    """Each method's rows of sequence indices: hot and (c) share the table's bucketed packing,
+    (a) packs into full-context rows, (b) gives each sequence a row."""
     from hotjax.data import pack_rows
 
     lengths = [len(s) for s in seqs]
     bucketed = pack_buckets(lengths, plans["hot"])
     packed = pack_rows(lengths, plans["a"][0].max_len)
     if bucketed is None or len(packed) > plans["a"][0].rows or len(seqs) > plans["b"][0].rows:
-        return None
+        raise RuntimeError("a mini-batch does not fit the rows sized for it")
     return {"hot": bucketed, "c": bucketed, "a": [packed], "b": [[[i] for i in range(len(seqs))]]}
-
-
-def draw_minibatches(stream: Iterator[np.ndarray], count: int, plans: dict[str, list[Part]]
-                     ) -> list[list[np.ndarray]]:
-    """`count` mini-batches of sequences: each takes the next sequences while every method
-    still has room for them; a sequence that does not fit waits for the next mini-batch."""
-    minibatches, carry = [], []
-    for _ in range(count):
-        chosen, turned_away = [], []
-        while len(turned_away) < REJECTS:
-            seq = carry.pop(0) if carry else next(stream)
-            (chosen if layouts([*chosen, seq], plans) else turned_away).append(seq)
-        if not chosen:
-            raise UserError("no document fits an empty mini-batch: raise --batch-tokens")
-        minibatches.append(chosen)
-        carry = turned_away + carry
-    return minibatches
 
 
 def method_minibatch(seqs: Sequence[np.ndarray], rows: list[list[list[int]]],
@@ -170,7 +190,8 @@ def method_minibatch(seqs: Sequence[np.ndarray], rows: list[list[list[int]]],
 # -- memory ----------------------------------------------------------------------------------
 
 def per_device_bytes(shapes, shardings) -> int:
-    """Bytes the largest-loaded device holds of a tree of arrays laid out by `shardings`."""
+    """Bytes one device holds of a tree of arrays laid out by `shardings` (the gradient sum;
+    `Trainer.state_bytes` counts the params and optimizer state)."""
     import jax
 
     sizes = jax.tree.map(lambda s, sh: math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize,
@@ -194,15 +215,12 @@ class Memory:
         return self._steps[strategy]
 
     def resident(self, home) -> int:
-        import jax
-
         from hotjax.train import get_trainer
         from models.llama import abstract_params
 
         trainer = get_trainer(self.config, self.optim, home, tuple(self.devices))
-        state = jax.eval_shape(lambda: trainer.init(0))
-        return (per_device_bytes(state, trainer.state_shardings)
-                + per_device_bytes(abstract_params(self.config), trainer.grad_shardings))
+        return trainer.state_bytes() + per_device_bytes(abstract_params(self.config),
+                                                        trainer.grad_shardings)
 
     def peak(self, strategy, rows: int, max_len: int) -> int:
         from hotjax.train import step_memory
@@ -238,19 +256,6 @@ def split(rows: int, shards: int, most: int) -> int:
     """The fewest equal micro-steps of a multiple of `shards` rows, at most `most` each."""
     return next(k for k in range(-(-rows // most), rows + 1)
                 if rows % k == 0 and rows // k % shards == 0)
-
-
-def round_rows(rows: int, fits: Sequence[tuple[int, int]]) -> int:
-    """`rows` (a multiple of every strategy's shards), or one step of those away, whichever
-    every (shards, most rows per micro-step) pair splits with the fewest micro-steps beyond
-    ceil(rows / most); then the nearest, then the fewer."""
-    step = math.lcm(*(shards for shards, _ in fits))
-
-    def excess(r: int) -> int:
-        return sum(split(r, shards, most) - -(-r // most) for shards, most in fits)
-
-    options = [r for r in (rows - step, rows, rows + step) if r >= step]
-    return min(options, key=lambda r: (excess(r), abs(r - rows), r))
 
 
 # -- the run -----------------------------------------------------------------------------
@@ -328,12 +333,18 @@ def _compute_shapes(config):
                         abstract_params(config))
 
 
-def split_parts(parts: list[Part], memory: Memory, home) -> list[Part]:
-    """Each part split into the fewest equal micro-steps that fit the budget."""
-    out = []
+def split_parts(parts: list[Part], memory: Memory, home, round_up: bool = False
+                ) -> list[Part]:
+    """Each part split into the fewest equal micro-steps that fit the budget; if that takes
+    too many for the trainer and `round_up` allows, rows rounded up to whole micro-steps."""
+    out, fallback = [], []
     for p in parts:
         shards, most = memory.fit(p.strategy, p.max_len, p.rows, home)
         out.append(dataclasses.replace(p, micro_steps=split(p.rows, shards, most)))
+        rows = -(-p.rows // most) * most
+        fallback.append(dataclasses.replace(p, rows=rows, micro_steps=rows // most))
+    if round_up and sum(p.micro_steps for p in out) > MAX_MICRO_STEPS:
+        out = fallback
     if sum(p.micro_steps for p in out) > MAX_MICRO_STEPS:
         raise UserError(f"{sum(p.micro_steps for p in out)} micro-steps per mini-batch (more "
                         f"than {MAX_MICRO_STEPS}): lower --batch-tokens or raise "
@@ -349,28 +360,31 @@ def micro_table(parts: Sequence[Part], source: str):
                                for _ in range(p.micro_steps)), source)
 
 
-def build_plans(buckets, static, rows: Sequence[int], rows_a: int, expected_docs: int,
-                memory: Memory, config) -> dict[str, list[Part]]:
-    """Each method's parts, split into micro-steps that fit the budget. Row counts are moved to
-    the nearest that split evenly (for the table's buckets, under both strategies that run
-    them); (b) gets the rows for about `expected_docs` documents, in whole micro-steps."""
+def build_plans(buckets, static, needs: dict[str, list[int]], memory: Memory, config
+                ) -> dict[str, list[Part]]:
+    """Each method's parts: the rows it needs, rounded up to split over its strategy (the
+    table's over both strategies that run them), in micro-steps that fit the budget."""
     from hotjax.hot import most_sharded
     from sharding.table import Bucket, StrategyTable
 
+    def shards(strategy) -> int:
+        return memory.step(strategy).layout.batch_shards
+
+    def rows(need: int, *strategies) -> int:
+        multiple = math.lcm(*(shards(s) for s in strategies))
+        return -(-max(need, 1) // multiple) * multiple
+
     context = buckets[-1][0]
     hot_home = most_sharded(StrategyTable(tuple(Bucket(n, s) for n, s in buckets)), config)
-    rows = [round_rows(r, [memory.fit(s, n, r, hot_home), memory.fit(static, n, r, static)])
-            for (n, s), r in zip(buckets, rows, strict=True)]
-    rows_a = round_rows(rows_a, [memory.fit(static, context, rows_a, static)])
-    most_b = memory.fit(static, context, expected_docs, static)[1]
+    table_rows = [rows(need, s, static) for (_, s), need in zip(buckets, needs["table"],
+                                                                strict=True)]
     return {
-        "hot": split_parts([Part(n, s, r) for (n, s), r in zip(buckets, rows, strict=True)],
-                           memory, hot_home),
-        "a": split_parts([Part(context, static, rows_a)], memory, static),
-        "b": split_parts([Part(context, static, -(-expected_docs // most_b) * most_b)], memory,
-                         static),
-        "c": split_parts([Part(n, static, r) for (n, _), r in zip(buckets, rows, strict=True)],
-                         memory, static),
+        "hot": split_parts([Part(n, s, r) for (n, s), r in zip(buckets, table_rows,
+                                                               strict=True)], memory, hot_home),
+        "c": split_parts([Part(n, static, r) for (n, _), r in zip(buckets, table_rows,
+                                                                  strict=True)], memory, static),
+        **{m: split_parts([Part(context, static, rows(needs[m][0], static))], memory, static,
+                          round_up=True) for m in ("a", "b")},
     }
 
 
@@ -399,7 +413,7 @@ def build_trainer(method: str, parts: Sequence[Part], memory: Memory, config, op
 
 def run(args: argparse.Namespace, console) -> dict:
 
-    from hotjax.data import assemble, load_tokenizer, open_corpus, pack_rows, plan_rows
+    from hotjax.data import assemble, load_tokenizer, open_corpus, pack_rows
     from hotjax.data.buckets import estimated_lengths
     from hotjax.optim import OptimConfig
     from hotjax.run import select_devices
@@ -408,9 +422,9 @@ def run(args: argparse.Namespace, console) -> dict:
     from sharding.table import load_table
 
     context, batch_tokens = args.context, args.batch_tokens
-    if batch_tokens % context:
-        raise UserError(f"--batch-tokens {batch_tokens}: make it a multiple of the context "
-                        f"({context}), so that (a) has whole rows")
+    if batch_tokens < context:
+        raise UserError(f"--batch-tokens {batch_tokens}: a mini-batch must hold at least one "
+                        f"sequence of the context ({context})")
     if args.steps < 1 or args.warmup < 1:
         raise UserError("--steps and --warmup: run at least one of each")
     devices = select_devices(None)
@@ -422,7 +436,7 @@ def run(args: argparse.Namespace, console) -> dict:
     total_steps = args.warmup + args.steps
     optim = OptimConfig(warmup_steps=1, total_steps=total_steps + 1)
     memory = Memory(args.device_memory * MiB, config, optim, devices)
-    rows_a = batch_tokens // context
+    rows_a = -(-batch_tokens // context)
 
     # Candidates are timed on real rows: documents (not those of the run) packed to the context.
     probe_stream = sequences(corpus, tokenizer, context, args.seed + 1)
@@ -449,17 +463,12 @@ def run(args: argparse.Namespace, console) -> dict:
     else:
         buckets = [(n, Strategy.parse(s)) for n, s in SHORT_BUCKETS if n < context]
         buckets.append((context, static))
-    # The pipeline's own row planner, from the corpus's length distribution. Rows split over
-    # the bucket's strategy and over (a)'s, which runs the same rows in (c).
-    lengths = estimated_lengths(corpus, tokenizer, context, "truncate")
-    multiples = [math.lcm(memory.step(s).layout.batch_shards,
-                          memory.step(static).layout.batch_shards) for _, s in buckets]
-    rows = plan_rows(lengths, [n for n, _ in buckets], multiples, batch_tokens=batch_tokens)
-    expected_docs = round(batch_tokens / float(np.mean(lengths)))
-    plans = build_plans(buckets, static, rows, rows_a, expected_docs, memory, config)
-
+    # The same documents for every method, in stream order; each method gets the rows it
+    # needs to hold every mini-batch of the run (its shapes are fixed: they compile once).
     minibatches = draw_minibatches(sequences(corpus, tokenizer, context, args.seed),
-                                   total_steps, plans)
+                                   total_steps, batch_tokens)
+    plans = build_plans(buckets, static, rows_needed(minibatches, [n for n, _ in buckets]),
+                        memory, config)
     inputs = {m: [method_minibatch(seqs, layouts(seqs, plans)[m], plans[m], tokenizer.pad_id)
                   for seqs in minibatches] for m in METHODS}
     for step, seqs in enumerate(minibatches):
@@ -489,8 +498,9 @@ def run(args: argparse.Namespace, console) -> dict:
             console.print(f"step {step + 1}/{total_steps}{warm} {m}: {seconds:.2f} s "
                           f"({cpu:.1f} CPU-s), loss {metrics['loss']:.5f}")
     homes = {m: str(t.home.layout.strategy) for m, t in trainers.items()}
+    corpus_lengths = estimated_lengths(corpus, tokenizer, context, "truncate")
     return summarize(args, devices, config, memory, static, candidate_report, plans,
-                     minibatches, records, checks, homes, lengths)
+                     minibatches, records, checks, homes, corpus_lengths)
 
 
 # -- the report ----------------------------------------------------------------------------
@@ -684,8 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=CONTEXT,
                         help="the longest bucket, in tokens (default: %(default)s)")
     parser.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS,
-                        help="capacity of a mini-batch in tokens, padding included "
-                        "(default: %(default)s)")
+                        help="real tokens per mini-batch, at most (default: %(default)s)")
     parser.add_argument("--device-memory", type=int, default=DEVICE_MEMORY_MIB, metavar="MiB",
                         help="per-device memory budget (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps (default: %(default)s)")

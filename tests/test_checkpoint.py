@@ -98,8 +98,7 @@ def test_restore_in_half_precision_casts_the_fp32_master_weights(dtype, devices,
         np.testing.assert_array_equal(np.asarray(x), want.astype(dtype))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.skipif(
-    jax.default_backend() == "cpu", reason="XLA:CPU has no fp16 matmul with fp32 results"))])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_training_resumes_computing_in_half_precision(dtype, devices, fsdp_checkpoint):
     path, _ = fsdp_checkpoint
     record = {"model": TINY.to_dict(), "tokenizer": {"identity": "x"}, "data": {}}

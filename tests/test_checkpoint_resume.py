@@ -28,8 +28,36 @@ def _records(metrics: Path) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
 
 
+# Two bucket tables over the same buckets and row multiples, under different strategies.
+TABLES = {
+    "dp.toml": """
+[[bucket]]
+max_len = 128
+mesh = { data = 8 }
+rules = "dp"
+[[bucket]]
+max_len = 256
+mesh = { data = 8 }
+rules = "dp"
+""",
+    "zero2.toml": """
+[[bucket]]
+max_len = 128
+mesh = { data = 2, fsdp = 4 }
+rules = "zero2"
+[[bucket]]
+max_len = 256
+mesh = { data = 8 }
+rules = "dp"
+""",
+}
+
+
 def _start(flags: list[str], devices: int, cwd: Path, name: str) -> tuple[subprocess.Popen, Path]:
-    """`hotjax train` in a new process with `devices` simulated devices; stderr to a file."""
+    """`hotjax train` in a new process with `devices` simulated devices, in `cwd` (which gets
+    the TABLES); stderr to a file."""
+    for file, text in TABLES.items():
+        (cwd / file).write_text(text)
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu",
            "COLUMNS": "400"}
     err = cwd / f"{name}.err"
@@ -58,14 +86,18 @@ class Resume(NamedTuple):
     flags: tuple[str, ...]
 
 
-ORIGINS = {"data": "data=8", "fsdp": "fsdp=8"}
-# One entry per layout. Tensor and context parallel rule sets and multi-bucket tables join
-# here as they land, e.g. "fsdp->tensor": Resume("fsdp", 8, ("--strategy", "data=2,tensor=4")).
+# Uninterrupted runs on 8 devices, each saving at steps 2 and 4.
+ORIGINS = {"data": ("--strategy", "data=8"), "fsdp": ("--strategy", "fsdp=8"),
+           "table": ("--strategies", "dp.toml")}
+# One entry per layout: adding a layout (a new rule set, mesh or table) is one line here.
 RESUMES = {
     "8->4 devices": Resume("data", 4, ("--strategy", "data=4")),
     "data->fsdp": Resume("data", 8, ("--strategy", "fsdp=8")),
     "fsdp->data": Resume("fsdp", 8, ("--strategy", "data=8")),
     "8->2 devices": Resume("fsdp", 2, ("--strategy", "fsdp=2")),
+    "fsdp->tensor": Resume("fsdp", 8, ("--strategy", "data=2,tensor=4")),
+    "data->context": Resume("data", 8, ("--strategy", "data=4,context=2")),
+    "another bucket table": Resume("table", 8, ("--strategies", "zero2.toml")),
 }
 
 
@@ -77,9 +109,9 @@ def uninterrupted(tmp_path_factory) -> dict[str, tuple[list[dict], Path]]:
 
     def run(origin: str) -> tuple[list[dict], Path]:
         metrics, ckpt = directory / f"{origin}.jsonl", directory / origin
-        code, err = _run(["--steps", "4", "--strategy", ORIGINS[origin], "--ckpt-dir",
-                          str(ckpt), "--save-every", "2", "--metrics-jsonl", str(metrics)], 8,
-                         directory, origin)
+        code, err = _run(["--steps", "4", *ORIGINS[origin], "--ckpt-dir", str(ckpt),
+                          "--save-every", "2", "--metrics-jsonl", str(metrics)], 8, directory,
+                         origin)
         assert code == 0, err
         return _records(metrics), ckpt
 

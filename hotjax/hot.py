@@ -21,7 +21,7 @@ import optax
 
 from hotjax.data import MiniBatch
 from hotjax.optim import OptimConfig
-from hotjax.train import BATCH_KEYS, Trainer, TrainState, token_loss
+from hotjax.train import BATCH_KEYS, Trainer, TrainState, place_batch, token_loss
 from models.llama import LlamaConfig, Params, abstract_params, bind, param_axes
 from sharding.planner import SwitchPlan, Topology, plan_switch, strategy_switches
 from sharding.strategy import Layout, Strategy, canonical_devices, fit_to_model
@@ -40,8 +40,6 @@ class BucketStep:
         self.param_shardings = self.layout.param_shardings(axes, shapes)
         self.grad_shardings = self.layout.param_shardings(axes, shapes, fitted.grad_spec)
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
-        # The trainer of this strategy alone: it places batches (rows padded, order balanced).
-        self.batch_arrays = Trainer.batch_arrays.__get__(self)
 
     def compiled(self, shape: tuple[int, int]) -> jax.stages.Compiled:
         if shape not in self._compiled:
@@ -166,7 +164,7 @@ class HotTrainer:
             moved = self.weight_plans[previous, i].bytes_moved + self.grad_plans[i].bytes_moved
             previous = i
             switched = time.perf_counter()
-            arrays = bucket.batch_arrays(batch)
+            arrays = place_batch(bucket.layout, batch)
             g, loss_sum, n = bucket.compiled(arrays["tokens"].shape)(compute, arrays)
             g = jax.block_until_ready(g)
             computed = time.perf_counter()

@@ -103,25 +103,7 @@ class Trainer:
         return jax.jit(fresh, out_shardings=self.state_shardings)()
 
     def batch_arrays(self, batch: Batch) -> dict[str, jax.Array]:
-        """The batch on devices, its rows padded with empty rows to split evenly."""
-        strategy = self.layout.strategy
-        rows, seq_len = batch.tokens.shape
-        chunks = self.layout.seq_shards * (2 if strategy.balanced else 1)
-        if seq_len % chunks:
-            raise UserError(f"rows of {seq_len} tokens do not split into {chunks} chunks along "
-                            f"the sequence under {strategy}: use a row length that is a "
-                            f"multiple of {chunks}")
-        arrays = {"tokens": batch.tokens, "segment_ids": batch.segment_ids,
-                  "positions": batch.positions,
-                  "targets": next_token_targets(batch.tokens, batch.segment_ids)}
-        if strategy.balanced:
-            # Attention masks by document positions, so any column order computes the same.
-            order = balanced_order(seq_len, strategy.seq_ways("context"))
-            arrays = {k: v[:, order] for k, v in arrays.items()}
-        pad = -rows % self.layout.batch_shards
-        return {k: jax.device_put(np.pad(v, ((0, pad), (0, 0)), constant_values=NO_TARGET
-                                         if k == "targets" else 0), self.layout.batch_sharding)
-                for k, v in arrays.items()}
+        return place_batch(self.layout, batch)
 
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer update. `state` is donated: use the returned one."""
@@ -165,6 +147,28 @@ class Trainer:
             self._compiled[shape] = jitted.lower(jax.eval_shape(lambda: self.init(0)),
                                                  abstract_batch).compile()
         return self._compiled[shape]
+
+
+def place_batch(layout: Layout, batch: Batch) -> dict[str, jax.Array]:
+    """The batch on devices, its rows padded with empty rows to split evenly."""
+    strategy = layout.strategy
+    rows, seq_len = batch.tokens.shape
+    chunks = layout.seq_shards * (2 if strategy.balanced else 1)
+    if seq_len % chunks:
+        raise UserError(f"rows of {seq_len} tokens do not split into {chunks} chunks along "
+                        f"the sequence under {strategy}: use a row length that is a "
+                        f"multiple of {chunks}")
+    arrays = {"tokens": batch.tokens, "segment_ids": batch.segment_ids,
+              "positions": batch.positions,
+              "targets": next_token_targets(batch.tokens, batch.segment_ids)}
+    if strategy.balanced:
+        # Attention masks by document positions, so any column order computes the same.
+        order = balanced_order(seq_len, strategy.seq_ways("context"))
+        arrays = {k: v[:, order] for k, v in arrays.items()}
+    pad = -rows % layout.batch_shards
+    return {k: jax.device_put(np.pad(v, ((0, pad), (0, 0)), constant_values=NO_TARGET
+                                     if k == "targets" else 0), layout.batch_sharding)
+            for k, v in arrays.items()}
 
 
 @functools.cache

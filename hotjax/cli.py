@@ -12,8 +12,8 @@ import sys
 from collections.abc import Sequence
 
 from hotjax import simulate_cpu_devices
-from hotjax.config import RunConfig
-from hotjax.errors import UserError
+from hotjax.config import DEFAULT_BATCH_TOKENS, RunConfig
+from models.errors import UserError
 
 SIMULATED_CPU_DEVICES = 8
 # Modules with a `register(commands)` function, each adding one command group.
@@ -57,8 +57,13 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
                        help="row length in tokens with --strategy (a table sets its own)")
     train.add_argument("--steps", type=int, default=_RUN.steps)
     train.add_argument("--seed", type=int, default=_RUN.seed)
-    train.add_argument("--batch-tokens", type=int, default=_RUN.batch_tokens,
-                       help="tokens per optimizer step, padding included")
+    size = train.add_mutually_exclusive_group()
+    size.add_argument("--batch-tokens", type=int, help="real tokens per optimizer step: the "
+                      f"next documents up to this many (default: {DEFAULT_BATCH_TOKENS})")
+    size.add_argument("--batch-sequences", type=int, help="or sequences per optimizer step")
+    train.add_argument("--long-documents", choices=("truncate", "split"),
+                       default=_RUN.long_documents, help="documents longer than the context: "
+                       "truncated (as HotSPa) or split into context-length pieces")
     train.add_argument("--compute-dtype", choices=("bfloat16", "float32"),
                        default=_RUN.compute_dtype)
     train.add_argument("--lr", type=float, default=_RUN.lr, help="peak learning rate")
@@ -68,7 +73,10 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
                        help="print a line every N steps")
     train.add_argument("--device-memory", type=float, metavar="MiB",
                        help="per-device memory budget: the model state and every compiled step "
-                       "must fit, as XLA's memory analysis reports them")
+                       "must fit, as XLA's memory analysis reports them; micro-batches are "
+                       "sized to it")
+    train.add_argument("--bucket-timings", action="store_true", help="time each bucket's "
+                       "compute and switches (waits for the devices after each bucket)")
     ckpt = train.add_argument_group("checkpoints")
     ckpt.add_argument("--ckpt-dir", metavar="DIR", help="save checkpoints here; resume from "
                       "the latest complete one in it")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+DEFAULT_BATCH_TOKENS = 8192
+
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
@@ -20,15 +22,25 @@ class RunConfig:
     context: int = 512
     steps: int = 50
     seed: int = 0
-    batch_tokens: int = 8192
+    batch_tokens: int | None = None  # real tokens per step (default 8192 unless sequences)
+    batch_sequences: int | None = None  # or sequences per step
+    long_documents: str = "split"  # into context-length pieces, or "truncate"
     compute_dtype: str = "bfloat16"
     lr: float = 1e-3
     warmup_steps: int = 10
     metrics_jsonl: str | None = None
     log_every: int = 10
     device_memory: float | None = None  # MiB per device the compiled steps must fit in
+    bucket_timings: bool = False  # wait for each bucket to time it (a host sync per bucket)
     ckpt_dir: str | None = None  # save here, and resume from its latest complete checkpoint
     save_every: int | None = None  # default: save the last step only
     resume_from: str | None = None  # a step directory, or a checkpoint directory's latest
     keep_last: int = 3
     keep_every: int | None = None  # also keep every step that is a multiple of this
+
+    @property
+    def batch(self) -> dict[str, int]:
+        """The mini-batch size: real tokens, or sequences."""
+        if self.batch_sequences is not None:
+            return {"batch_sequences": self.batch_sequences}
+        return {"batch_tokens": self.batch_tokens or DEFAULT_BATCH_TOKENS}

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -16,11 +17,10 @@ from rich.table import Table
 from hotjax.checkpoint import store
 from hotjax.checkpoint.training import restore_state, run_record
 from hotjax.config import RunConfig
-from hotjax.data import BucketedBatches, PackedBatches, load_tokenizer, open_corpus
-from hotjax.errors import UserError
-from hotjax.hot import HotTrainer
+from hotjax.data import MiniBatches, estimated_lengths, load_tokenizer, open_corpus
 from hotjax.optim import OptimConfig
-from hotjax.train import get_trainer
+from hotjax.train import Trainer
+from models.errors import UserError
 from models.llama import padded_vocab, preset
 from sharding.strategy import Strategy
 from sharding.table import StrategyTable, load_table
@@ -72,38 +72,35 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
                   + (" (simulated: no accelerator found)" if platform == "cpu" else ""))
 
     table = strategy_table(run, len(devices))
-    seq_len = table.max_len
     model = preset(run.model)
     corpus = open_corpus(run.data)
     tokenizer = load_tokenizer(run.tokenizer, corpus, vocab_size=run.vocab_size)
     config = dataclasses.replace(model, vocab_size=padded_vocab(tokenizer.vocab_size),
                                  compute_dtype=run.compute_dtype)
     optim = OptimConfig(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps)
-    if len(table.buckets) == 1:
-        trainer = get_trainer(config, optim, table.buckets[0].strategy, tuple(devices))
-        home = trainer
-        batches = PackedBatches(corpus, tokenizer, seq_len=seq_len,
-                                batch_tokens=run.batch_tokens, seed=run.seed)
-        layout = f"strategy {escape(str(home.layout.strategy))} | {batches.rows} rows x {seq_len}"
-    else:
-        trainer = HotTrainer(config, optim, table, devices)
-        home = trainer.home
-        batches = BucketedBatches(corpus, tokenizer, [b.max_len for b in table.buckets],
-                                  batch_tokens=run.batch_tokens,
-                                  row_multiples=trainer.row_multiples(), seed=run.seed)
-        rows = ", ".join(f"{r} x {b.max_len}" for r, b in zip(batches.rows, table.buckets,
-                                                              strict=True))
-        layout = f"{escape(trainer.describe())} | rows {rows}"
+    batches = MiniBatches(corpus, tokenizer, [b.max_len for b in table.buckets], **run.batch,
+                          long_documents=run.long_documents, seed=run.seed)
+    trainer = Trainer(config, optim, table, devices, device_memory=run.device_memory,
+                      batch_tokens=run.batch.get("batch_tokens"), timings=run.bucket_timings)
+    size = ", ".join(f"{v:,} {k.split('_')[1]}" for k, v in run.batch.items())
     console.print(f"model {run.model}: {config.num_params() / 1e6:.1f}M params, "
                   f"{config.compute_dtype} compute | corpus {corpus.source}: "
                   f"{corpus.num_documents} documents | tokenizer {tokenizer.identity} "
-                  f"({tokenizer.vocab_size} tokens) | {layout} tokens per step")
+                  f"({tokenizer.vocab_size} tokens) | {size} per step")
+    console.print(escape(trainer.describe()))
+    lengths = estimated_lengths(corpus, tokenizer)
+    beyond = float(np.maximum(lengths - table.max_len, 0).sum() / max(lengths.sum(), 1))
+    console.print(f"long documents: {beyond:.0%} of the corpus's tokens (estimated) lie past the "
+                  f"context of {table.max_len} tokens; "
+                  + ("truncation drops them (--long-documents split keeps them)"
+                     if run.long_documents == "truncate" else "split into context-length pieces"))
     for note in trainer.notes:
         console.print(f"note: {note}")
 
+    home = trainer.home
     run_meta = run_record(home, tokenizer=tokenizer, seed=run.seed, table=table,
-                          data={"source": corpus.source, "seq_len": seq_len,
-                                "batch_tokens": run.batch_tokens})
+                          data={"source": corpus.source, "seq_len": table.max_len,
+                                "long_documents": run.long_documents, **run.batch})
     resume = run.resume_from or (run.ckpt_dir and store.latest(run.ckpt_dir))
     checkpoints = (store.Checkpoints(run.ckpt_dir, keep_last=run.keep_last,
                                      keep_every=run.keep_every) if run.ckpt_dir else None)
@@ -124,17 +121,16 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
         if start >= run.steps:
             console.print(f"step {start} reached: nothing to train (--steps {run.steps})")
             return []
-        first = next(batches)
-        trainer.prepare(first)
+        trainer.prepare()
         console.print(f"initialised and compiled in {time.perf_counter() - started:.1f} s")
         if run.device_memory is not None:
-            _check_memory(trainer.memory(first), run.device_memory, console)
+            _check_memory(trainer.memory(), run.device_memory, console)
 
         def save(step: int, state) -> float:
             return checkpoints.save(step, state.params, state.opt_state, run_meta,
                                     batches.get_state())
 
-        history = _loop(run, trainer, state, first, batches, console, start,
+        history = _loop(run, trainer, state, batches, console, start,
                         save if checkpoints else None)
     finally:
         if checkpoints:
@@ -163,7 +159,7 @@ def _check_checkpoint_flags(run: RunConfig) -> None:
         raise UserError("--save-every needs --ckpt-dir: pass the directory to save into")
 
 
-def _loop(run, trainer, state, first, batches, console, start, save) -> list[dict]:
+def _loop(run, trainer, state, batches, console, start, save) -> list[dict]:
     history: list[dict] = []
     sink = open(run.metrics_jsonl, "w") if run.metrics_jsonl else None  # noqa: SIM115
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -172,8 +168,8 @@ def _loop(run, trainer, state, first, batches, console, start, save) -> list[dic
     try:
         with progress:
             task = progress.add_task("train", total=run.steps, completed=start, status="")
-            batch = first
             for step in range(start + 1, run.steps + 1):
+                batch = next(batches)
                 started = time.perf_counter()
                 state, metrics = trainer.train_step(state, batch)
                 seconds = time.perf_counter() - started
@@ -187,12 +183,11 @@ def _loop(run, trainer, state, first, batches, console, start, save) -> list[dic
                 if sink:
                     sink.write(json.dumps(record) + "\n")
                     sink.flush()
-                status = f"loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s"
+                status = (f"loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
+                          f"padding {metrics['padding']:.0%}")
                 progress.update(task, advance=1, status=status)
                 if step % run.log_every == 0 or step == run.steps:
                     progress.console.print(f"step {step:>5}  {status}")
-                if step < run.steps:
-                    batch = next(batches)
     finally:
         if sink:
             sink.close()
@@ -202,10 +197,13 @@ def _loop(run, trainer, state, first, batches, console, start, save) -> list[dic
 def _summary(history: list[dict], console: Console) -> None:
     steady = history[1:] or history
     table = Table(title="training summary")
-    for column in ("steps", "first loss", "last loss", "tokens", "tokens/s (after step 1)"):
+    for column in ("steps", "first loss", "last loss", "real tokens", "padding",
+                   "tokens/s (after step 1)"):
         table.add_column(column, justify="right")
     tokens_per_s = sum(r["tokens"] for r in steady) / sum(r["seconds"] for r in steady)
+    tokens = sum(r["tokens"] for r in history)
+    padding = 1 - tokens / sum(r["slots"] for r in history)
     table.add_row(str(len(history)), f"{history[0]['loss']:.4f}", f"{history[-1]['loss']:.4f}",
-                  f"{sum(r['tokens'] for r in history):,}", f"{tokens_per_s:,.0f}")
+                  f"{tokens:,}", f"{padding:.1%}", f"{tokens_per_s:,.0f}")
     console.print(table)
 

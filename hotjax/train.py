@@ -1,190 +1,234 @@
-"""One strategy's training step: the loss over real tokens, the jitted update, its sharded state."""
+"""The trainer: a strategy table's buckets over one model state kept in the home strategy.
+
+A single `--strategy` is the one-bucket table whose home is that strategy, on the same path.
+For each mini-batch, the fp32 master weights are cast to the compute dtype once; then, bucket by
+bucket in the planned order (empty buckets skipped), the weights are hot-switched into the
+bucket's layout, its rows run as micro-batches of one fixed shape (as many micro-steps as this
+mini-batch needs, gradients accumulated in fp32 in the bucket's layout), and the sums are
+switched home and added. One optimizer update then divides by the mini-batch's real target count,
+so the update is the one a single strategy computes on the same data (HotSPa's lossless
+property). Nothing waits for the devices inside a step unless per-bucket timings are asked for.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import functools
+import itertools
 import math
+import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
 
-from hotjax.data import Batch
-from hotjax.errors import UserError
-from hotjax.optim import OptimConfig, make_optimizer
-from models.llama import LlamaConfig, Params, abstract_params, bind, init_params, param_axes
-from sharding.strategy import Layout, Strategy, fit_to_model
+from hotjax.data import MiniBatch
+from hotjax.optim import OptimConfig
+from hotjax.step import Accumulator, TrainState, bucket_step, home, micro_batches
+from models.errors import UserError
+from models.llama import LlamaConfig, abstract_params, param_axes
+from sharding.planner import SwitchPlan, Topology, plan_switch, strategy_switches
+from sharding.strategy import Strategy, canonical_devices
+from sharding.switch import already_laid_out, local_topology, switch
+from sharding.table import StrategyTable
 
-BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets")
-NO_TARGET = -1
-
-
-class TrainState(NamedTuple):
-    step: jax.Array
-    params: Params  # fp32 master weights
-    opt_state: optax.OptState
+MiB = 2**20
 
 
-def next_token_targets(tokens_BxT: np.ndarray, segment_ids_BxT: np.ndarray) -> np.ndarray:
-    """Each position's next token, or `NO_TARGET` where the next token does not continue the
-    same document (the last token of a document, padding). Made on the host, before any
-    reordering of the sequence, so the loss is a per-position sum whatever the token order."""
-    targets_BxT = np.full_like(tokens_BxT, NO_TARGET)
-    next_segment_BxT1 = segment_ids_BxT[:, 1:]
-    continues_BxT1 = (next_segment_BxT1 == segment_ids_BxT[:, :-1]) & (next_segment_BxT1 > 0)
-    targets_BxT[:, :-1] = np.where(continues_BxT1, tokens_BxT[:, 1:], NO_TARGET)
-    return targets_BxT
+@dataclasses.dataclass
+class BucketMetrics:
+    """One bucket of one step: what ran, what moved, and (when timed) how long it took."""
 
-
-def token_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Summed cross-entropy over positions with a target, and their number."""
-    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
-    # A one-hot contraction rather than a gather: with the vocabulary split over `tensor` each
-    # rank reduces its own slice, so full logits are never gathered (vocab-parallel CE). The
-    # one-hot of NO_TARGET is all zeros, and those positions are masked out below.
-    target_BxTxV = jax.nn.one_hot(targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32)
-    target_logit_BxT = jnp.sum(logits_BxTxV * target_BxTxV, axis=-1)
-    nll_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1) - target_logit_BxT
-    valid_BxT = targets_BxT != NO_TARGET
-    return jnp.sum(jnp.where(valid_BxT, nll_BxT, 0.0)), jnp.sum(valid_BxT)
-
-
-def balanced_order(seq_len: int, ways: int) -> np.ndarray:
-    """Column order giving context rank i the chunks i and 2*ways-1-i of the sequence."""
-    chunks = np.arange(seq_len).reshape(2 * ways, -1)
-    return np.concatenate([chunks[j] for i in range(ways) for j in (i, 2 * ways - 1 - i)])
-
-
-def _step(state: TrainState, batch: dict[str, jax.Array], *, config: LlamaConfig,
-          tx: optax.GradientTransformation, layout: Layout, grad_shardings: Params
-          ) -> tuple[TrainState, dict]:
-    def loss_fn(params: Params) -> tuple[jax.Array, jax.Array]:
-        model = bind(config, params)
-        logits = model(batch["tokens"], batch["segment_ids"], batch["positions"], layout.constrain)
-        total, count = token_loss(logits, batch["targets"])
-        return total / jnp.maximum(count, 1), count
-
-    (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    grads = jax.lax.with_sharding_constraint(grads, grad_shardings)  # ZeRO-2 reduce-scatters
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "targets": count}
-    return TrainState(state.step + 1, params, opt_state), metrics
+    max_len: int
+    rows: int
+    micro_steps: int
+    micro_rows: int
+    tokens: int
+    slots: int  # token slots computed: micro_steps x micro_rows x max_len
+    switched_bytes: int
+    compute_s: float | None = None
+    switch_s: float | None = None
 
 
 class Trainer:
-    """Model state laid out under one strategy, and its train step compiled per batch shape."""
+    """A strategy table's buckets over one model state kept in the home strategy."""
 
-    def __init__(self, config: LlamaConfig, optim: OptimConfig, strategy: Strategy,
-                 devices: Sequence[jax.Device]):
-        self.config, self.optim = config, optim
-        strategy, self.notes = fit_to_model(strategy, config)
-        self.layout = Layout(strategy, devices)
-        self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
-        axes, shapes = param_axes(config), abstract_params(config)
-        self.tx = make_optimizer(optim, axes)
-        params = self.layout.param_shardings(axes, shapes)
-        self.grad_shardings = self.layout.param_shardings(axes, shapes, strategy.grad_spec)
-        moments = self.layout.param_shardings(axes, shapes, strategy.optimizer_spec)
-        # Optimizer moments are laid out like their parameter (or split further under ZeRO-1/2);
-        # step counters are replicated.
-        opt = optax.tree_map_params(self.tx, lambda _, s: s, jax.eval_shape(self.tx.init, shapes),
-                                    moments, transform_non_params=lambda _: self.layout.replicated)
-        self.state_shardings = TrainState(self.layout.replicated, params, opt)
+    def __init__(self, config: LlamaConfig, optim: OptimConfig, table: StrategyTable,
+                 devices: Sequence[jax.Device], *, home_strategy: Strategy | None = None,
+                 device_memory: float | None = None, batch_tokens: int | None = None,
+                 switch_method: str = "auto", topology: Topology | None = None,
+                 timings: bool = False):
+        """`device_memory`: MiB per device that micro-batches are sized to (None: a default
+        size); `batch_tokens` bounds them to what a mini-batch can hold. `switch_method`:
+        "plan" (the planner's fused transfers), "device_put" (JAX's own resharding) or "auto"
+        (whichever measures faster, per pair of layouts). `timings`: wait for each bucket to
+        report its compute and switch seconds (a host synchronisation per bucket)."""
+        self.config, self.table, self.timings = config, table, timings
+        self.topology = topology or local_topology()
+        self.switch = functools.partial(switch, method=switch_method, topology=self.topology)
+        devices = tuple(devices)
+        self.buckets = [bucket_step(config, b.strategy, devices) for b in table.buckets]
+        self.home = home(config, optim, home_strategy or most_sharded(table, config), devices)
+        self.notes = tuple(dict.fromkeys(n for b in self.buckets for n in b.notes))
+        self.micro_rows = [self._micro_rows(i, device_memory, batch_tokens)
+                           for i in range(len(self.buckets))]
+        # The planner's view of every switch a step can make: compute weights from home or a
+        # bucket into a bucket, and each bucket's fp32 gradients home (-1 stands for home).
+        n = len(self.buckets)
+        self.weight_plans = {(a, b): self._plan(a, b, "param", config.dtype.itemsize)
+                             for a in range(-1, n) for b in range(n) if a != b}
+        self.grad_plans = {b: self._plan(b, -1, "grad", 4) for b in range(n)}
+        self.order = best_order({k: p.estimated_seconds for k, p in self.weight_plans.items()}, n)
+
+    def _plan(self, source: int, target: int, kind: str, itemsize: int) -> SwitchPlan:
+        strategies = [self.buckets[i].layout.strategy if i >= 0 else self.home.layout.strategy
+                      for i in (source, target)]
+        ids = [d.id for d in canonical_devices(self.home.layout.mesh.devices.flat)]
+        arrays = strategy_switches(param_axes(self.config), abstract_params(self.config),
+                                   *strategies, ids, itemsize, source_kind=kind,
+                                   target_kind=kind)
+        return plan_switch(arrays, self.topology)
+
+    def _micro_rows(self, i: int, device_memory: float | None, batch_tokens: int | None) -> int:
+        """Bucket i's rows per micro-batch: the table's, else the most that fit `device_memory`
+        by XLA's memory analysis, else enough for one longest-bucket row's worth of tokens."""
+        spec, bucket = self.table.buckets[i], self.buckets[i]
+        shards = bucket.layout.batch_shards
+        if spec.micro_rows is not None:
+            if spec.micro_rows % shards:
+                raise UserError(f"{self.table.source}: bucket {i + 1} (max_len {spec.max_len}): "
+                                f"micro_rows {spec.micro_rows} does not split over the {shards} "
+                                f"batch shards of {bucket.layout.strategy}: use a multiple of "
+                                f"{shards}")
+            return spec.micro_rows
+        longest = self.table.max_len
+        default = shards * max(1, longest // (spec.max_len * shards))
+        if device_memory is None:
+            return default
+        # Peak memory grows linearly with the rows: fit the line through one and two units of
+        # `shards` rows, take the most that fit, then step down until XLA agrees.
+        most = max(1, math.ceil((batch_tokens or 16 * longest) / (spec.max_len * shards)))
+        available = device_memory * MiB - self.home.resident_bytes()
+
+        def peak(units: int) -> int:
+            return bucket.peak_bytes((units * shards, spec.max_len))
+
+        one = peak(1)
+        if one > available or most == 1:
+            return shards
+        per_unit = max(peak(2) - one, 1)
+        units = min(most, 1 + int((available - one) // per_unit))
+        while units > 1 and peak(units) > available:
+            units -= 1
+        return units * shards
 
     def init(self, seed: int) -> TrainState:
-        def fresh() -> TrainState:
-            params = init_params(self.config, seed)
-            return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
+        return self.home.init(seed)
 
-        return jax.jit(fresh, out_shardings=self.state_shardings)()
+    def prepare(self) -> None:
+        """Compile every bucket's micro-step ahead of the first update (in parallel: compiling
+        releases the GIL)."""
+        shapes = [(r, b.max_len) for r, b in zip(self.micro_rows, self.table.buckets,
+                                                 strict=True)]
+        with concurrent.futures.ThreadPoolExecutor(len(self.buckets)) as pool:
+            list(pool.map(lambda bs: bs[0].compiled(bs[1]), zip(self.buckets, shapes,
+                                                                  strict=True)))
 
-    def batch_arrays(self, batch: Batch) -> dict[str, jax.Array]:
-        return place_batch(self.layout, batch)
+    def memory(self) -> dict[str, int]:
+        """Per-device bytes, by XLA: the home state, and while each bucket runs, the home state,
+        the gradient sum and the bucket's micro-step."""
+        report = {"home state": self.home.state_bytes()}
+        resident = self.home.resident_bytes()
+        for bucket, spec, rows in zip(self.buckets, self.table.buckets, self.micro_rows,
+                                      strict=True):
+            name = f"bucket {spec.max_len} ({bucket.layout.strategy}, {rows} rows)"
+            report[name] = resident + bucket.peak_bytes((rows, spec.max_len))
+        return report
 
-    def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
-        """One optimizer update. `state` is donated: use the returned one."""
-        return self.compiled(batch["tokens"].shape)(state, batch)
+    def describe(self) -> str:
+        order = " -> ".join(f"{self.table.buckets[i].max_len}: {self.buckets[i].layout.strategy}"
+                            for i in self.order)
+        micro = ", ".join(f"{r} x {b.max_len}" for r, b in zip(self.micro_rows,
+                                                                self.table.buckets, strict=True))
+        return f"home {self.home.layout.strategy}; buckets {order}; micro-batches {micro}"
 
-    def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        """One update from host data; metrics as Python numbers (this waits for the step)."""
-        state, metrics = self.step(state, self.batch_arrays(batch))
+    def step(self, state: TrainState, minibatch: MiniBatch
+             ) -> tuple[TrainState, dict[str, jax.Array], list[BucketMetrics]]:
+        """One optimizer update over all buckets of `minibatch`. `state` is donated; the
+        metrics are device scalars (reading them waits for the step)."""
+        if minibatch.max_lens != tuple(b.max_len for b in self.table.buckets):
+            raise UserError(f"mini-batch buckets {list(minibatch.max_lens)} are not the table's "
+                            f"{[b.max_len for b in self.table.buckets]}: make the data with the "
+                            f"table's bucket lengths")
+        compute = self.home.cast(state.params)
+        total: Accumulator | None = None
+        report, previous = [], -1
+        for i in self.order:
+            batch, bucket, rows = minibatch.buckets[i], self.buckets[i], self.micro_rows[i]
+            if not batch.tokens.shape[0]:
+                continue  # nothing of this length this step: no switch, no compute
+            micro = micro_batches(bucket.layout, batch, rows)
+            started = time.perf_counter()
+            moved = 0
+            if not already_laid_out(compute, bucket.param_shardings):
+                compute = self.switch(compute, bucket.param_shardings)
+                moved += self.weight_plans[previous, i].bytes_moved
+            previous = i
+            switched = self._wait(compute)
+            step = bucket.compiled((rows, batch.tokens.shape[1]))
+            acc = bucket.zeros()
+            for arrays in micro:  # placed while the previous micro-step computes
+                acc = step(compute, acc, bucket.place(arrays))
+            computed = self._wait(acc)
+            if not already_laid_out(acc.grads, self.home.acc_shardings.grads):
+                moved += self.grad_plans[i].bytes_moved
+            acc = Accumulator(self.switch(acc.grads, self.home.acc_shardings.grads),
+                              *self.switch((acc.loss_sum, acc.targets),
+                                           self.home.acc_shardings[1:]))
+            total = acc if total is None else self.home.add(total, acc)
+            timed = self.timings and self._wait(total)
+            report.append(BucketMetrics(
+                batch.tokens.shape[1], batch.tokens.shape[0], len(micro), rows, batch.real_tokens,
+                len(micro) * rows * batch.tokens.shape[1], moved,
+                computed - switched if timed else None,
+                (switched - started) + (timed - computed) if timed else None))
+        state, metrics = self.home.apply(state, total)
+        return state, metrics, report
+
+    def _wait(self, tree) -> float:
+        """With timings on, wait for `tree` to be computed; the time now either way."""
+        if self.timings:
+            jax.block_until_ready(tree)
+        return time.perf_counter()
+
+    def train_step(self, state: TrainState, minibatch: MiniBatch) -> tuple[TrainState, dict]:
+        """`step`, with its metrics as plain numbers (this waits for the step)."""
+        state, metrics, buckets = self.step(state, minibatch)
+        slots = sum(b.slots for b in buckets)
         return state, {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-                       "tokens": batch.real_tokens}
-
-    def prepare(self, batch: Batch) -> None:
-        """Compile the step for this batch's shape (rows padded as `batch_arrays` pads them)
-        ahead of the first update."""
-        rows, seq_len = batch.tokens.shape
-        self.compiled((rows + -rows % self.layout.batch_shards, seq_len))
-
-    def state_bytes(self) -> int:
-        """Per-device bytes of the fp32 parameters and optimizer state in this layout."""
-        shapes = jax.eval_shape(lambda: self.init(0))
-        return sum(math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-                   for leaf, sharding in zip(jax.tree.leaves(shapes),
-                                             jax.tree.leaves(self.state_shardings), strict=True))
-
-    def memory(self, batch: Batch) -> dict[str, int]:
-        """Per-device bytes of this strategy's compiled step, by XLA."""
-        rows, seq_len = batch.tokens.shape
-        compiled = self.compiled((rows + -rows % self.layout.batch_shards, seq_len))
-        return {f"step ({self.layout.strategy})": step_memory(compiled)["peak"]}
-
-    def compiled(self, shape: tuple[int, int]) -> jax.stages.Compiled:
-        """The AOT-compiled step for one batch shape, built once."""
-        if shape not in self._compiled:
-            step = functools.partial(_step, config=self.config, tx=self.tx, layout=self.layout,
-                                     grad_shardings=self.grad_shardings)
-            batch_shardings = {k: self.layout.batch_sharding for k in BATCH_KEYS}
-            jitted = jax.jit(step, in_shardings=(self.state_shardings, batch_shardings),
-                             out_shardings=(self.state_shardings, self.layout.replicated),
-                             donate_argnums=0)
-            abstract_batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in BATCH_KEYS}
-            self._compiled[shape] = jitted.lower(jax.eval_shape(lambda: self.init(0)),
-                                                 abstract_batch).compile()
-        return self._compiled[shape]
+                       "targets": int(metrics["targets"]), "tokens": minibatch.real_tokens,
+                       "sequences": minibatch.sequences, "slots": slots,
+                       "padding": 1 - minibatch.real_tokens / slots,
+                       "switched_bytes": sum(b.switched_bytes for b in buckets),
+                       "buckets": [dataclasses.asdict(b) for b in buckets]}
 
 
-def place_batch(layout: Layout, batch: Batch) -> dict[str, jax.Array]:
-    """The batch on devices, its rows padded with empty rows to split evenly."""
-    strategy = layout.strategy
-    rows, seq_len = batch.tokens.shape
-    chunks = layout.seq_shards * (2 if strategy.balanced else 1)
-    if seq_len % chunks:
-        raise UserError(f"rows of {seq_len} tokens do not split into {chunks} chunks along "
-                        f"the sequence under {strategy}: use a row length that is a "
-                        f"multiple of {chunks}")
-    arrays = {"tokens": batch.tokens, "segment_ids": batch.segment_ids,
-              "positions": batch.positions,
-              "targets": next_token_targets(batch.tokens, batch.segment_ids)}
-    if strategy.balanced:
-        # Attention masks by document positions, so any column order computes the same.
-        order = balanced_order(seq_len, strategy.seq_ways("context"))
-        arrays = {k: v[:, order] for k, v in arrays.items()}
-    pad = -rows % layout.batch_shards
-    return {k: jax.device_put(np.pad(v, ((0, pad), (0, 0)), constant_values=NO_TARGET
-                                     if k == "targets" else 0), layout.batch_sharding)
-            for k, v in arrays.items()}
+def most_sharded(table: StrategyTable, config: LlamaConfig) -> Strategy:
+    """The table's strategy holding the fewest bytes of model state per device (the first
+    of equals): the home of the fp32 master weights and the optimizer state."""
+    from sharding.report import describe
+
+    def state_bytes(strategy: Strategy) -> int:
+        b = describe(strategy, config)["bytes_per_device"]
+        return b["params"] + b["optimizer"]
+
+    return min(table.strategies, key=state_bytes)
 
 
-@functools.cache
-def get_trainer(config: LlamaConfig, optim: OptimConfig, strategy: Strategy,
-                devices: tuple[jax.Device, ...]) -> Trainer:
-    """One trainer (and so one set of compiled steps) per (config, strategy, devices)."""
-    return Trainer(config, optim, strategy, devices)
+def best_order(costs: dict[tuple[int, int], float], n: int, home: int = -1) -> list[int]:
+    """The bucket order with the least total cost of switching the compute weights from home
+    through every bucket (`costs[(a, b)]`, with `home` as the start)."""
+    def total(order: tuple[int, ...]) -> float:
+        return sum(costs[pair] for pair in zip((home, *order[:-1]), order, strict=True))
 
-
-def step_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
-    """Per-device bytes of a compiled step, as XLA reports them (`memory_analysis`).
-
-    `state` is what the donated train state occupies (the arguments, batch included); `peak`
-    adds XLA's temporaries and any outputs not written in place of a donated argument.
-    """
-    stats = compiled.memory_analysis()
-    fresh_outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
-    return {"state": stats.argument_size_in_bytes, "temp": stats.temp_size_in_bytes,
-            "peak": stats.argument_size_in_bytes + stats.temp_size_in_bytes + fresh_outputs}
+    return list(min(itertools.permutations(range(n)), key=total))

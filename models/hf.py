@@ -17,7 +17,8 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from hotjax.errors import UserError
+from models.errors import UserError
+from models.llama import Llama, LlamaConfig, RopeScaling, abstract_params, bind
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -307,7 +308,3 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike, dtype: str = "floa
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     hf_config = config_to_hf(cfg, dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-
-
-# Imported last: models.llama re-exports this module's loaders, so either may be imported first.
-from models.llama import Llama, LlamaConfig, RopeScaling, abstract_params, bind  # noqa: E402

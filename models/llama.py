@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.errors import UserError
+
 Array = jax.Array
 # Logical axis names: strategies map these to mesh axes. `seq` is the residual stream's
 # sequence axis, `inner_seq` the one inside attention and the MLP, `kv_seq` that of keys/values.
@@ -109,8 +111,6 @@ PRESETS: dict[str, LlamaConfig] = {
 
 
 def preset(name: str) -> LlamaConfig:
-    from hotjax.errors import UserError
-
     if name not in PRESETS:
         raise UserError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
     return PRESETS[name]
@@ -336,7 +336,3 @@ def bind(config: LlamaConfig, params: Params) -> Llama:
     state = jax.tree.map(lambda v: v, state)  # a fresh copy: replace_by_pure_dict mutates
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
-
-
-# Re-exported here, the model's home; models.hf imports this module, hence the late import.
-from models.hf import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402, F401

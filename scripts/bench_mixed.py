@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hotjax.cli import start_jax  # noqa: E402  (imports no JAX: the device count comes first)
-from hotjax.errors import UserError  # noqa: E402
+from models.errors import UserError  # noqa: E402
 
 MiB = 2**20
 CONTEXT = 4096

@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hotjax.cli import start_jax  # noqa: E402  (imports no JAX: the device count comes first)
-from hotjax.errors import UserError  # noqa: E402
+from models.errors import UserError  # noqa: E402
 
 DEFAULT_STRATEGIES = "; ".join((
     "data=8,rules=dp", "fsdp=8,rules=zero1", "fsdp=8,rules=zero2", "fsdp=8,rules=fsdp",

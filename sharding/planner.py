@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec, Sharding
 
-from hotjax.errors import UserError
+from models.errors import UserError
 from sharding.strategy import MESH_AXES, Strategy, ways
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in the array's global indices

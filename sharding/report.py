@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hotjax.errors import UserError
+from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
 from sharding.strategy import Strategy, fit_to_model, ways
 

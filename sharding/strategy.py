@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from hotjax.errors import UserError
+from models.errors import UserError
 from models.llama import ACTIVATION_AXES, PARAM_AXES, LlamaConfig
 
 # Outermost to innermost: the innermost axes stay inside a node, where links are fastest.

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
-from hotjax.errors import UserError
+from models.errors import UserError
 from sharding.planner import (
     MIN_PIECE_BYTES,
     Box,
@@ -46,7 +46,8 @@ _CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 def switch(tree: Any, target_shardings: Any, method: str = "auto",
            topology: Topology | None = None, policy: str = "greedy") -> Any:
-    """`tree` (of `jax.Array`s) resharded to `target_shardings`, as fresh arrays.
+    """`tree` (of `jax.Array`s) resharded to `target_shardings`, as fresh arrays — or `tree`
+    itself, untouched, when every array already has its target layout (nothing to move).
 
     method: "plan" runs the planner's fused per-peer messages; "device_put" is
     `jax.device_put(tree, target_shardings, may_alias=False)`; "auto" measures both the first
@@ -54,6 +55,8 @@ def switch(tree: Any, target_shardings: Any, method: str = "auto",
     """
     if method not in METHODS:
         raise UserError(f"unknown switch method {method!r}: choose one of {', '.join(METHODS)}")
+    if already_laid_out(tree, target_shardings):
+        return tree
     if method == "device_put":
         return jax.device_put(tree, target_shardings, may_alias=False)
     planned = planned_switch(tree, target_shardings, topology, policy)
@@ -64,6 +67,14 @@ def switch(tree: Any, target_shardings: Any, method: str = "auto",
                                   policy) for m in ("plan", "device_put")}
         _faster[planned.key] = min(seconds, key=seconds.__getitem__)
     return switch(tree, target_shardings, _faster[planned.key], topology, policy)
+
+
+def already_laid_out(tree: Any, target_shardings: Any) -> bool:
+    """Whether every array of `tree` already has its target sharding (the same devices
+    holding the same slices)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return all(x.sharding.is_equivalent_to(t, x.ndim)
+               for x, t in zip(leaves, treedef.flatten_up_to(target_shardings), strict=True))
 
 
 def chosen_method(tree: Any, target_shardings: Any, topology: Topology | None = None,

@@ -7,16 +7,18 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from hotjax.errors import UserError
+from models.errors import UserError
 from sharding.strategy import Strategy
 
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
-    """Sequences of up to `max_len` tokens run under `strategy`."""
+    """Sequences of up to `max_len` tokens run under `strategy`, as micro-batches of
+    `micro_rows` rows (None: chosen by the trainer)."""
 
     max_len: int
     strategy: Strategy
+    micro_rows: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +71,10 @@ def parse_table(data: dict[str, Any], source: str) -> StrategyTable:
         if not isinstance(entry, dict):
             raise UserError(f"{where}: each bucket must be a table: write [[bucket]] entries "
                             f"with max_len and mesh")
-        unknown = set(entry) - {"max_len", "mesh", "rules", "balanced"}
+        unknown = set(entry) - {"max_len", "mesh", "rules", "balanced", "micro_rows"}
         if unknown:
             raise UserError(f"{where}: unknown key {sorted(unknown)[0]!r}: "
-                            f"use max_len, mesh, rules, balanced")
+                            f"use max_len, mesh, rules, balanced, micro_rows")
         max_len = entry.get("max_len")
         if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
             raise UserError(f"{where}: max_len must be a positive integer, got {max_len!r}")
@@ -83,8 +85,12 @@ def parse_table(data: dict[str, Any], source: str) -> StrategyTable:
         mesh = entry.get("mesh")
         if not isinstance(mesh, dict) or not mesh:
             raise UserError(f"{where}: mesh must be a table like {{ data = 8 }}")
+        micro_rows = entry.get("micro_rows")
+        if micro_rows is not None and (not isinstance(micro_rows, int)
+                                       or isinstance(micro_rows, bool) or micro_rows < 1):
+            raise UserError(f"{where}: micro_rows must be a positive integer, got {micro_rows!r}")
         buckets.append(Bucket(max_len, Strategy.create(mesh, entry.get("rules"), where,
-                                                       entry.get("balanced", False))))
+                                                       entry.get("balanced", False)), micro_rows))
     return StrategyTable(tuple(buckets), source)
 
 

@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 from hotjax.checkpoint import foreign, store
 from hotjax.checkpoint.manifest import load as load_manifest
 from hotjax.cli import main
-from hotjax.errors import UserError
+from models.errors import UserError
 from models.hf import params_to_hf_state
 from models.llama import PRESETS, abstract_params, init_params
 

@@ -23,7 +23,7 @@ from hotjax.data import (
     stdlib_files,
     to_sequences,
 )
-from hotjax.errors import UserError
+from models.errors import UserError
 
 BOS, EOS, PAD = 257, 258, 256  # the byte tokenizer's specials
 

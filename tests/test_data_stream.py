@@ -18,7 +18,7 @@ from hotjax.data import (
     PackedBatches,
     open_corpus,
 )
-from hotjax.errors import UserError
+from models.errors import UserError
 
 BYTES = ByteTokenizer()
 

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from hotjax.errors import UserError
+from models.errors import UserError
 from models.hf import config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
 from models.llama import Llama, LlamaConfig, RopeScaling, init_model
 
@@ -226,8 +226,9 @@ def test_missing_tensor_is_a_user_error_naming_it(saved, tmp_path):
         load_hf_checkpoint(path)
 
 
-@pytest.mark.parametrize("first, second", [("models.hf", "models.llama"),
-                                           ("models.llama", "models.hf")])
-def test_hf_and_llama_import_in_either_order(first, second):
-    code = f"import {first}, {second}; assert {second}.load_hf_checkpoint"
+def test_models_and_sharding_never_import_the_trainer():
+    """Layers point one way: models <- sharding <- hotjax; the model needs no HF code."""
+    code = ("import sys, models.llama; assert 'models.hf' not in sys.modules; "
+            "import models.hf, sharding.strategy, sharding.table, sharding.switch; "
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'hotjax'], sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from hotjax.errors import UserError
+from models.errors import UserError
 from models.llama import PRESETS, abstract_params, param_axes
 from sharding.planner import (
     POLICIES,

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hotjax.errors import UserError
+from models.errors import UserError
 from models.llama import PRESETS, abstract_params, padded_vocab, param_axes
 from sharding.strategy import (
     DEFAULT_RULES,

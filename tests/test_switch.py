@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hotjax.errors import UserError
+from models.errors import UserError
 from models.llama import PRESETS, abstract_params, param_axes
 from sharding.planner import MIN_PIECE_BYTES, Topology
 from sharding.strategy import Layout, Strategy, fit_to_model

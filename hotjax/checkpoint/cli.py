@@ -72,7 +72,7 @@ def _export_hf(args: argparse.Namespace) -> None:
 
 
 def _import_shards(args: argparse.Namespace) -> None:
-    from hotjax.errors import UserError
+    from models.errors import UserError
 
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers {args.workers}: pass a positive number of processes")

@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from hotjax.checkpoint.manifest import Manifest, TensorSpec
 from hotjax.checkpoint.manifest import load as load_manifest
-from hotjax.errors import UserError
+from models.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)

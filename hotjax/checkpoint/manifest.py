@@ -64,7 +64,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from hotjax.errors import UserError
+from models.errors import UserError
 
 FORMAT = "hotjax-shards/1"
 PATTERNS = ("replicate", "shard_v", "shard_h", "shard_nc", "partial_sum", "partial_mean")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hotjax import __version__
-from hotjax.errors import UserError
+from models.errors import UserError
 
 FORMAT = "hotjax-checkpoint/1"
 META_FILE = Path("meta") / "metadata"  # where Orbax's JSON handler puts the `meta` item
@@ -147,7 +147,9 @@ def check_run(meta: dict[str, Any], *, tokenizer: dict[str, Any], data: dict[str
     saved_data = meta.get("data")
     if saved_data:
         for key, flag in (("source", "--data"), ("seq_len", "--context"),
-                          ("batch_tokens", "--batch-tokens"), ("seed", "--seed")):
+                          ("batch_tokens", "--batch-tokens"),
+                          ("batch_sequences", "--batch-sequences"),
+                          ("long_documents", "--long-documents"), ("seed", "--seed")):
             if saved_data.get(key) != data.get(key):
                 raise UserError(f"{where}: its data position is for {key}={saved_data.get(key)!r}"
                                 f" but this run has {data.get(key)!r}: pass {flag} as the "

@@ -28,7 +28,7 @@ from orbax.checkpoint import checkpoint_managers as keep_policies
 from orbax.checkpoint import type_handlers
 
 from hotjax.checkpoint import meta as meta_lib
-from hotjax.errors import UserError
+from models.errors import UserError
 
 PARAMS, OPT_STATE, META, DATA = "params", "opt_state", "meta", "data"
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -68,8 +68,11 @@ _device_fingerprints = jax.jit(lambda leaves: [_fingerprint(x) for x in leaves])
 
 
 def _fingerprint_values(leaves: list[Any]) -> list[int]:
-    if all(isinstance(x, np.ndarray) for x in leaves):
-        return [int(_fingerprint(x, np)) for x in leaves]
+    # Arrays in host memory (numpy, or on CPU devices) are read in place: on CPU a compiled
+    # program would cost more than the arithmetic.
+    if all(isinstance(x, np.ndarray) or {d.platform for d in x.devices()} == {"cpu"}
+           for x in leaves):
+        return [int(_fingerprint(np.asarray(x), np)) for x in leaves]
     return [int(v) for v in jax.device_get(_device_fingerprints(leaves))]
 
 

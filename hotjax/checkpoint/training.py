@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint import store
-from hotjax.train import Trainer, TrainState
+from hotjax.step import Home, TrainState
 
 
 class Resumed(NamedTuple):
@@ -22,27 +22,19 @@ class Resumed(NamedTuple):
     data: dict[str, Any] | None  # the data iterator's position; None: start the data afresh
 
 
-def state_targets(trainer: Trainer) -> TrainState:
-    """The trainer's state as `jax.ShapeDtypeStruct`s on its own shardings: restore targets."""
-    shapes = jax.eval_shape(lambda: trainer.init(0))
-    return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                                 sharding=sharding),
-                        shapes, trainer.state_shardings)
-
-
-def run_record(trainer: Trainer, *, tokenizer: Any, data: dict[str, Any], seed: int,
+def run_record(home: Home, *, tokenizer: Any, data: dict[str, Any], seed: int,
                table: Any) -> dict[str, Any]:
     """What every checkpoint of this run records beside its arrays (`meta.record`)."""
     return meta_lib.record(
         step=0, source="train", items=[store.PARAMS, store.OPT_STATE],
-        model=trainer.config.to_dict(), seed=seed, tokenizer=meta_lib.tokenizer_record(tokenizer),
-        data={**data, "seed": seed}, optimizer=dataclasses.asdict(trainer.optim),
+        model=home.config.to_dict(), seed=seed, tokenizer=meta_lib.tokenizer_record(tokenizer),
+        data={**data, "seed": seed}, optimizer=dataclasses.asdict(home.optim),
         strategy_table=meta_lib.table_record(table),
-        written_from=meta_lib.layout_record(trainer.layout))
+        written_from=meta_lib.layout_record(home.layout))
 
 
-def restore_state(path: str | Path, trainer: Trainer, record: dict[str, Any]) -> Resumed:
-    """The state saved at `path`, laid out for `trainer`, after checking that it fits the run
+def restore_state(path: str | Path, home: Home, record: dict[str, Any]) -> Resumed:
+    """The state saved at `path`, laid out in `home`, after checking that it fits the run
     described by `record` (from `run_record`). A weights-only checkpoint (an import) starts
     at step 0 with a fresh optimizer state and the data from its beginning."""
     step_dir = store.find(path)
@@ -50,8 +42,8 @@ def restore_state(path: str | Path, trainer: Trainer, record: dict[str, Any]) ->
     where = step_dir / meta_lib.META_FILE
     meta_lib.check_model(meta, record["model"], where)
     meta_lib.check_run(meta, tokenizer=record["tokenizer"], data=record["data"], where=where)
-    targets = state_targets(trainer)
-    saved_vocab, vocab = meta["model"]["vocab_size"], trainer.config.vocab_size
+    targets = home.abstract_state()
+    saved_vocab, vocab = meta["model"]["vocab_size"], home.config.vocab_size
     resize = (saved_vocab, vocab) if saved_vocab != vocab else None
     weights_only = store.OPT_STATE not in meta["items"]
     items = {store.PARAMS: targets.params}
@@ -60,10 +52,9 @@ def restore_state(path: str | Path, trainer: Trainer, record: dict[str, Any]) ->
     restored = store.restore(step_dir, items, vocab=resize)
     params = restored.arrays[store.PARAMS]
     if weights_only:
-        opt_state = jax.jit(trainer.tx.init,
-                            out_shardings=trainer.state_shardings.opt_state)(params)
+        opt_state = jax.jit(home.tx.init, out_shardings=home.state_shardings.opt_state)(params)
         step, data = 0, None
     else:
         opt_state, step, data = restored.arrays[store.OPT_STATE], int(meta["step"]), restored.data
-    step_array = jax.device_put(jnp.asarray(step, jnp.int32), trainer.state_shardings.step)
+    step_array = jax.device_put(jnp.asarray(step, jnp.int32), home.state_shardings.step)
     return Resumed(step_dir, TrainState(step_array, params, opt_state), step, data)

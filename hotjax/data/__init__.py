@@ -2,7 +2,7 @@
 
 import importlib
 
-from hotjax.data.buckets import bucket_of, plan_rows
+from hotjax.data.buckets import bucket_of, estimated_lengths, pack_buckets
 from hotjax.data.corpus import (
     EMBEDDED_CORPORA,
     Corpus,
@@ -25,7 +25,7 @@ from hotjax.data.tokenizer import (
 # The iterators live in `stream`, which imports Grain, which imports JAX — and JAX reads the CPU
 # device count when imported. So `stream` loads on first use, and importing `hotjax.data` before
 # `hotjax.cli.start_jax` stays safe.
-_STREAM = ("BucketStats", "BucketedBatches", "MiniBatch", "PackedBatches")
+_STREAM = ("MiniBatch", "MiniBatches")
 
 
 def __getattr__(name: str):
@@ -38,23 +38,22 @@ __all__ = [
     "EMBEDDED_CORPORA",
     "LONG_DOCUMENTS",
     "Batch",
-    "BucketStats",
-    "BucketedBatches",
     "ByteTokenizer",
     "Corpus",
     "CorpusStats",
     "HFTokenizer",
     "MiniBatch",
-    "PackedBatches",
+    "MiniBatches",
     "SentencePieceTokenizer",
     "Tokenizer",
     "assemble",
     "bucket_of",
     "default_cache_dir",
+    "estimated_lengths",
     "load_tokenizer",
     "open_corpus",
     "pack_rows",
-    "plan_rows",
+    "pack_buckets",
     "shakespeare_root",
     "stdlib_files",
     "to_sequences",

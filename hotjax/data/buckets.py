@@ -1,15 +1,7 @@
-"""How many packed rows each length bucket gets in every mini-batch.
-
-Shapes must not change between steps (each bucket's step compiles once), so each bucket's row
-count is fixed for a run. It is planned from the corpus's length distribution: pack a fixed
-sample of sequence lengths first-fit-decreasing within each bucket, then give each bucket
-rows in proportion to what its sequences needed. When a mini-batch holds more of a bucket than
-planned, the overflow fills room in longer buckets' rows or waits for the next mini-batch;
-nothing is dropped.
-"""
+"""Length buckets: which bucket holds a sequence, how a bucket's sequences fill its rows, and
+how long a corpus's documents are (estimated, for planning and for what truncation drops)."""
 
 import bisect
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,7 +10,7 @@ from hotjax.data.corpus import Corpus
 from hotjax.data.packing import pack_rows
 from hotjax.data.tokenizer import Tokenizer
 
-ESTIMATE_DOCUMENTS = 8192  # documents whose lengths plan the rows
+ESTIMATE_DOCUMENTS = 8192  # documents whose lengths are estimated
 RATIO_SAMPLE_BYTES = 1 << 20  # text tokenized to measure the tokenizer's tokens per byte
 
 
@@ -27,65 +19,25 @@ def bucket_of(length: int, max_lens: Sequence[int]) -> int:
     return bisect.bisect_left(max_lens, length)
 
 
-def plan_rows(
-    lengths: Sequence[int],
-    max_lens: Sequence[int],
-    row_multiples: Sequence[int],
-    *,
-    batch_tokens: int | None = None,
-    batch_sequences: int | None = None,
-) -> tuple[int, ...]:
-    """Rows per bucket for mini-batches of `batch_tokens` padded tokens or `batch_sequences`
-    sequences, given a sample of sequence `lengths` (each at most the largest bucket).
-
-    By tokens, bucket b gets the share of the budget its sample rows take (rows x max_len),
-    rounded down, then what is left goes row by row to the buckets furthest below their share;
-    by sequences, the rows its sample needed per sequence times the count, rounded up. Every
-    bucket gets at least one row, so none starves, and a multiple of its `row_multiples` entry,
-    so its rows split evenly over the strategy's batch shards.
-    """
-    needed = [0] * len(max_lens)
-    by_bucket: list[list[int]] = [[] for _ in max_lens]
-    for length in lengths:
-        by_bucket[bucket_of(length, max_lens)].append(int(length))
-    for b, members in enumerate(by_bucket):
-        needed[b] = len(pack_rows(members, max_lens[b]))
-    if not len(lengths):  # no sample (one bucket needs none): every bucket counts as one row
-        needed = [1] * len(max_lens)
-    multiples = list(row_multiples)
-    if batch_tokens is None:
-        assert batch_sequences is not None, "pass batch_tokens or batch_sequences"
-        rows = [math.ceil(batch_sequences * n / max(len(lengths), 1)) for n in needed]
-        return tuple(_round_up(max(r, 1), k) for r, k in zip(rows, multiples, strict=True))
-    padded = sum(n * m for n, m in zip(needed, max_lens, strict=True))
-    ideal = [batch_tokens * n / padded for n in needed]
-    rows = [_round_up(max(math.floor(x), 1), k) for x, k in zip(ideal, multiples, strict=True)]
-    # Rounding down leaves budget: give it to the buckets furthest below their share.
-    while True:
-        spare = batch_tokens - sum(r * m for r, m in zip(rows, max_lens, strict=True))
-        short = [b for b, (x, r) in enumerate(zip(ideal, rows, strict=True))
-                 if x > r and multiples[b] * max_lens[b] <= spare]
-        if not short:
-            return tuple(rows)
-        b = max(short, key=lambda b: (ideal[b] - rows[b]) * max_lens[b])
-        rows[b] += multiples[b]
+def pack_buckets(lengths: Sequence[int], max_lens: Sequence[int]) -> list[list[list[int]]]:
+    """Sequence indices per row of each bucket: each sequence in the first bucket that holds
+    it, each bucket packed first-fit-decreasing into rows of its length (`pack_rows`)."""
+    own: list[list[int]] = [[] for _ in max_lens]
+    for i, length in enumerate(lengths):
+        own[bucket_of(length, max_lens)].append(i)
+    return [[[members[j] for j in row] for row in pack_rows([lengths[i] for i in members], m)]
+            for members, m in zip(own, max_lens, strict=True)]
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def estimated_lengths(
-    corpus: Corpus, tokenizer: Tokenizer, context: int, long_documents: str
-) -> np.ndarray:
-    """Sequence lengths of a fixed sample of documents, from their text sizes and the
-    tokenizer's measured tokens per byte: tokenizing a whole corpus to plan would take long."""
+def estimated_lengths(corpus: Corpus, tokenizer: Tokenizer) -> np.ndarray:
+    """Sequence lengths (BOS and EOS included, before any cut) of a fixed sample of documents,
+    from their text sizes and the tokenizer's measured tokens per byte: tokenizing a whole
+    corpus would take long."""
     rng = np.random.default_rng(0)  # the same sample in every process, whatever the seed
     order = rng.permutation(corpus.num_documents)
     ratio = _tokens_per_byte(corpus, tokenizer, order)
     sizes_N = corpus.sizes_D[np.sort(order[:ESTIMATE_DOCUMENTS])]
-    lengths_N = np.ceil(sizes_N[sizes_N > 0] * ratio).astype(np.int64) + 2  # BOS, EOS
-    return cut(lengths_N, context, long_documents)
+    return np.ceil(sizes_N[sizes_N > 0] * ratio).astype(np.int64) + 2
 
 
 def cut(lengths_N: np.ndarray, context: int, long_documents: str) -> np.ndarray:

@@ -8,7 +8,7 @@ import json
 
 from hotjax.config import RunConfig
 from hotjax.data.packing import LONG_DOCUMENTS
-from hotjax.errors import UserError
+from models.errors import UserError
 
 _RUN = RunConfig()  # the defaults `hotjax train` uses
 

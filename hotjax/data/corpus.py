@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from hotjax.data import records
-from hotjax.errors import UserError
+from models.errors import UserError
 
 BINARY_SNIFF_BYTES = 8192  # a NUL byte this early marks a file as binary
 EMBEDDED_CORPORA = ("stdlib", "shakespeare")

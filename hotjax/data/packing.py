@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hotjax.data.tokenizer import Tokenizer
-from hotjax.errors import UserError
+from models.errors import UserError
 
 LONG_DOCUMENTS = ("truncate", "split", "error")  # what to do with a document over the context
 
@@ -30,6 +30,11 @@ class Batch:
     def real_tokens(self) -> int:
         """How many tokens are not padding."""
         return int(np.count_nonzero(self.segment_ids))
+
+    @property
+    def sequences(self) -> int:
+        """How many sequences (documents or their pieces) the rows hold."""
+        return int(self.segment_ids.max(axis=1, initial=0).sum())
 
 
 def to_sequences(

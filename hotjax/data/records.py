@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hotjax.errors import UserError
+from models.errors import UserError
 
 _TEXT_TYPES = ("string", "large_string", "string_view", "binary", "large_binary", "binary_view")
 

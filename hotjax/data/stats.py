@@ -9,11 +9,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hotjax.data.buckets import bucket_of, cut
+from hotjax.data.buckets import cut, pack_buckets
 from hotjax.data.corpus import Corpus
-from hotjax.data.packing import first_fit, pack_rows, to_sequences
+from hotjax.data.packing import pack_rows, to_sequences
 from hotjax.data.tokenizer import Tokenizer
-from hotjax.errors import UserError
+from models.errors import UserError
 
 TOKENIZE_CHUNK = 256  # documents per tokenizer call
 
@@ -86,34 +86,14 @@ def _histogram(lengths: np.ndarray) -> list[dict]:
 
 
 def _buckets(lengths_N: np.ndarray, max_lens: Sequence[int]) -> list[dict]:
-    owner = np.array([bucket_of(int(n), max_lens) for n in lengths_N])
     found = []
-    for b, max_len in enumerate(max_lens):
-        members = lengths_N[owner == b]
-        rows = len(pack_rows(members.tolist(), max_len))
+    for max_len, rows in zip(max_lens, pack_buckets(lengths_N.tolist(), max_lens), strict=True):
+        members = lengths_N[[i for row in rows for i in row]]
         found.append({"max_len": max_len, "sequences": len(members),
                       "tokens": int(members.sum()),
                       "token_share": float(members.sum() / lengths_N.sum()),
-                      "rows": rows, "padding": rows * max_len - int(members.sum())})
+                      "rows": len(rows), "padding": len(rows) * max_len - int(members.sum())})
     return found
-
-
-def _filled_buckets(lengths_N: np.ndarray, max_lens: Sequence[int]) -> list[tuple[int, int]]:
-    """(rows, max_len) per bucket when, longest bucket first, shorter sequences fill the room
-    left in longer rows (the iterator does this with the sequences its rows cannot take)."""
-    owner = np.array([bucket_of(int(n), max_lens) for n in lengths_N])
-    left = np.ones(len(lengths_N), bool)  # not in a row yet
-    shapes = []
-    for b in range(len(max_lens) - 1, -1, -1):
-        own = np.flatnonzero((owner == b) & left)
-        rows = pack_rows(lengths_N[own].tolist(), max_lens[b])
-        free = [max_lens[b] - int(lengths_N[own[row]].sum()) for row in rows]
-        shorter = np.flatnonzero((owner < b) & left)
-        placed = np.array(first_fit(lengths_N[shorter].tolist(), free), np.int64)
-        left[own] = False
-        left[shorter[placed >= 0]] = False
-        shapes.append((len(rows), max_lens[b]))
-    return shapes[::-1]
 
 
 def _layouts(lengths_N: np.ndarray, context: int, buckets: list[dict]) -> list[dict]:
@@ -124,7 +104,6 @@ def _layouts(lengths_N: np.ndarray, context: int, buckets: list[dict]) -> list[d
         "pad to max": [(len(lengths_N), context)],
         "packed to context": [(len(pack_rows(lengths_N.tolist(), context)), context)],
         "bucketed": [(b["rows"], b["max_len"]) for b in buckets],
-        "bucketed, gaps filled": _filled_buckets(lengths_N, [b["max_len"] for b in buckets]),
     }
     packed_attention = shapes["packed to context"][0][0] * context**2
     found = []

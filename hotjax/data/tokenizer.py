@@ -14,7 +14,7 @@ import tokenizers
 
 from hotjax import cache_root
 from hotjax.data.corpus import Corpus
-from hotjax.errors import UserError
+from models.errors import UserError
 
 BPE_SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2 of a trained BPE
 BPE_SAMPLE_CHARS = 8 << 20  # train on about this much text, so training takes seconds

@@ -1,0 +1,261 @@
+"""The compiled pieces of a training step: the loss, one bucket's gradient micro-step, and the
+home state with its single update.
+
+A bucket's micro-step adds one micro-batch's fp32 gradients, loss sum and target count to an
+accumulator held in the bucket's own layout (`Accumulator`); the home applies one update from
+the accumulated sums, divided by the mini-batch's real target count. Each piece is compiled once
+per (config, strategy, devices, shape) and cached here, so trainers built again (by tests,
+benchmarks, a resumed run) reuse it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hotjax.data import Batch
+from hotjax.optim import OptimConfig, make_optimizer
+from models.errors import UserError
+from models.llama import LlamaConfig, Params, abstract_params, bind, init_params, param_axes
+from sharding.strategy import Layout, Strategy, fit_to_model
+
+BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets")
+NO_TARGET = -1
+
+
+class TrainState(NamedTuple):
+    step: jax.Array
+    params: Params  # fp32 master weights
+    opt_state: optax.OptState
+
+
+class Accumulator(NamedTuple):
+    """Sums over the micro-batches seen so far: fp32 gradients, loss and target count."""
+
+    grads: Params
+    loss_sum: jax.Array
+    targets: jax.Array
+
+
+def next_token_targets(tokens_BxT: np.ndarray, segment_ids_BxT: np.ndarray) -> np.ndarray:
+    """Each position's next token, or `NO_TARGET` where the next token does not continue the
+    same document (the last token of a document, padding). Made on the host, before any
+    reordering of the sequence, so the loss is a per-position sum whatever the token order."""
+    targets_BxT = np.full_like(tokens_BxT, NO_TARGET)
+    next_segment_BxT1 = segment_ids_BxT[:, 1:]
+    continues_BxT1 = (next_segment_BxT1 == segment_ids_BxT[:, :-1]) & (next_segment_BxT1 > 0)
+    targets_BxT[:, :-1] = np.where(continues_BxT1, tokens_BxT[:, 1:], NO_TARGET)
+    return targets_BxT
+
+
+def token_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Summed cross-entropy over positions with a target, and their number."""
+    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
+    # A one-hot contraction rather than a gather: with the vocabulary split over `tensor` each
+    # rank reduces its own slice, so full logits are never gathered (vocab-parallel CE). The
+    # one-hot of NO_TARGET is all zeros, and those positions are masked out below.
+    target_BxTxV = jax.nn.one_hot(targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32)
+    target_logit_BxT = jnp.sum(logits_BxTxV * target_BxTxV, axis=-1)
+    nll_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1) - target_logit_BxT
+    valid_BxT = targets_BxT != NO_TARGET
+    return jnp.sum(jnp.where(valid_BxT, nll_BxT, 0.0)), jnp.sum(valid_BxT)
+
+
+def balanced_order(seq_len: int, ways: int) -> np.ndarray:
+    """Column order giving context rank i the chunks i and 2*ways-1-i of the sequence."""
+    chunks = np.arange(seq_len).reshape(2 * ways, -1)
+    return np.concatenate([chunks[j] for i in range(ways) for j in (i, 2 * ways - 1 - i)])
+
+
+def micro_batches(layout: Layout, batch: Batch, micro_rows: int) -> list[dict[str, np.ndarray]]:
+    """A bucket's rows as host arrays of `micro_rows` rows each, ready to place under `layout`:
+    targets made, columns in the strategy's order; only the last carries empty rows."""
+    strategy = layout.strategy
+    rows, seq_len = batch.tokens.shape
+    chunks = layout.seq_shards * (2 if strategy.balanced else 1)
+    if seq_len % chunks:
+        raise UserError(f"rows of {seq_len} tokens do not split into {chunks} chunks along "
+                        f"the sequence under {strategy}: use a row length that is a "
+                        f"multiple of {chunks}")
+    arrays = {"tokens": batch.tokens, "segment_ids": batch.segment_ids,
+              "positions": batch.positions,
+              "targets": next_token_targets(batch.tokens, batch.segment_ids)}
+    if strategy.balanced:
+        # Attention masks by document positions, so any column order computes the same.
+        order = balanced_order(seq_len, strategy.seq_ways("context"))
+        arrays = {k: v[:, order] for k, v in arrays.items()}
+    pad = -rows % micro_rows
+    arrays = {k: np.pad(v, ((0, pad), (0, 0)), constant_values=NO_TARGET if k == "targets"
+                        else 0) for k, v in arrays.items()}
+    return [{k: v[start:start + micro_rows] for k, v in arrays.items()}
+            for start in range(0, rows + pad, micro_rows)]
+
+
+def step_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
+    """Per-device bytes of a compiled program, as XLA reports them (`memory_analysis`).
+
+    `state` is what its arguments occupy; `peak` adds XLA's temporaries and any outputs not
+    written in place of a donated argument.
+    """
+    stats = compiled.memory_analysis()
+    fresh_outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
+    return {"state": stats.argument_size_in_bytes, "temp": stats.temp_size_in_bytes,
+            "peak": stats.argument_size_in_bytes + stats.temp_size_in_bytes + fresh_outputs}
+
+
+def _per_device_bytes(shapes: Params, shardings: Params) -> int:
+    sizes = jax.tree.map(lambda s, sh: math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize,
+                         shapes, shardings)
+    return sum(jax.tree.leaves(sizes))
+
+
+class BucketStep:
+    """One bucket's strategy on devices: its layouts, and its gradient micro-step
+    `(compute params, accumulator, micro-batch) -> accumulator` compiled once per shape."""
+
+    def __init__(self, config: LlamaConfig, strategy: Strategy, devices: Sequence[jax.Device]):
+        self.config = config
+        fitted, self.notes = fit_to_model(strategy, config)
+        self.layout = Layout(fitted, devices)
+        axes, shapes = param_axes(config), abstract_params(config)
+        self.param_shardings = self.layout.param_shardings(axes, shapes)  # compute weights
+        # ZeRO-2 reduce-scatters the gradients: the accumulator takes the gradient layout.
+        replicated = self.layout.replicated
+        self.acc_shardings = Accumulator(
+            self.layout.param_shardings(axes, shapes, fitted.grad_spec), replicated, replicated)
+        self._zeros = jax.jit(lambda: _zeros(config), out_shardings=self.acc_shardings)
+        self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
+
+    def zeros(self) -> Accumulator:
+        return self._zeros()
+
+    def compiled(self, shape: tuple[int, int]) -> jax.stages.Compiled:
+        """The micro-step for micro-batches of `shape` (rows, length); the accumulator is
+        donated."""
+        if shape not in self._compiled:
+            rows = shape[0]
+            if rows % self.layout.batch_shards:
+                raise UserError(f"micro-batches of {rows} rows do not split over the "
+                                f"{self.layout.batch_shards} batch shards of "
+                                f"{self.layout.strategy}: use a multiple of "
+                                f"{self.layout.batch_shards}")
+            step = functools.partial(_micro_step, config=self.config, layout=self.layout)
+            batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in BATCH_KEYS}
+            jitted = jax.jit(step, in_shardings=(
+                self.param_shardings, self.acc_shardings,
+                {k: self.layout.batch_sharding for k in BATCH_KEYS}),
+                out_shardings=self.acc_shardings, donate_argnums=1)
+            compute = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, self.config.dtype),
+                                   abstract_params(self.config))
+            acc = jax.eval_shape(functools.partial(_zeros, self.config))
+            self._compiled[shape] = jitted.lower(compute, acc, batch).compile()
+        return self._compiled[shape]
+
+    def peak_bytes(self, shape: tuple[int, int]) -> int:
+        """XLA's per-device peak of one micro-step: weights, accumulator, batch, temporaries."""
+        return step_memory(self.compiled(shape))["peak"]
+
+    def place(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return jax.device_put(arrays, self.layout.batch_sharding)
+
+
+def _zeros(config: LlamaConfig) -> Accumulator:
+    grads = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), abstract_params(config))
+    return Accumulator(grads, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+
+
+def _micro_step(params: Params, acc: Accumulator, batch: dict[str, jax.Array], *,
+                config: LlamaConfig, layout: Layout) -> Accumulator:
+    def loss_sum(params: Params) -> tuple[jax.Array, jax.Array]:
+        model = bind(config, params)
+        logits = model(batch["tokens"], batch["segment_ids"], batch["positions"], layout.constrain)
+        return token_loss(logits, batch["targets"])
+
+    (total, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
+    return Accumulator(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc.grads, grads),
+                       acc.loss_sum + total, acc.targets + count)
+
+
+class Home:
+    """The home layout: fp32 master weights and optimizer state (which never move), the
+    compute-dtype copy each step starts from, the gradient sum, and the one update."""
+
+    def __init__(self, config: LlamaConfig, optim: OptimConfig, strategy: Strategy,
+                 devices: Sequence[jax.Device]):
+        self.config, self.optim = config, optim
+        strategy, self.notes = fit_to_model(strategy, config)
+        self.layout = Layout(strategy, devices)
+        axes, shapes = param_axes(config), abstract_params(config)
+        self.tx = make_optimizer(optim, axes)
+        params = self.layout.param_shardings(axes, shapes)
+        moments = self.layout.param_shardings(axes, shapes, strategy.optimizer_spec)
+        # Optimizer moments are laid out like their parameter (or split further under ZeRO-1/2);
+        # step counters are replicated.
+        opt = optax.tree_map_params(self.tx, lambda _, s: s, jax.eval_shape(self.tx.init, shapes),
+                                    moments, transform_non_params=lambda _: self.layout.replicated)
+        replicated = self.layout.replicated
+        self.state_shardings = TrainState(replicated, params, opt)
+        self.acc_shardings = Accumulator(
+            self.layout.param_shardings(axes, shapes, strategy.grad_spec), replicated, replicated)
+        dtype = config.dtype
+        self.cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p),
+                            out_shardings=params)
+        self.add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b),
+                           out_shardings=self.acc_shardings, donate_argnums=0)
+        self.apply = jax.jit(functools.partial(_apply, tx=self.tx), donate_argnums=0,
+                             out_shardings=(self.state_shardings, replicated))
+
+    def init(self, seed: int) -> TrainState:
+        def fresh() -> TrainState:
+            params = init_params(self.config, seed)
+            return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
+
+        return jax.jit(fresh, out_shardings=self.state_shardings)()
+
+    def abstract_state(self) -> TrainState:
+        """The state as `jax.ShapeDtypeStruct`s on the home shardings (restore targets)."""
+        shapes = jax.eval_shape(lambda: self.init(0))
+        return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                                     sharding=sharding),
+                            shapes, self.state_shardings)
+
+    def state_bytes(self) -> int:
+        """Per-device bytes of the fp32 parameters and optimizer state."""
+        return _per_device_bytes(jax.eval_shape(lambda: self.init(0)), self.state_shardings)
+
+    def resident_bytes(self) -> int:
+        """Per-device bytes that stay on every device while a bucket runs: the state and the
+        fp32 gradient sum."""
+        acc = jax.eval_shape(functools.partial(_zeros, self.config))
+        return self.state_bytes() + _per_device_bytes(acc, self.acc_shardings)
+
+
+def _apply(state: TrainState, acc: Accumulator, *, tx: optax.GradientTransformation
+           ) -> tuple[TrainState, dict[str, jax.Array]]:
+    count = jnp.maximum(acc.targets, 1).astype(jnp.float32)
+    grads = jax.tree.map(lambda g: g / count, acc.grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+    return state, {"loss": acc.loss_sum / count, "grad_norm": optax.global_norm(grads),
+                   "targets": acc.targets}
+
+
+@functools.cache
+def bucket_step(config: LlamaConfig, strategy: Strategy,
+                devices: tuple[jax.Device, ...]) -> BucketStep:
+    """One BucketStep (and so one set of compiled micro-steps) per (config, strategy, devices)."""
+    return BucketStep(config, strategy, devices)
+
+
+@functools.cache
+def home(config: LlamaConfig, optim: OptimConfig, strategy: Strategy,
+         devices: tuple[jax.Device, ...]) -> Home:
+    """One Home (and so one compiled update) per (config, optimizer, strategy, devices)."""
+    return Home(config, optim, strategy, devices)

@@ -17,7 +17,14 @@ from rich.table import Table
 from hotjax.checkpoint import store
 from hotjax.checkpoint.training import restore_state, run_record
 from hotjax.config import RunConfig
-from hotjax.data import MiniBatches, estimated_lengths, load_tokenizer, open_corpus
+from hotjax.data import (
+    MiniBatches,
+    cut,
+    estimated_lengths,
+    load_tokenizer,
+    open_corpus,
+    typical_rows,
+)
 from hotjax.optim import OptimConfig
 from hotjax.train import Trainer
 from models.errors import UserError
@@ -80,15 +87,17 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
     optim = OptimConfig(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps)
     batches = MiniBatches(corpus, tokenizer, [b.max_len for b in table.buckets], **run.batch,
                           long_documents=run.long_documents, seed=run.seed)
+    lengths = estimated_lengths(corpus, tokenizer)
+    typical = typical_rows(cut(lengths, table.max_len, run.long_documents),
+                           [b.max_len for b in table.buckets], **run.batch)
     trainer = Trainer(config, optim, table, devices, device_memory=run.device_memory,
-                      batch_tokens=run.batch.get("batch_tokens"), timings=run.bucket_timings)
+                      typical_rows=typical, timings=run.bucket_timings)
     size = ", ".join(f"{v:,} {k.split('_')[1]}" for k, v in run.batch.items())
     console.print(f"model {run.model}: {config.num_params() / 1e6:.1f}M params, "
                   f"{config.compute_dtype} compute | corpus {corpus.source}: "
                   f"{corpus.num_documents} documents | tokenizer {tokenizer.identity} "
                   f"({tokenizer.vocab_size} tokens) | {size} per step")
     console.print(escape(trainer.describe()))
-    lengths = estimated_lengths(corpus, tokenizer)
     beyond = float(np.maximum(lengths - table.max_len, 0).sum() / max(lengths.sum(), 1))
     console.print(f"long documents: {beyond:.0%} of the corpus's tokens (estimated) lie past the "
                   f"context of {table.max_len} tokens; "

@@ -212,12 +212,15 @@ class Home:
         self.apply = jax.jit(functools.partial(_apply, tx=self.tx), donate_argnums=0,
                              out_shardings=(self.state_shardings, replicated))
 
-    def init(self, seed: int) -> TrainState:
-        def fresh() -> TrainState:
-            params = init_params(self.config, seed)
+        def fresh(seed: int) -> TrainState:
+            params = init_params(config, seed)
             return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
 
-        return jax.jit(fresh, out_shardings=self.state_shardings)()
+        # Compiled once per seed (a Home is cached, so a trainer built again reuses it).
+        self._init = jax.jit(fresh, static_argnums=0, out_shardings=self.state_shardings)
+
+    def init(self, seed: int) -> TrainState:
+        return self._init(seed)
 
     def abstract_state(self) -> TrainState:
         """The state as `jax.ShapeDtypeStruct`s on the home shardings (restore targets)."""

@@ -16,7 +16,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
-import math
 import time
 from collections.abc import Sequence
 
@@ -33,6 +32,7 @@ from sharding.switch import already_laid_out, local_topology, switch
 from sharding.table import StrategyTable
 
 MiB = 2**20
+MAX_MICRO_UNITS = 64  # rows per batch shard in a micro-batch sized to memory, at the most
 
 
 @dataclasses.dataclass
@@ -55,11 +55,14 @@ class Trainer:
 
     def __init__(self, config: LlamaConfig, optim: OptimConfig, table: StrategyTable,
                  devices: Sequence[jax.Device], *, home_strategy: Strategy | None = None,
-                 device_memory: float | None = None, batch_tokens: int | None = None,
+                 device_memory: float | None = None,
+                 typical_rows: Sequence[float] | None = None,
                  switch_method: str = "auto", topology: Topology | None = None,
                  timings: bool = False):
-        """`device_memory`: MiB per device that micro-batches are sized to (None: a default
-        size); `batch_tokens` bounds them to what a mini-batch can hold. `switch_method`:
+        """`device_memory`: MiB per device that micro-batches are sized to (None: one row per
+        batch shard); `typical_rows`, the rows a typical mini-batch puts in each bucket
+        (`hotjax.data.typical_rows`), bounds them, so that a sparse bucket does not compute
+        mostly empty rows. `switch_method`:
         "plan" (the planner's fused transfers), "device_put" (JAX's own resharding) or "auto"
         (whichever measures faster, per pair of layouts). `timings`: wait for each bucket to
         report its compute and switch seconds (a host synchronisation per bucket)."""
@@ -70,7 +73,7 @@ class Trainer:
         self.buckets = [bucket_step(config, b.strategy, devices) for b in table.buckets]
         self.home = home(config, optim, home_strategy or most_sharded(table, config), devices)
         self.notes = tuple(dict.fromkeys(n for b in self.buckets for n in b.notes))
-        self.micro_rows = [self._micro_rows(i, device_memory, batch_tokens)
+        self.micro_rows = [self._micro_rows(i, device_memory, typical_rows)
                            for i in range(len(self.buckets))]
         # The planner's view of every switch a step can make: compute weights from home or a
         # bucket into a bucket, and each bucket's fp32 gradients home (-1 stands for home).
@@ -89,9 +92,10 @@ class Trainer:
                                    target_kind=kind)
         return plan_switch(arrays, self.topology)
 
-    def _micro_rows(self, i: int, device_memory: float | None, batch_tokens: int | None) -> int:
+    def _micro_rows(self, i: int, device_memory: float | None,
+                    typical_rows: Sequence[float] | None) -> int:
         """Bucket i's rows per micro-batch: the table's, else the most that fit `device_memory`
-        by XLA's memory analysis, else enough for one longest-bucket row's worth of tokens."""
+        by XLA's memory analysis, else one row per batch shard (the fewest empty rows)."""
         spec, bucket = self.table.buckets[i], self.buckets[i]
         shards = bucket.layout.batch_shards
         if spec.micro_rows is not None:
@@ -101,13 +105,13 @@ class Trainer:
                                 f"batch shards of {bucket.layout.strategy}: use a multiple of "
                                 f"{shards}")
             return spec.micro_rows
-        longest = self.table.max_len
-        default = shards * max(1, longest // (spec.max_len * shards))
         if device_memory is None:
-            return default
+            return shards
+        # No more rows than a typical mini-batch fills (else MAX_MICRO_UNITS units).
+        most = (MAX_MICRO_UNITS if typical_rows is None
+                else max(1, int(typical_rows[i] // shards)))
         # Peak memory grows linearly with the rows: fit the line through one and two units of
         # `shards` rows, take the most that fit, then step down until XLA agrees.
-        most = max(1, math.ceil((batch_tokens or 16 * longest) / (spec.max_len * shards)))
         available = device_memory * MiB - self.home.resident_bytes()
 
         def peak(units: int) -> int:

@@ -2,10 +2,11 @@
 sequential write and read of the same bytes in the same run, restore onto the same mesh vs a
 new one, and how long an async save holds up training.
 
-    python scripts/bench_ckpt.py [--model small] [--dir DIR] [--repeats 3] [--json]
+    python scripts/bench_ckpt.py [--model small] [--dir DIR] [--repeats 3] [--json] [--quick]
 
 Reads are cold: every file is flushed and dropped from the page cache first (fadvise). The
 state is saved from `--strategy` (home) on all devices (8 simulated ones on a CPU machine).
+`--quick`: the `tiny` model, one repeat, two steps (a smoke test).
 """
 
 from __future__ import annotations
@@ -21,8 +22,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 CHUNK = 64 << 20
+QUICK = {"model": "tiny", "repeats": 1, "steps": 2, "seq_len": 64}
 
 
 def _drop_cache(path: Path) -> None:
@@ -58,7 +64,7 @@ def disk_baseline(directory: Path, nbytes: int) -> dict[str, float]:
     return {"write_gb_s": nbytes / write_s / 1e9, "read_gb_s": nbytes / read_s / 1e9}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", help="model preset (default: %(default)s)")
     parser.add_argument("--strategy", default="fsdp=8", help="the home layout that saves")
@@ -68,8 +74,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="train steps per blocking run")
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object to stdout (the table goes to stderr)")
+    parser.add_argument("--quick", action="store_true", help="a smoke test of seconds: "
+                        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     args = parser.parse_args(argv)
+    if args.quick:  # its settings, under any flag given
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
 
     from hotjax.cli import start_jax
 
@@ -79,25 +91,30 @@ def main(argv: list[str] | None = None) -> dict:
 
     from hotjax.checkpoint import meta as meta_lib
     from hotjax.checkpoint import store
-    from hotjax.checkpoint.training import state_targets
-    from hotjax.data import Batch
+    from hotjax.data import Batch, MiniBatch
     from hotjax.optim import OptimConfig
-    from hotjax.train import get_trainer
+    from hotjax.train import Trainer
     from models.llama import preset
     from sharding.strategy import Strategy
+    from sharding.table import StrategyTable
 
     config = dataclasses.replace(preset(args.model), compute_dtype="float32")
     optim = OptimConfig(total_steps=1000)
     devices = jax.devices()
-    home = get_trainer(config, optim, Strategy.parse(args.strategy), tuple(devices))
+
+    def trainer(strategy: str, count: int) -> Trainer:
+        table = StrategyTable.single(Strategy.parse(strategy), args.seq_len, strategy)
+        return Trainer(config, optim, table, devices[:count])
+
+    home = trainer(args.strategy, len(devices))
     # One row per batch shard; one step first, so that the optimizer moments are not zeros
     # (which would compress to nothing).
     rng = np.random.default_rng(0)
-    rows, seq = home.layout.batch_shards, args.seq_len
-    tokens = rng.integers(0, config.vocab_size, (rows, seq)).astype(np.int32)
-    batch = home.batch_arrays(Batch(tokens, np.ones_like(tokens),
-                                    np.tile(np.arange(seq, dtype=np.int32), (rows, 1))))
-    state, metrics = home.step(home.init(0), batch)
+    rows, seq = home.micro_rows[0], args.seq_len
+    tokens_BxT = rng.integers(0, config.vocab_size, (rows, seq)).astype(np.int32)
+    batch = MiniBatch((Batch(tokens_BxT, np.ones_like(tokens_BxT),
+                             np.tile(np.arange(seq, dtype=np.int32), (rows, 1))),))
+    state, metrics, _ = home.step(home.init(0), batch)
     float(metrics["loss"])
     nbytes = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
     record = meta_lib.record(step=0, source="bench", items=[], model=config.to_dict())
@@ -118,8 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     disk_bytes = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
 
     def restore_s(strategy: str, count: int) -> float:
-        trainer = get_trainer(config, optim, Strategy.parse(strategy), tuple(devices[:count]))
-        targets = state_targets(trainer)
+        targets = trainer(strategy, count).home.abstract_state()
         items = {"params": targets.params, "opt_state": targets.opt_state}
         times = []
         for _ in range(args.repeats + 1):
@@ -140,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         held: list[float] = []
         started = time.perf_counter()
         for _ in range(args.steps):
-            state, metrics = home.step(state, batch)
+            state, metrics, _ = home.step(state, batch)
             float(metrics["loss"])
             if run:
                 held.append(run.save(int(state.step), state.params, state.opt_state, record,
@@ -159,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     gb = nbytes / 1e9
     result = {
         "hardware": {"cpus": os.cpu_count(), "platform": devices[0].platform,
+                     "device_kind": devices[0].device_kind,
                      "devices": len(devices), "machine": platform.machine(),
                      "python": sys.version.split()[0], "jax": jax.__version__},
         "model": args.model, "home": args.strategy, "state_bytes": nbytes,
@@ -172,15 +189,16 @@ def main(argv: list[str] | None = None) -> dict:
                      "blocked_per_save_s": statistics.median(held),
                      "steps": args.steps},
     }
+    from rich.console import Console
+
+    # With --json the table goes to stderr; into a file or a pipe, rich would wrap it at 80.
+    _table(result, Console(stderr=args.json, width=150))
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
-        _table(result)
-    return result
+    return 0
 
 
-def _table(r: dict) -> None:
-    from rich.console import Console
+def _table(r: dict, console: Console) -> None:
     from rich.table import Table
 
     hw = r["hardware"]
@@ -202,8 +220,11 @@ def _table(r: dict) -> None:
     table.add_row("train step, no save", f"{t['step_s']:.3f}", "", "")
     table.add_row("train step + async save each step", f"{t['step_s_saving_every_step']:.3f}",
                   "", "")
-    Console().print(table)
+    console.print(table)
+    console.print(f"hardware: {hw['devices']} {hw['platform']} device(s) ({hw['device_kind']}), "
+                  f"{hw['cpus']} CPUs, {hw['machine']}, python {hw['python']}, jax {hw['jax']}",
+                  highlight=False)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,12 +1,15 @@
 """Step time and XLA-reported per-device memory of each strategy, at two sequence lengths.
 
-    python scripts/bench_strategies.py [--json] [--seq-lens 512,2048] [--strategies "A; B"]
+    python scripts/bench_strategies.py [--json] [--quick] [--seq-lens 512,2048]
+                                       [--strategies "A; B"]
 
 Each (strategy, sequence length) trains the same synthetic packed mini-batch (random tokens, a
-few documents per row): the step is compiled ahead of time, XLA's memory analysis read, then one
-warm-up step and `--steps` timed ones. A strategy that cannot run a shape (sizes that do not
-divide, a mesh of the wrong device count) is reported, not fatal. On simulated CPU devices the
-timings say nothing about a GPU cluster: 8 fake devices share the machine's cores (DESIGN §8).
+few documents per row) as a one-bucket `Trainer` whose one micro-batch holds every row: the
+micro-step is compiled ahead of time, XLA's memory analysis read, then one warm-up step and
+`--steps` timed ones. A strategy that cannot run a shape (sizes that do not divide, a mesh of the
+wrong device count) is reported, not fatal. `--quick`: the `tiny` model, short rows, two
+strategies, one timed step (a smoke test). On simulated CPU devices the timings say nothing about
+a GPU cluster: 8 fake devices share the machine's cores.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 import time
 from itertools import pairwise
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hotjax.cli import start_jax  # noqa: E402  (imports no JAX: the device count comes first)
 from models.errors import UserError  # noqa: E402
+
+if TYPE_CHECKING:
+    import jax
+    from rich.console import Console
+
+    from hotjax.data import Batch
+    from hotjax.optim import OptimConfig
+    from models.llama import LlamaConfig
+    from sharding.strategy import Strategy
 
 DEFAULT_STRATEGIES = "; ".join((
     "data=8,rules=dp", "fsdp=8,rules=zero1", "fsdp=8,rules=zero2", "fsdp=8,rules=fsdp",
@@ -39,9 +52,11 @@ MiB = 2**20
 # Recorded by JAX for each program looked up in the persistent compilation cache.
 CACHE_MISS = "/jax/compilation_cache/cache_misses"
 HOST_MEMORY_SHARE = 0.8  # of the host's available memory that simulated devices may plan to use
+QUICK = {"model": "tiny", "seq_lens": "64,128", "batch_tokens": 1024, "steps": 1,
+         "strategies": "data=8,rules=dp; fsdp=2,context=4,rules=context"}
 
 
-def synthetic_batch(rows: int, seq_len: int, vocab_size: int, seed: int = 0):
+def synthetic_batch(rows: int, seq_len: int, vocab_size: int, seed: int = 0) -> Batch:
     """Random tokens packed `DOCS_PER_ROW` documents to a row, each row ending in up to
     seq_len/16 padding tokens, as the data pipeline would hand them over."""
     from hotjax.data import Batch
@@ -71,35 +86,47 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def bench_one(trainer, batch, steps: int, cache_misses: list[str]) -> dict:
-    """Compile seconds, XLA memory and median step seconds of one strategy on one batch shape.
+def bench_one(config: LlamaConfig, optim: OptimConfig, strategy: Strategy, batch: Batch,
+              devices: tuple[jax.Device, ...], steps: int, cache_misses: list[str]) -> dict:
+    """Compile seconds, XLA memory and median step seconds of one strategy on one batch.
 
     Simulated CPU devices share the host's memory: a step whose planned peak would exhaust it
     is compiled and measured by XLA, but not run.
     """
     import jax
 
-    from hotjax.train import step_memory
+    from hotjax.data import MiniBatch
+    from hotjax.step import bucket_step, step_memory
+    from hotjax.train import Trainer
+    from sharding.table import Bucket, StrategyTable
 
-    arrays = trainer.batch_arrays(batch)  # rows padded to the strategy's batch split
+    rows, seq_len = batch.tokens.shape
+    shards = bucket_step(config, strategy, devices).layout.batch_shards
+    micro_rows = -(-rows // shards) * shards  # one micro-batch, padded to split evenly
+    table = StrategyTable((Bucket(seq_len, strategy, micro_rows),), str(strategy))
+    trainer = Trainer(config, optim, table, devices)
     misses_before = len(cache_misses)
     started = time.perf_counter()
-    compiled = trainer.compiled(arrays["tokens"].shape)
-    result = {"rows_run": arrays["tokens"].shape[0], "compile_s": time.perf_counter() - started,
-              "compile_cached": len(cache_misses) == misses_before,
-              "memory_bytes": step_memory(compiled)}
-    mesh = trainer.layout.mesh
-    host_need, available = mesh.size * result["memory_bytes"]["peak"], host_available_bytes()
-    if (mesh.devices.flat[0].platform == "cpu" and available is not None
+    trainer.prepare()
+    step = step_memory(trainer.buckets[0].compiled((micro_rows, seq_len)))
+    resident = trainer.home.resident_bytes()
+    result = {"rows_run": micro_rows, "compile_s": time.perf_counter() - started,
+              "compile_cached": (jax.config.jax_enable_compilation_cache
+                                 and len(cache_misses) == misses_before),
+              "notes": list(trainer.notes),
+              "memory_bytes": {"resident": resident, "step": step["peak"],
+                               "temp": step["temp"], "peak": resident + step["peak"]}}
+    host_need, available = len(devices) * result["memory_bytes"]["peak"], host_available_bytes()
+    if (devices[0].platform == "cpu" and available is not None
             and host_need > HOST_MEMORY_SHARE * available):
         return result | {"status": "too big for host", "error": (
-            f"{mesh.size} simulated devices would need {host_need / 2**30:.1f} GiB of host "
+            f"{len(devices)} simulated devices would need {host_need / 2**30:.1f} GiB of host "
             f"memory; {available / 2**30:.1f} GiB is available: compiled, not run")}
-    state = trainer.init(seed=0)
+    state, minibatch = trainer.init(seed=0), MiniBatch((batch,))
     times = []
     for _ in range(steps + 1):  # the first is the warm-up
         started = time.perf_counter()
-        state, metrics = trainer.step(state, arrays)
+        state, metrics, _ = trainer.step(state, minibatch)
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - started)
     step_s = statistics.median(times[1:])
@@ -108,12 +135,11 @@ def bench_one(trainer, batch, steps: int, cache_misses: list[str]) -> dict:
                      "tokens_per_s": batch.real_tokens / step_s}
 
 
-def run(args: argparse.Namespace, console) -> dict:
+def run(args: argparse.Namespace, console: Console) -> dict:
     import jax
 
     from hotjax.optim import OptimConfig
     from hotjax.run import select_devices
-    from hotjax.train import get_trainer
     from models.llama import padded_vocab, preset
     from sharding.strategy import Strategy
 
@@ -140,20 +166,14 @@ def run(args: argparse.Namespace, console) -> dict:
     results = []
     total = len(strategies) * len(seq_lens)
     for strategy in strategies:
-        trainer, failure = None, None
-        try:
-            trainer = get_trainer(config, optim, strategy, devices)
-        except UserError as e:
-            failure = str(e)
         for seq_len in seq_lens:
             batch = synthetic_batch(args.batch_tokens // seq_len, seq_len, model.vocab_size)
             entry = {"strategy": str(strategy), "seq_len": seq_len,
                      "rows": batch.tokens.shape[0], "real_tokens": batch.real_tokens,
-                     "notes": list(trainer.notes) if trainer else []}
+                     "notes": []}
             try:
-                if failure is not None:
-                    raise UserError(failure)
-                entry |= bench_one(trainer, batch, args.steps, cache_misses)
+                entry |= bench_one(config, optim, strategy, batch, devices, args.steps,
+                                   cache_misses)
             except UserError as e:
                 entry |= {"status": "does not fit", "error": str(e)}
             except Exception as e:  # an XLA failure (out of memory...): report it, go on
@@ -187,7 +207,7 @@ def _progress(entry: dict) -> str:
     return f"{entry['strategy']} @ {entry['seq_len']}: " + ", ".join(parts)
 
 
-def print_table(report: dict, console) -> None:
+def print_table(report: dict, console: Console) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -195,8 +215,8 @@ def print_table(report: dict, console) -> None:
     table = Table(title=f"strategies on {model['preset']} ({model['params'] / 1e6:.1f}M params, "
                         f"{model['compute_dtype']}), {report['batch_tokens']:,} tokens per step",
                   title_justify="left")
-    for column in ("strategy", "seq", "rows", "compile s", "state MiB", "temp MiB", "peak MiB",
-                   "step s", "tokens/s"):
+    for column in ("strategy", "seq", "rows", "compile s", "resident MiB", "step MiB",
+                   "peak MiB", "step s", "tokens/s"):
         table.add_column(column, justify="left" if column == "strategy" else "right",
                          no_wrap=column == "strategy")
     errors: list[str] = []  # footnotes, each message once
@@ -206,7 +226,7 @@ def print_table(report: dict, console) -> None:
             if "compile_s" in r:
                 cells[:4] = [f"{r['compile_s']:.1f}" + ("*" if r["compile_cached"] else ""),
                              *(f"{r['memory_bytes'][k] / MiB:,.1f}"
-                               for k in ("state", "temp", "peak"))]
+                               for k in ("resident", "step", "peak"))]
             if r["status"] == "ok":
                 cells[4:] = [f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}"]
             else:
@@ -221,8 +241,10 @@ def print_table(report: dict, console) -> None:
     console.print(table)
     console.print(f"hardware: {m['devices']} {m['platform']} device(s) ({m['device_kind']}), "
                   f"{m['cpus']} CPUs, {m['processor']}, jax {m['jax']}", highlight=False)
-    console.print(f"memory: per device, from XLA's memory analysis of the compiled step (state = "
-                  f"params, Adam moments and batch; peak adds temporaries). step s: median of "
+    console.print(f"memory: per device (XLA's memory analysis). resident: the home strategy's "
+                  f"fp32 params, Adam moments and gradient sum; step: the compiled micro-step's "
+                  f"peak (compute weights, accumulator, batch, temporaries); peak: both. step s: "
+                  f"median of "
                   f"{report['steps']} after a warm-up; tokens/s counts real (non-padding) tokens; "
                   f"rows a→b: padded with empty rows to split evenly. * compile loaded from the "
                   f"persistent cache.", highlight=False)
@@ -233,7 +255,7 @@ def print_table(report: dict, console) -> None:
     if report["simulated"]:
         console.print("[yellow]simulated CPU devices:[/] they share the machine's cores, so these "
                       "timings compare strategies on this machine only and do not model a GPU "
-                      "cluster (DESIGN §8); the memory figures are per device as XLA plans them.")
+                      "cluster; the memory figures are per device as XLA plans them.")
 
 
 def _split(text: str, sep: str) -> list[str]:
@@ -246,7 +268,7 @@ def _positive(text: str, flag: str) -> int:
     return int(text)
 
 
-def _console(stderr: bool):
+def _console(stderr: bool) -> Console:
     from rich.console import Console
 
     # Into a file or a pipe, rich would wrap the table at 80 columns.
@@ -273,7 +295,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: 8 simulated CPUs, or all accelerators)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document to stdout (the table goes to stderr)")
+    parser.add_argument("--quick", action="store_true", help="a smoke test of seconds: "
+                        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     args = parser.parse_args(argv)
+    if args.quick:  # its settings, under any flag given
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
 
     progress = _console(stderr=True)
     try:

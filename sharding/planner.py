@@ -1,4 +1,4 @@
-"""The hot-switch planner (HotSPa's greedy, DESIGN §6): which device sends which slice of which
+"""The hot-switch planner (HotSPa's greedy): which device sends which slice of which
 array to which device when arrays move from one layout to another. Shapes and layouts only.
 
 The core works on a pure description, so it plans for topologies larger than this machine: for
@@ -46,7 +46,8 @@ class ArraySwitch:
 class Topology:
     """Devices `d` and `e` share a node iff `d // devices_per_node == e // devices_per_node`
     (device ids number devices node-major, as `canonical_devices` orders them). Bandwidths are
-    per device and direction, in bytes/s; the defaults are DESIGN §10's NVLink and IB figures."""
+    per device and direction, in bytes/s; the defaults are the HotSPa paper's cluster: NVLink
+    400 GB/s inside a node, InfiniBand 200 GB/s between nodes."""
 
     devices_per_node: int
     intra_node_bandwidth: float = 400e9

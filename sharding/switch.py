@@ -1,4 +1,4 @@
-"""The hot-switch executor (DESIGN §6): carries a `SwitchPlan` out on real arrays, beside the
+"""The hot-switch executor: carries a `SwitchPlan` out on real arrays, beside the
 baseline `jax.device_put`, and uses whichever measures faster for each pair of layouts.
 
 A planned switch runs in three moves: on each sender, one program cuts the slices for each
@@ -6,7 +6,9 @@ receiver out of its source shards and fuses them into one flat buffer per receiv
 width: floats travel bit for bit as unsigned integers); one batched `jax.device_put` carries every
 buffer to its receiver; on each receiver, one program assembles its target shards from the
 buffers and from the slices it already held. It runs within one process. The results are always
-fresh buffers, never the source's (callers donate them later: DESIGN §6's hazard).
+fresh buffers, never the source's: callers donate them later, and `device_put` returns aliased
+buffers for leaves whose sharding is equivalent in both layouts (donating those invalidated the
+source).
 """
 
 from __future__ import annotations

@@ -17,15 +17,16 @@ import pytest
 
 from hotjax.checkpoint import convert, store
 from hotjax.checkpoint import meta as meta_lib
-from hotjax.checkpoint.training import restore_state, state_targets
+from hotjax.checkpoint.training import restore_state
 from hotjax.cli import main
-from hotjax.data import Batch
-from models.errors import UserError
+from hotjax.data import Batch, MiniBatch
 from hotjax.optim import OptimConfig
-from hotjax.train import get_trainer
+from hotjax.train import Trainer
+from models.errors import UserError
 from models.hf import load_hf_checkpoint
 from models.llama import PRESETS, LlamaConfig, abstract_params
 from sharding.strategy import Strategy
+from sharding.table import StrategyTable
 
 TINY = dataclasses.replace(PRESETS["tiny"], compute_dtype="float32")
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=4)
@@ -35,24 +36,26 @@ TINY_RUN = ["train", "--model", "tiny", "--tokenizer", "bytes", "--context", "25
             "--steps", "4"]
 
 
-def _trainer(strategy: str, devices, config=TINY):
-    return get_trainer(config, OPTIM, Strategy.parse(strategy), tuple(devices))
+def _trainer(strategy: str, devices, config=TINY) -> Trainer:
+    """A single strategy over rows of 64 tokens; its home holds the state in that strategy."""
+    table = StrategyTable.single(Strategy.parse(strategy), 64, strategy)
+    return Trainer(config, OPTIM, table, devices)
 
 
-def _batch(trainer) -> dict:
+def _batch() -> MiniBatch:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, TINY.vocab_size, (8, 64)).astype(np.int32)
     positions = np.tile(np.arange(64, dtype=np.int32), (8, 1))
-    return trainer.batch_arrays(Batch(tokens, np.ones_like(tokens), positions))
+    return MiniBatch((Batch(tokens, np.ones_like(tokens), positions),))
 
 
 def _host(tree):
     return jax.tree.map(np.array, tree)  # copies, never views of device buffers
 
 
-def _save(directory: Path, trainer, state, step: int) -> Path:
+def _save(directory: Path, home, state, step: int) -> Path:
     checkpoints = store.Checkpoints(directory)
-    record = meta_lib.record(step=step, source="test", items=[], model=trainer.config.to_dict())
+    record = meta_lib.record(step=step, source="test", items=[], model=home.config.to_dict())
     checkpoints.save(step, state.params, state.opt_state, record, {"epoch": 0})
     checkpoints.close()
     return directory / str(step)
@@ -62,8 +65,8 @@ def _save(directory: Path, trainer, state, step: int) -> Path:
 def fsdp_checkpoint(devices, tmp_path_factory):
     """A state after one update, saved from an fsdp=8 home layout; and a host copy of it."""
     trainer = _trainer("data=8,rules=dp", devices)
-    state, _ = trainer.step(trainer.init(seed=0), _batch(trainer))
-    home = _trainer("fsdp=8", devices)
+    state, _, _ = trainer.step(trainer.init(seed=0), _batch())
+    home = _trainer("fsdp=8", devices).home
     state = jax.device_put(state, home.state_shardings, may_alias=False)
     return _save(tmp_path_factory.mktemp("fsdp"), home, state, 1), _host(state)
 
@@ -73,8 +76,7 @@ def fsdp_checkpoint(devices, tmp_path_factory):
 def test_restore_onto_another_mesh_gives_the_saved_arrays(strategy, count, devices,
                                                           fsdp_checkpoint):
     path, host = fsdp_checkpoint
-    trainer = _trainer(strategy, devices[:count])
-    targets = state_targets(trainer)
+    targets = _trainer(strategy, devices[:count]).home.abstract_state()
     restored = store.restore(path, {"params": targets.params, "opt_state": targets.opt_state})
     for item, saved in (("params", host.params), ("opt_state", host.opt_state)):
         for x, t, want in zip(jax.tree.leaves(restored.arrays[item]),
@@ -89,7 +91,7 @@ def test_restore_onto_another_mesh_gives_the_saved_arrays(strategy, count, devic
 def test_restore_in_half_precision_casts_the_fp32_master_weights(dtype, devices,
                                                                  fsdp_checkpoint):
     path, host = fsdp_checkpoint
-    targets = state_targets(_trainer("data=2,fsdp=2", devices[:4])).params
+    targets = _trainer("data=2,fsdp=2", devices[:4]).home.abstract_state().params
     half = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, dtype, sharding=t.sharding),
                         targets)
     restored = store.restore(path, {"params": half}).arrays["params"]
@@ -106,10 +108,10 @@ def test_training_resumes_computing_in_half_precision(dtype, devices, fsdp_check
     for compute in ("float32", dtype):
         trainer = _trainer("data=8,rules=dp", devices,
                            dataclasses.replace(TINY, compute_dtype=compute))
-        resumed = restore_state(path, trainer, record)
+        resumed = restore_state(path, trainer.home, record)
         assert resumed.step == 1
         assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(resumed.state.params))
-        losses[compute] = float(trainer.step(resumed.state, _batch(trainer))[1]["loss"])
+        losses[compute] = trainer.train_step(resumed.state, _batch())[1]["loss"]
     assert losses[dtype] == pytest.approx(losses["float32"], abs=2e-2)
 
 
@@ -118,7 +120,7 @@ def test_fingerprints_agree_on_every_layout_on_device_and_on_the_host(devices,
     _, host = fsdp_checkpoint
     expected = store.fingerprints(host.params)  # numpy, on the host
     for strategy in ("fsdp=8", "data=8,rules=dp"):
-        shardings = _trainer(strategy, devices).state_shardings.params
+        shardings = _trainer(strategy, devices).home.state_shardings.params
         leaves = jax.tree.leaves(jax.device_put(host.params, shardings))
         on_device = jax.device_get(store._device_fingerprints(leaves))  # as on accelerators
         assert [int(v) for v in on_device] == list(expected.values())
@@ -128,18 +130,18 @@ def test_fingerprints_agree_on_every_layout_on_device_and_on_the_host(devices,
 
 
 def test_async_save_is_not_disturbed_by_the_donated_steps_after_it(devices, tmp_path):
-    # DESIGN §6: the step donates its state. Orbax copies to host before `save` returns.
+    # The step donates its state. Orbax copies to host before `save` returns.
     trainer = _trainer("data=8,rules=dp", devices)
-    batch = _batch(trainer)
-    state, _ = trainer.step(trainer.init(seed=0), batch)
+    batch = _batch()
+    state, _, _ = trainer.step(trainer.init(seed=0), batch)
     host = _host(state)
     checkpoints = store.Checkpoints(tmp_path)
     record = meta_lib.record(step=1, source="test", items=[], model=TINY.to_dict())
     checkpoints.save(1, state.params, state.opt_state, record, None)
     for _ in range(3):  # donate the saved buffers while the write may still run
-        state, _ = trainer.step(state, batch)
+        state, _, _ = trainer.step(state, batch)
     checkpoints.close()
-    targets = state_targets(trainer)
+    targets = trainer.home.abstract_state()
     restored = store.restore(tmp_path, {"params": targets.params})
     same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b),
                         restored.arrays["params"], host.params)
@@ -203,7 +205,7 @@ def test_hugging_face_round_trip_and_training_from_the_import(devices, tmp_path,
     # padding rows zero, a fresh optimizer state, the data from its beginning.
     padded = dataclasses.replace(TINY, vocab_size=384)
     record = {"model": padded.to_dict(), "tokenizer": {"identity": "bytes"}, "data": {}}
-    resumed = restore_state(tmp_path / "ck", _trainer("fsdp=8", devices, padded), record)
+    resumed = restore_state(tmp_path / "ck", _trainer("fsdp=8", devices, padded).home, record)
     assert resumed.step == 0 and resumed.data is None
     embed = np.asarray(resumed.state.params["embed"])
     np.testing.assert_array_equal(embed[:TINY.vocab_size], host.params["embed"])
@@ -223,7 +225,7 @@ def test_vocabulary_padding_is_dropped_on_export_and_restored_as_zeros(devices, 
     convert.export_hf(tmp_path / "ck", tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 259
     wider = dataclasses.replace(TINY, vocab_size=512)
-    shardings = _trainer("fsdp=8", devices, wider).state_shardings.params
+    shardings = _trainer("fsdp=8", devices, wider).home.state_shardings.params
     targets = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                            abstract_params(wider), shardings)
     embed = store.restore(tmp_path / "ck", {"params": targets},

@@ -1,4 +1,5 @@
-"""`hotjax train` as a user runs it: same losses on every layout, and one-line errors."""
+"""`hotjax train` as a user runs it: one mini-batch whatever the layout, resumes across layouts,
+and one-line errors."""
 
 import json
 import os
@@ -10,63 +11,118 @@ import pytest
 
 from hotjax.cli import main
 
-# The embedded default corpus (the Python standard library), a tiny model, byte tokens.
-TINY_RUN = ["train", "--model", "tiny", "--tokenizer", "bytes", "--context", "256",
-            "--batch-tokens", "2048", "--compute-dtype", "float32", "--log-every", "1"]
+# A tiny model on byte tokens in fp32, over pieces of the standard library of mixed lengths.
+TINY_RUN = ["train", "--model", "tiny", "--tokenizer", "bytes", "--batch-tokens", "2048",
+            "--compute-dtype", "float32", "--log-every", "1", "--seed", "11"]
+BUCKETS = (64, 128, 256)
 
 
-def _train(tmp_path, *flags: str) -> list[dict]:
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """Documents of 10 to 400 bytes, so that every bucket gets sequences (and a few split)."""
+    from hotjax.data import open_corpus
+
+    rng = np.random.default_rng(0)
+    text = "".join(open_corpus(None).read(i) for i in range(20))
+    starts = rng.integers(0, len(text) - 400, size=600)
+    lengths = rng.integers(10, 400, size=600)
+    path = tmp_path_factory.mktemp("corpus") / "mixed.jsonl"
+    path.write_text("".join(json.dumps({"text": text[s:s + n]}) + "\n"
+                            for s, n in zip(starts, lengths, strict=True)))
+    return str(path)
+
+
+def _table(tmp_path, name: str, *meshes: str, rules: tuple[str, ...] = ()) -> str:
+    path = tmp_path / f"{name}.toml"
+    path.write_text("".join(
+        f"[[bucket]]\nmax_len = {n}\nmesh = {{ {mesh} }}\n"
+        + (f"rules = '{rules[i]}'\n" if rules else "")
+        for i, (n, mesh) in enumerate(zip(BUCKETS, meshes, strict=True))))
+    return str(path)
+
+
+def _train(tmp_path, corpus: str, *flags: str) -> list[dict]:
     metrics = tmp_path / f"metrics-{len(list(tmp_path.iterdir()))}.jsonl"
-    assert main([*TINY_RUN, *flags, "--metrics-jsonl", str(metrics)]) == 0
+    assert main([*TINY_RUN, "--data", corpus, *flags, "--metrics-jsonl", str(metrics)]) == 0
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
-def data_parallel_losses(tmp_path_factory) -> list[float]:
-    records = _train(tmp_path_factory.mktemp("dp"), "--steps", "3", "--strategy", "data=8")
-    return [r["loss"] for r in records]
+def one_device(tmp_path_factory, corpus) -> list[dict]:
+    """The reference: the same buckets, every one on a single device."""
+    tmp = tmp_path_factory.mktemp("one")
+    table = _table(tmp, "single", "data = 1", "data = 1", "data = 1")
+    return _train(tmp, corpus, "--steps", "3", "--devices", "1", "--strategies", table)
 
 
-@pytest.mark.parametrize("flags", [["--strategy", "fsdp=8"], ["--devices", "1"],
-                                   ["--strategy", "data=8"]])
-def test_layouts_give_the_same_loss_trajectory(flags, tmp_path, data_parallel_losses):
-    losses = [r["loss"] for r in _train(tmp_path, "--steps", "3", *flags)]
-    np.testing.assert_allclose(losses, data_parallel_losses, rtol=0, atol=1e-5)
+def _layouts(tmp_path) -> dict[str, list[str]]:
+    return {
+        "hot table": ["--strategies", _table(
+            tmp_path, "hot", "data = 8", "data = 2, fsdp = 2, tensor = 2",
+            "context = 4, tensor = 2", rules=("dp", "megatron", "megatron"))],
+        "every bucket data=8": ["--strategies", _table(
+            tmp_path, "dp", "data = 8", "data = 8", "data = 8")],
+        "one strategy fsdp=8": ["--strategy", "fsdp=8", "--context", str(BUCKETS[-1])],
+    }
 
 
-def test_training_lowers_the_loss_and_records_every_step(tmp_path):
-    records = _train(tmp_path, "--steps", "8", "--warmup-steps", "2", "--lr", "1e-2")
-    assert [r["step"] for r in records] == list(range(1, 9))
+@pytest.mark.parametrize("layout", ["hot table", "every bucket data=8", "one strategy fsdp=8"])
+def test_every_layout_trains_on_the_same_minibatches_with_the_same_losses(layout, tmp_path,
+                                                                           corpus, one_device):
+    records = _train(tmp_path, corpus, "--steps", "3", *_layouts(tmp_path)[layout])
+    # The same documents: real tokens and sequences per step do not depend on the layout ...
+    assert [r["tokens"] for r in records] == [r["tokens"] for r in one_device]
+    assert [r["sequences"] for r in records] == [r["sequences"] for r in one_device]
+    assert all(r["tokens"] <= 2048 for r in records)
+    # ... and with document masking neither do the losses, whatever the rows' packing.
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in one_device],
+                               rtol=0, atol=1e-5)
+
+
+def test_a_table_run_records_its_buckets_micro_steps_and_padding(tmp_path, corpus):
+    records = _train(tmp_path, corpus, "--steps", "2", *_layouts(tmp_path)["hot table"])
     for r in records:
-        assert set(r) >= {"step", "loss", "tokens", "seconds", "tokens_per_s"}
-        assert r["tokens"] > 0
-        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
+        buckets = r["buckets"]
+        assert r["tokens"] == sum(b["tokens"] for b in buckets) > 0
+        assert r["slots"] == sum(b["micro_steps"] * b["micro_rows"] * b["max_len"]
+                                 for b in buckets)
+        assert r["padding"] == pytest.approx(1 - r["tokens"] / r["slots"])
+        for b in buckets:
+            # Only the last micro-batch of a bucket may carry empty rows.
+            assert (b["micro_steps"] - 1) * b["micro_rows"] < b["rows"] <= (
+                b["micro_steps"] * b["micro_rows"])
+            assert b["compute_s"] is None  # not timed unless --bucket-timings
+    assert {b["max_len"] for r in records for b in r["buckets"]} == set(BUCKETS)
+
+
+def test_training_lowers_the_loss(tmp_path, corpus):
+    records = _train(tmp_path, corpus, "--steps", "8", "--warmup-steps", "2", "--lr", "1e-2",
+                     "--strategy", "data=8", "--context", "256")
+    assert [r["step"] for r in records] == list(range(1, 9))
     # From uniform guesses over the 259 byte tokens padded to 384 embedding rows, to well below.
     assert records[0]["loss"] == pytest.approx(np.log(384), abs=0.05)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
 
 
-def test_a_bucket_table_trains_with_hot_switching(tmp_path):
-    table = tmp_path / "table.toml"
-    table.write_text("[[bucket]]\nmax_len = 128\nmesh = { data = 8 }\nrules = 'dp'\n"
-                     "[[bucket]]\nmax_len = 256\nmesh = { data = 2, tensor = 4 }\n"
-                     "rules = 'megatron-sp'\n")
-    records = _train(tmp_path, "--steps", "4", "--warmup-steps", "1", "--lr", "1e-2",
-                     "--strategies", str(table))
-    assert [[b["max_len"] for b in r["buckets"]] for r in records][0] in ([128, 256], [256, 128])
-    for r in records:
-        assert r["tokens"] == sum(b["tokens"] for b in r["buckets"]) > 0
-        assert all(b["compute_s"] > 0 and b["switch_s"] >= 0 for b in r["buckets"])
-    assert records[-1]["loss"] < records[0]["loss"]
+def test_a_table_run_resumes_on_fewer_devices_under_another_table(tmp_path, corpus):
+    ckpt = tmp_path / "ckpt"
+    uninterrupted = _train(tmp_path, corpus, "--steps", "4", *_layouts(tmp_path)["hot table"],
+                           "--ckpt-dir", str(ckpt), "--save-every", "2")
+    four = _table(tmp_path, "four", "data = 4", "data = 2, tensor = 2", "fsdp = 2, context = 2",
+                  rules=("dp", "megatron", "context"))
+    resumed = _train(tmp_path, corpus, "--steps", "4", "--devices", "4", "--strategies", four,
+                     "--resume-from", str(ckpt / "2"))
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["tokens"] for r in resumed] == [r["tokens"] for r in uninterrupted[2:]]
+    np.testing.assert_allclose([r["loss"] for r in resumed],
+                               [r["loss"] for r in uninterrupted[2:]], rtol=0, atol=1e-5)
 
 
 def test_a_home_strategy_that_cannot_hold_the_state_is_refused(tmp_path, capsys):
-    table = tmp_path / "table.toml"
-    table.write_text("[[bucket]]\nmax_len = 128\nmesh = { data = 8 }\nrules = 'dp'\n"
-                     "[[bucket]]\nmax_len = 256\nmesh = { data = 2, tensor = 4 }\n"
-                     "rules = 'megatron-sp'\n")
+    table = _table(tmp_path, "hot", "data = 8", "data = 2, tensor = 4", "data = 2, tensor = 4",
+                   rules=("dp", "megatron-sp", "megatron-sp"))
     # The tiny model's fp32 state is 0.4 MiB per device even in the most sharded layout.
-    assert main([*TINY_RUN, "--steps", "1", "--strategies", str(table),
+    assert main([*TINY_RUN, "--steps", "1", "--strategies", table,
                  "--device-memory", "0.1"]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("hotjax: error: --device-memory 0.1: the home state needs 0.")
@@ -90,10 +146,21 @@ def _bad_inputs(tmp_path) -> dict[str, tuple[list[str], str]]:
         "data path": (["--data", str(tmp_path / "missing")], str(tmp_path / "missing")),
         "empty corpus": (["--data", str(empty)], str(empty)),
         "tokenizer": (["--data", str(broken), "--tokenizer", str(broken)], str(broken)),
+        "batch": (["--tokenizer", "bytes", "--strategy", "data=8", "--context", "512",
+                   "--batch-tokens", "256"], "raise --batch-tokens or lower the context"),
+        "micro rows": (["--tokenizer", "bytes", "--strategies", _micro_rows_table(tmp_path)],
+                       "micro_rows 3 does not split over the 8 batch shards"),
     }
 
 
-@pytest.mark.parametrize("case", ["mesh", "preset", "data path", "empty corpus", "tokenizer"])
+def _micro_rows_table(tmp_path) -> str:
+    path = tmp_path / "micro.toml"
+    path.write_text("[[bucket]]\nmax_len = 64\nmesh = { data = 8 }\nmicro_rows = 3\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["mesh", "preset", "data path", "empty corpus", "tokenizer",
+                                  "batch", "micro rows"])
 def test_bad_input_is_one_line_without_traceback(case, tmp_path):
     flags, expected = _bad_inputs(tmp_path)[case]
     result = _hotjax("train", "--model", "tiny", *flags, cwd=tmp_path)  # a later --model wins

@@ -16,13 +16,16 @@ from hotjax.data import (
     ByteTokenizer,
     Tokenizer,
     assemble,
+    bucket_of,
+    estimated_lengths,
     load_tokenizer,
     open_corpus,
+    pack_buckets,
     pack_rows,
-    plan_rows,
     stdlib_files,
     to_sequences,
 )
+from hotjax.data.buckets import cut
 from models.errors import UserError
 
 BOS, EOS, PAD = 257, 258, 256  # the byte tokenizer's specials
@@ -44,6 +47,21 @@ def random_texts(n: int, max_len: int, seed: int) -> list[str]:
 def byte_sequence(text: str, seq_len: int) -> tuple[int, ...]:
     """The reference training sequence of a document under the byte tokenizer."""
     return tuple([BOS, *text.encode("utf-8"), EOS][:seq_len])
+
+
+def first_fit_decreasing(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """The reference packing: longest first (ties by index), each into the first row with room,
+    found by scanning every row."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = next((r for r, space in enumerate(free) if space >= lengths[i]), len(rows))
+        if r == len(rows):
+            rows.append([])
+            free.append(seq_len)
+        rows[r].append(i)
+        free[r] -= lengths[i]
+    return rows
 
 
 def specials(tokenizer: Tokenizer) -> tuple[int, int, int, int]:
@@ -355,29 +373,17 @@ def test_assemble_lays_out_segments_positions_and_padding() -> None:
     np.testing.assert_array_equal(
         batch.positions, [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 0], [0] * 6]
     )
-    assert batch.real_tokens == 9
+    assert (batch.real_tokens, batch.sequences) == (9, 3)
     assert batch.tokens.dtype == batch.segment_ids.dtype == batch.positions.dtype == np.int32
 
 
 
 
 def test_pack_rows_matches_a_plain_first_fit_decreasing() -> None:
-    def plain(lengths: list[int], seq_len: int) -> list[list[int]]:
-        rows: list[list[int]] = []
-        free: list[int] = []
-        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-            r = next((r for r, space in enumerate(free) if space >= lengths[i]), len(rows))
-            if r == len(rows):
-                rows.append([])
-                free.append(seq_len)
-            rows[r].append(i)
-            free[r] -= lengths[i]
-        return rows
-
     rng = np.random.default_rng(0)
     for n in (0, 1, 2, 7, 100, 513):
         lengths = rng.integers(1, 65, size=n).tolist()
-        assert pack_rows(lengths, 64) == plain(lengths, 64)
+        assert pack_rows(lengths, 64) == first_fit_decreasing(lengths, 64)
 
 
 @pytest.mark.parametrize(
@@ -399,20 +405,40 @@ def test_a_long_document_is_a_user_error_when_neither_truncated_nor_split() -> N
         to_sequences([1, 2, 3, 4, 5], ByteTokenizer(), 4, "error")
 
 
-def test_bucket_rows_follow_what_the_corpus_needs() -> None:
-    # Sample: 8 sequences of 10 (bucket 16: 8 rows of 16) and 2 of 60 (bucket 64: 2 rows).
-    lengths = [10] * 8 + [60] * 2
-    # By tokens: bucket rows need 8 x 16 = 128 and 2 x 64 = 128 padded tokens: half each.
-    assert plan_rows(lengths, (16, 64), (1, 1), batch_tokens=1024) == (32, 8)
-    # Rounded up to each bucket's row multiple, and never below one row.
-    assert plan_rows(lengths, (16, 64), (3, 4), batch_tokens=1024) == (33, 8)
-    assert plan_rows(lengths, (16, 64, 128), (1, 1, 2), batch_tokens=1024) == (32, 8, 2)
-    # Budget left by rounding down goes to buckets below their share (34.4 and 8.6 rows here),
-    # while a row fits: one more row of 16, but none of 64.
-    assert plan_rows(lengths, (16, 64), (1, 1), batch_tokens=1100) == (35, 8)
-    # By sequences: 10 rows for 10 sequences, so 1 row per sequence in bucket 16, 0.2 in 64.
-    assert plan_rows(lengths, (16, 64), (1, 1), batch_sequences=16) == (13, 4)
-    assert plan_rows([], (32,), (1,), batch_tokens=100) == (3,)
+def test_each_sequence_goes_to_the_first_bucket_that_holds_it() -> None:
+    assert [bucket_of(n, (8, 16, 64)) for n in (1, 8, 9, 16, 17, 64)] == [0, 0, 1, 1, 2, 2]
+    # Bucket 8 gets #0 (3), #3 (2), #6 (8); 16 gets #1 (9), #2 (16); 64 gets #4 (17), #5 (40);
+    # 128 gets none, so no row. Each packs first-fit-decreasing into rows of its length.
+    lengths = [3, 9, 16, 2, 17, 40, 8]
+    assert pack_buckets(lengths, (8, 16, 64, 128)) == [[[6], [0, 3]], [[2], [1]], [[5, 4]], []]
+    assert pack_buckets([], (8, 16)) == [[], []]
+
+
+def test_pack_buckets_is_first_fit_decreasing_within_each_bucket() -> None:
+    rng = np.random.default_rng(1)
+    max_lens = (16, 48, 64, 256)
+    for n in (1, 10, 300):
+        lengths = rng.integers(1, 257, size=n).tolist()
+        rows = pack_buckets(lengths, max_lens)
+        for b, (low, high) in enumerate(zip((0, *max_lens[:-1]), max_lens, strict=True)):
+            members = [i for i, length in enumerate(lengths) if low < length <= high]
+            expected = first_fit_decreasing([lengths[i] for i in members], high)
+            assert rows[b] == [[members[j] for j in row] for row in expected]
+
+
+def test_estimated_lengths_are_each_documents_uncut_length(tmp_path: Path) -> None:
+    # Byte tokens: n bytes are n tokens, plus BOS and EOS; empty documents have no sequence.
+    texts = ["a" * 5, "é" * 50, "", "b" * 30, "c" * 1000]
+    corpus = open_corpus(str(write_files(tmp_path, {f"{i}.txt": t.encode()
+                                                    for i, t in enumerate(texts)})))
+    np.testing.assert_array_equal(estimated_lengths(corpus, ByteTokenizer()), [7, 102, 32, 1002])
+
+
+def test_cut_truncates_or_splits_lengths_at_the_context() -> None:
+    lengths = np.array([5, 20, 8, 16])
+    np.testing.assert_array_equal(cut(lengths, 8, "truncate"), [5, 8, 8, 8])
+    np.testing.assert_array_equal(cut(lengths, 8, "split"), [8, 8, 8, 8, 8, 5, 4])
+    assert cut(lengths, 8, "split").sum() == lengths.sum()
 
 
 def test_packing_leaves_each_documents_logits_unchanged() -> None:

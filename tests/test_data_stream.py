@@ -1,35 +1,37 @@
-"""The iterators: every document once per epoch, bucketed shapes, exact resume, process shares."""
+"""The mini-batch stream: the seeded shuffled documents cut at the batch size, each mini-batch
+packed per bucket, the same data whatever the table, and an exact resume.
+
+Every mini-batch is checked against a reference built here: Grain's seeded order (the
+documented `range → shuffle(seed) → repeat`), each document as `[BOS, bytes, EOS]` truncated or
+split at the context, cut greedily at the budget, and packed with a plain first-fit-decreasing.
+"""
 
 import itertools
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 import grain
 import numpy as np
 import pytest
-from test_data import BOS, EOS, PAD, byte_sequence, random_texts, write_files
+from test_data import BOS, EOS, PAD, first_fit_decreasing, random_texts, write_files
 
-from hotjax.data import (
-    Batch,
-    BucketedBatches,
-    ByteTokenizer,
-    MiniBatch,
-    PackedBatches,
-    open_corpus,
-)
+from hotjax.data import Batch, ByteTokenizer, MiniBatch, MiniBatches, assemble, open_corpus
 from models.errors import UserError
 
 BYTES = ByteTokenizer()
+Sequence = tuple[int, ...]
 
 
-def segments(batch: Batch) -> list[tuple[int, ...]]:
+def segments(batch: Batch) -> list[Sequence]:
     """The sequences in a batch, after checking each row's layout against its segment ids."""
     found = []
     for tokens_T, segment_ids_T, positions_T in zip(
         batch.tokens, batch.segment_ids, batch.positions, strict=True
     ):
         used = int(np.count_nonzero(segment_ids_T))
+        assert used, "a row without a sequence"  # a bucket gets only the rows it needs
         assert not segment_ids_T[used:].any()  # padding only at the end
         assert (tokens_T[used:] == PAD).all() and not positions_T[used:].any()
         starts = np.flatnonzero(np.diff(segment_ids_T[:used], prepend=0))
@@ -40,271 +42,364 @@ def segments(batch: Batch) -> list[tuple[int, ...]]:
     return found
 
 
-def text_of(sequence: tuple[int, ...]) -> str:
-    return bytes(t for t in sequence if t < 256).decode()
-
-
-def epochs(batches: BucketedBatches, count: int = 1) -> list[list[MiniBatch]]:
-    """The mini-batches of the first `count` epochs of a fresh iterator, epoch by epoch."""
-    found: list[list[MiniBatch]] = [[] for _ in range(count)]
-    while (minibatch := next(batches)).epoch < count:
-        found[minibatch.epoch].append(minibatch)
+def contents(minibatch: MiniBatch, max_lens: tuple[int, ...], packing: str = "ffd"
+             ) -> Counter[Sequence]:
+    """The mini-batch's sequences, after checking its layout: each bucket's rows as long as the
+    bucket, each sequence in the first bucket that holds it, one per row when not packed."""
+    assert minibatch.max_lens == max_lens
+    found: Counter[Sequence] = Counter()
+    for batch, low, high in zip(minibatch.buckets, (0, *max_lens[:-1]), max_lens, strict=True):
+        assert batch.tokens.shape[1] == high
+        sequences = segments(batch)
+        assert all(low < len(s) <= high for s in sequences)
+        if packing == "none":
+            assert len(sequences) == batch.tokens.shape[0]
+        assert (batch.sequences, batch.real_tokens) == (len(sequences), sum(map(len, sequences)))
+        found.update(sequences)
+    assert minibatch.sequences == found.total()
+    assert minibatch.real_tokens == sum(len(s) * k for s, k in found.items())
     return found
 
 
-def assert_same(a: MiniBatch | Batch, b: MiniBatch | Batch) -> None:
-    for x, y in zip(getattr(a, "buckets", [a]), getattr(b, "buckets", [b]), strict=True):
+def assert_same(a: MiniBatch, b: MiniBatch) -> None:
+    assert a.epoch == b.epoch
+    for x, y in zip(a.buckets, b.buckets, strict=True):
         for name in ("tokens", "segment_ids", "positions"):
             np.testing.assert_array_equal(getattr(x, name), getattr(y, name))
 
 
-@pytest.fixture
-def text_corpus(tmp_path: Path) -> tuple[Path, list[str]]:
-    """40 documents of up to 29 characters; two are empty and some are longer than a row."""
-    texts = random_texts(40, 30, seed=1)
-    texts[3] = texts[17] = ""
-    files = {f"doc{i:03}.txt": t.encode() for i, t in enumerate(texts)}
-    return write_files(tmp_path / "corpus", files), texts
+# The reference
+
+
+def document_order(count: int, seed: int, epochs: int) -> list[int]:
+    """Documents in visiting order: a fresh seeded shuffle each epoch (Grain's)."""
+    shuffled = grain.MapDataset.range(count).shuffle(seed=seed).repeat()
+    return [int(shuffled[k]) for k in range(epochs * count)]
+
+
+def reference_stream(texts: list[str], seed: int, context: int, long_documents: str,
+                     epochs: int) -> list[tuple[int, Sequence]]:
+    """(epoch, sequence) in the order the stream takes them; empty documents give none."""
+    stream = []
+    for k, doc in enumerate(document_order(len(texts), seed, epochs)):
+        if not texts[doc]:
+            continue
+        whole = (BOS, *texts[doc].encode(), EOS)
+        stops = range(0, len(whole), context) if long_documents == "split" else [0]
+        stream += [(k // len(texts), whole[start:start + context]) for start in stops]
+    return stream
+
+
+def reference_cut(stream: list[tuple[int, Sequence]], batch_tokens: int | None = None,
+                  batch_sequences: int | None = None) -> list[list[tuple[int, Sequence]]]:
+    """The complete mini-batches of `stream`: the next sequences up to `batch_tokens` real
+    tokens (the one that would pass it starts the next) or exactly `batch_sequences`."""
+    found, current, tokens = [], [], 0
+    for epoch, sequence in stream:
+        if current and (len(current) == batch_sequences if batch_sequences
+                        else tokens + len(sequence) > batch_tokens):
+            found.append(current)
+            current, tokens = [], 0
+        current.append((epoch, sequence))
+        tokens += len(sequence)
+    return found
+
+
+def reference_buckets(sequences: list[Sequence], max_lens: tuple[int, ...], packing: str
+                      ) -> list[Batch]:
+    """Each sequence (in stream order) in the first bucket that holds it; each bucket packed
+    first-fit-decreasing into as many rows as it needs, or one sequence per row."""
+    own: list[list[Sequence]] = [[] for _ in max_lens]
+    for s in sequences:
+        own[next(b for b, m in enumerate(max_lens) if len(s) <= m)].append(s)
+    batches = []
+    for members, max_len in zip(own, max_lens, strict=True):
+        rows = ([[i] for i in range(len(members))] if packing == "none"
+                else first_fit_decreasing([len(s) for s in members], max_len))
+        batches.append(assemble([[np.array(members[i], np.int32) for i in row] for row in rows],
+                                len(rows), max_len, PAD))
+    return batches
+
+
+# Corpora
 
 
 @pytest.fixture(scope="module")
 def mixed_corpus(tmp_path_factory) -> tuple[Path, list[str]]:
-    """300 uniquely named documents with long-tailed lengths from 8 to ~250 bytes."""
+    """300 uniquely numbered documents with long-tailed lengths from 8 to ~250 bytes, and 5
+    empty ones."""
     rng = np.random.default_rng(2)
     lengths = np.minimum(8 + rng.pareto(1.2, size=300) * 20, 250).astype(int)
     letters = np.array(list("abcdefgh ijklmnop"))
     texts = [f"{i:03}:" + "".join(rng.choice(letters, n)) for i, n in enumerate(lengths)]
+    for i in (0, 61, 122, 183, 244):
+        texts[i] = ""
     root = tmp_path_factory.mktemp("mixed")
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return root / "docs.jsonl", texts
 
 
-def bucketed(path: Path, **options) -> BucketedBatches:
-    defaults = {"batch_tokens": 1024, "seed": 0}
-    return BucketedBatches(open_corpus(str(path)), BYTES, (32, 64, 128, 256),
-                           **{**defaults, **options})
+def batches(path: Path, max_lens=(32, 64, 128, 256), **options) -> MiniBatches:
+    if "batch_sequences" not in options:
+        options.setdefault("batch_tokens", 1024)
+    return MiniBatches(open_corpus(str(path)), BYTES, max_lens, **options)
 
 
-# One bucket: the single-strategy trainer's batches
+# The data of each mini-batch
+
+CUTS = {
+    "tokens, truncated": ((32, 64, 128, 256), {"batch_tokens": 1024}),
+    "tokens, truncated at 64": ((16, 64), {"batch_tokens": 300}),
+    "tokens, split": ((16, 32, 64), {"batch_tokens": 256, "long_documents": "split"}),
+    "sequences, split": ((16, 64), {"batch_sequences": 6, "long_documents": "split"}),
+    "sequences, unpacked": ((256,), {"batch_sequences": 4, "packing": "none"}),
+    "tokens, unpacked": ((100, 200, 256), {"batch_tokens": 700, "packing": "none"}),
+    "tokens, the context": ((16, 48), {"batch_tokens": 48, "long_documents": "split"}),
+}
 
 
-def test_an_epoch_of_batches_holds_every_document_once(text_corpus) -> None:
-    root, texts = text_corpus
-    expected = sorted(byte_sequence(t, 16) for t in texts if t)
-    batches = PackedBatches(open_corpus(str(root)), BYTES, 16, 64, seed=0)
-    found, real = [], 0
-    while real < sum(map(len, expected)):
-        batch = next(batches)
-        assert batch.tokens.shape == (4, 16) and batches.rows == 4
-        found += segments(batch)
-        real += batch.real_tokens
-    assert sorted(found) == expected
-    state = batches.get_state()
-    assert (state["epoch"], state["taken"], state["carry"]) == (0, len(texts), [])
+@pytest.mark.parametrize("kind", CUTS)
+def test_mini_batches_are_the_seeded_stream_cut_and_packed(kind, mixed_corpus) -> None:
+    path, texts = mixed_corpus
+    max_lens, options = CUTS[kind]
+    seed, packing = 3, options.get("packing", "ffd")
+    stream = reference_stream(texts, seed, max_lens[-1], options.get("long_documents",
+                                                                     "truncate"), epochs=3)
+    expected = reference_cut(stream, options.get("batch_tokens"), options.get("batch_sequences"))
+    expected = expected[:next(k for k, m in enumerate(expected) if m[0][0] == 2) + 1]
+    found, taken = batches(path, max_lens, seed=seed, **options), 0
+    for want in expected:  # two epochs and into the third
+        minibatch = next(found)
+        sequences = [s for _, s in want]
+        assert contents(minibatch, max_lens, packing) == Counter(sequences)
+        assert minibatch.epoch == want[0][0]
+        for got, ref in zip(minibatch.buckets, reference_buckets(sequences, max_lens, packing),
+                            strict=True):
+            for name in ("tokens", "segment_ids", "positions"):
+                np.testing.assert_array_equal(getattr(got, name), getattr(ref, name))
+        taken += len(sequences)
+        if "batch_tokens" in options:  # the next sequence would pass the budget
+            budget, after = options["batch_tokens"], len(stream[taken][1])
+            assert minibatch.real_tokens <= budget < minibatch.real_tokens + after
+        else:
+            assert minibatch.sequences == options["batch_sequences"]
+    assert any(len({e for e, _ in m}) == 2 for m in expected)  # one spans an epoch boundary
 
 
-def test_batches_follow_the_seeded_shuffle(tmp_path: Path) -> None:
-    texts = [f"{i:02} is a document longer than a row" for i in range(12)]
-    root = write_files(tmp_path, {f"{i:02}.txt": t.encode() for i, t in enumerate(texts)})
-    corpus = open_corpus(str(root))
-    order = [grain.MapDataset.range(12).shuffle(seed=7)[k] for k in range(12)]
-    batches = PackedBatches(corpus, BYTES, 8, 32, seed=7)
-    # Every document fills a row, so rows take documents in shuffled order.
-    for first in (0, 4):
-        np.testing.assert_array_equal(
-            next(batches).tokens, [byte_sequence(texts[i], 8) for i in order[first : first + 4]]
-        )
-    other = next(PackedBatches(corpus, BYTES, 8, 32, seed=8))
-    assert not np.array_equal(other.tokens[0], byte_sequence(texts[order[0]], 8))
+def test_an_epoch_holds_every_document_once(mixed_corpus) -> None:
+    path, texts = mixed_corpus
+    # 295 documents have text, so 59 mini-batches of 5 sequences are exactly one epoch.
+    stream = batches(path, (64, 256), batch_sequences=5, seed=11)
+    expected = Counter((BOS, *t.encode(), EOS) for t in texts if t)
+    first = [next(stream) for _ in range(59)]
+    second = [next(stream) for _ in range(59)]
+    for epoch, minibatches in enumerate((first, second)):
+        assert [m.epoch for m in minibatches] == [epoch] * 59
+        assert sum((contents(m, (64, 256)) for m in minibatches), Counter()) == expected
+    assert contents(first[0], (64, 256)) != contents(second[0], (64, 256))  # reshuffled
+    assert next(stream).epoch == 2
+    order = document_order(len(texts), seed=11, epochs=2)  # the reference's order, likewise
+    assert sorted(order[:300]) == sorted(order[300:]) == list(range(300))
+    assert order[:300] != order[300:]
 
 
-def test_batches_emit_the_fullest_rows_and_carry_the_rest(tmp_path: Path) -> None:
-    # Texts in visiting order; with BOS and EOS their sequences are 7, 6, 4, 4, 8, 8 long.
-    texts = ["aaaaa", "bbbb", "cc", "dd", "eeeeee", "ffffff"]
-    order = [grain.MapDataset.range(6).shuffle(seed=0)[k] for k in range(6)]
-    files = {f"{doc}.txt": texts[k].encode() for k, doc in enumerate(order)}
-    corpus = open_corpus(str(write_files(tmp_path, files)))
-    batches = PackedBatches(corpus, BYTES, 10, 20, seed=0)
-
-    def row(*ks: int) -> list[int]:
-        tokens = [t for k in ks for t in byte_sequence(texts[k], 10)]
-        return tokens + [PAD] * (10 - len(tokens))
-
-    # Window 7+6+4+4 packs as [7] [6 4] [4]: the two fullest rows go out, the last 4 waits.
-    np.testing.assert_array_equal(next(batches).tokens, [row(1, 2), row(0)])
-    # Window 4+8+8 packs as [8] [8] [4]; the 4 waits again, then ends the epoch alone.
-    np.testing.assert_array_equal(next(batches).tokens, [row(4), row(5)])
-    state = batches.get_state()
-    assert (state["epoch"], state["taken"], state["carry"]) == (0, 6, [[int(order[3]), 0]])
-    np.testing.assert_array_equal(next(batches).tokens, [row(3), row()])
-    assert not np.array_equal(next(batches).tokens, [row(1, 2), row(0)])  # epoch 1 reshuffles
+def test_a_token_budget_keeps_whole_sequences_and_no_more(mixed_corpus) -> None:
+    """Real tokens, not padding, fill the budget: however much the layout pads, each mini-batch
+    holds at most `batch_tokens` real tokens, and more than the budget less one sequence."""
+    path = mixed_corpus[0]
+    stream = batches(path, (256,), batch_tokens=512, packing="none", seed=0)
+    minibatches = [next(stream) for _ in range(40)]
+    assert all(m.real_tokens <= 512 for m in minibatches)
+    assert min(m.real_tokens for m in minibatches) > 512 - 256
+    # Padded to 256 per sequence, the rows hold far more than the budget.
+    assert sum(b.tokens.size for m in minibatches for b in m.buckets) > 3 * 40 * 512
 
 
-def test_same_seed_gives_identical_batches(text_corpus) -> None:
-    corpus = open_corpus(str(text_corpus[0]))
-    a, b = (PackedBatches(corpus, BYTES, 16, 64, seed=3) for _ in range(2))
-    for _ in range(40):  # past the first epoch
+def test_the_table_does_not_change_the_data(mixed_corpus) -> None:
+    """The same documents, cut the same way, whatever buckets (of the same context) lay them
+    out, packed or not: a mini-batch is data, not layout."""
+    path = mixed_corpus[0]
+    tables = [((256,), "ffd"), ((32, 256), "ffd"), ((32, 64, 128, 256), "ffd"),
+              ((100, 200, 256), "ffd"), ((32, 64, 128, 256), "none")]
+    found = []
+    for max_lens, packing in tables:
+        stream = batches(path, max_lens, batch_tokens=2048, packing=packing, seed=4)
+        minibatches = [next(stream) for _ in range(12)]  # into the second epoch
+        assert minibatches[-1].epoch == 1
+        found.append([(m.epoch, contents(m, max_lens, packing)) for m in minibatches])
+    assert all(f == found[0] for f in found[1:])
+
+
+def test_unpacked_rows_hold_one_sequence_each(mixed_corpus) -> None:
+    path = mixed_corpus[0]
+    minibatch = next(batches(path, (32, 64, 128, 256), packing="none"))
+    for batch in minibatch.buckets:
+        assert batch.tokens.shape[0] == batch.sequences
+        assert (batch.segment_ids.max(axis=1) == 1).all()
+    packed = next(batches(path, (32, 64, 128, 256)))
+    assert sum(b.tokens.shape[0] for b in packed.buckets) < minibatch.sequences
+    assert contents(packed, (32, 64, 128, 256)) == contents(minibatch, (32, 64, 128, 256),
+                                                             "none")
+
+
+def test_same_seed_same_mini_batches_other_seed_others(mixed_corpus) -> None:
+    path = mixed_corpus[0]
+    a, b = batches(path, seed=9), batches(path, seed=9, read_threads=0)
+    for _ in range(30):  # past the first epoch, read ahead in threads or not
         assert_same(next(a), next(b))
-    assert a.get_state()["epoch"] >= 1
+    assert contents(next(batches(path, seed=10)), (32, 64, 128, 256)) != contents(
+        next(batches(path, seed=9)), (32, 64, 128, 256))
 
 
-def test_batch_smaller_than_a_row_is_a_user_error(text_corpus) -> None:
-    corpus = open_corpus(str(text_corpus[0]))
-    message = "batch_tokens (8) must be at least the longest bucket's length (16)"
-    with pytest.raises(UserError, match=re.escape(message)):
-        PackedBatches(corpus, BYTES, 16, 8, seed=0)
+# Long documents
 
 
-# Buckets
+def test_split_documents_keep_every_token_and_truncated_ones_their_start(tmp_path: Path) -> None:
+    texts = ["abcdefghijklmn", "xy", "0123456789"]  # 16, 4 and 12 tokens with BOS and EOS
+    corpus = open_corpus(str(write_files(tmp_path, {f"{i}.txt": t.encode()
+                                                    for i, t in enumerate(texts)})))
+    order = document_order(3, seed=0, epochs=1)
+    whole = {i: (BOS, *t.encode(), EOS) for i, t in enumerate(texts)}
+    split = MiniBatches(corpus, BYTES, (4, 8), batch_sequences=1, long_documents="split")
+    minibatches = [next(split) for _ in range(5)]  # one sequence each: a bucket stays empty
+    assert all(sorted(b.tokens.shape[0] for b in m.buckets) == [0, 1] for m in minibatches)
+    pieces = [s for m in minibatches for b in m.buckets for s in segments(b)]
+    assert pieces == [whole[i][start:start + 8] for i in order
+                      for start in range(0, len(whole[i]), 8)]
+    assert {(BOS, *b"abcdefg"), (*b"hijklmn", EOS), (BOS, *b"xy", EOS), (BOS, *b"0123456"),
+            (*b"789", EOS)} == set(pieces)
+    assert next(split).epoch == 1
+    truncate = MiniBatches(corpus, BYTES, (4, 8), batch_sequences=3)
+    assert contents(next(truncate), (4, 8)) == Counter(w[:8] for w in whole.values())
 
 
-def test_a_bucketed_epoch_holds_every_document_once(mixed_corpus) -> None:
-    path, texts = mixed_corpus
-    batches = bucketed(path, row_multiples=(4, 2, 2, 1))
-    rows = batches.rows
-    assert [r % k for r, k in zip(rows, (4, 2, 2, 1), strict=True)] == [0, 0, 0, 0]
-    found, promoted = [], 0
-    for minibatch in epochs(batches)[0]:
-        for batch, stats, num_rows, low, high in zip(
-                minibatch.buckets, minibatch.stats, rows, (0, 32, 64, 128), (32, 64, 128, 256),
-                strict=True):
-            assert batch.tokens.shape == (stats.rows, high) == (num_rows, high)
-            sequences = segments(batch)
-            assert all(len(s) <= high for s in sequences)
-            promoted += sum(len(s) <= low for s in sequences)
-            assert (stats.sequences, stats.real_tokens) == (len(sequences), batch.real_tokens)
-            assert stats.padding_tokens == batch.tokens.size - batch.real_tokens
-            found += sequences
-        assert minibatch.real_tokens + minibatch.padding_tokens == sum(
-            r * m for r, m in zip(rows, (32, 64, 128, 256), strict=True))
-    assert sorted(found) == sorted(byte_sequence(t, 256) for t in texts)
-    assert promoted  # short sequences also fill the room left in longer buckets' rows
-
-
-def test_bucket_rows_fit_the_corpus_and_keep_the_budget(mixed_corpus) -> None:
-    batches = bucketed(mixed_corpus[0], batch_tokens=2048)
-    capacity = sum(r * m for r, m in zip(batches.rows, (32, 64, 128, 256), strict=True))
-    assert 2048 - 256 <= capacity <= 2048 + 32 * 4
-    minibatches = epochs(batches)[0]
-    # Fixed shapes waste little: most padding is in the last mini-batches of the epoch.
-    real = sum(m.real_tokens for m in minibatches[:-2])
-    assert real / (capacity * (len(minibatches) - 2)) > 0.8
-    assert max(m.carried for m in minibatches) < 40
-
-
-def test_a_mini_batch_of_sequences_holds_about_that_many(mixed_corpus) -> None:
-    batches = bucketed(mixed_corpus[0], batch_tokens=None, batch_sequences=32)
-    counts = [sum(s.sequences for s in m.stats) for m in epochs(batches)[0]]
-    assert sum(counts) == 300
-    assert all(24 <= c <= 40 for c in counts[:-2]), counts
-
-
-def test_split_documents_keep_every_token(mixed_corpus) -> None:
-    path, texts = mixed_corpus
-    batches = BucketedBatches(open_corpus(str(path)), BYTES, (16, 64), batch_tokens=512,
-                              long_documents="split")
-    pieces = [s for m in epochs(batches)[0] for b in m.buckets for s in segments(b)]
-    whole = [byte_sequence(t, 1000) for t in texts]
-    assert sorted(p for p in pieces if p[0] == BOS) == sorted(w[:64] for w in whole)
-    assert sum(p[-1] == EOS for p in pieces) == len(texts)
-    assert len(pieces) == sum(-(-len(w) // 64) for w in whole)
-    assert sorted(t for p in pieces for t in p) == sorted(t for w in whole for t in w)
-
-
-def test_a_document_longer_than_the_largest_bucket_is_a_user_error(tmp_path: Path) -> None:
+def test_a_document_longer_than_the_context_is_a_user_error(tmp_path: Path) -> None:
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "short"}\n{"text": "' + "x" * 70 + '"}\n')
-    batches = BucketedBatches(open_corpus(str(path)), BYTES, (16, 64), batch_tokens=256,
-                              long_documents="error")
+    stream = MiniBatches(open_corpus(str(path)), BYTES, (16, 64), batch_tokens=256,
+                         long_documents="error")
     message = f"{path}:2: a document of 72 tokens (with BOS and EOS) is longer than the largest"
-    with pytest.raises(UserError, match=re.escape(message)):
-        next(batches)
+    with pytest.raises(UserError, match=re.escape(message)) as error:
+        next(stream)
+    assert "\n" not in str(error.value)
+
+
+def test_a_corpus_without_tokens_is_a_user_error(tmp_path: Path) -> None:
+    class NoTokens(ByteTokenizer):
+        def encode(self, text: str) -> list[int]:
+            return []
+
+    corpus = open_corpus(str(write_files(tmp_path, {"a.txt": b"a", "b.txt": b"b"})))
+    stream = MiniBatches(corpus, NoTokens(), (8,), batch_tokens=8)
+    with pytest.raises(UserError, match=re.escape(f"no document of {tmp_path} has tokens")):
+        next(stream)
 
 
 # Exact resume
 
+RESUMES = {
+    "tokens, truncated": ((32, 64, 128, 256), {"batch_tokens": 1024}),
+    "tokens, split": ((16, 64), {"batch_tokens": 256, "long_documents": "split"}),
+    "sequences, split": ((16, 32), {"batch_sequences": 9, "long_documents": "split"}),
+}
 
-@pytest.mark.parametrize("kind", ["one bucket", "buckets", "split, by sequences"])
+
+@pytest.mark.parametrize("kind", RESUMES)
 def test_a_restored_iterator_continues_exactly(kind, mixed_corpus) -> None:
-    corpus = open_corpus(str(mixed_corpus[0]))
-
-    def fresh():
-        if kind == "one bucket":
-            return PackedBatches(corpus, BYTES, 128, 512, seed=5)
-        if kind == "buckets":
-            return BucketedBatches(corpus, BYTES, (32, 64, 128, 256), batch_tokens=1024, seed=5)
-        return BucketedBatches(corpus, BYTES, (32, 64), batch_sequences=24, seed=5,
-                               long_documents="split")
-
-    stream = fresh()
-    states, batches = [], []
-    for _ in range(70):  # into the second epoch
-        states.append(json.loads(json.dumps(stream.get_state())))
-        batches.append(next(stream))
-    assert sum(bool(s["carry"]) for s in states) > 20 and states[-1]["epoch"] >= 1
-    for k in (7, 23, *(k for k in range(1, 65) if states[k]["epoch"] > states[k - 1]["epoch"])):
-        resumed = fresh()
+    path = mixed_corpus[0]
+    max_lens, options = RESUMES[kind]
+    stream = batches(path, max_lens, seed=5, **options)
+    states, minibatches = [], []
+    for _ in range(80):
+        states.append(json.loads(json.dumps(stream.get_state())))  # as a checkpoint keeps it
+        minibatches.append(next(stream))
+    assert minibatches[-1].epoch >= 1
+    chosen = {7, 23, next(k for k, m in enumerate(minibatches) if m.epoch == 1)}
+    if "split" in kind:  # mid-document: pieces of a split document wait for the next step
+        middles = [k for k, s in enumerate(states[:75]) if any(p[2] for p in s["pending"])]
+        assert len(middles) > 3
+        chosen |= set(middles[:3])
+    for k in sorted(chosen):
+        resumed = batches(path, max_lens, seed=5, **options)
         resumed.set_state(states[k])
         for j in range(5):
-            assert_same(next(resumed), batches[k + j])
+            assert_same(next(resumed), minibatches[k + j])
 
 
-def test_a_state_from_other_options_is_a_user_error(mixed_corpus) -> None:
-    corpus = open_corpus(str(mixed_corpus[0]))
-    state = PackedBatches(corpus, BYTES, 128, 512, seed=5).get_state()
-    with pytest.raises(UserError, match="resume with the same corpus, seed, buckets"):
-        PackedBatches(corpus, BYTES, 128, 512, seed=6).set_state(state)
-
-
-# Processes
-
-
-def test_two_processes_read_each_document_once_per_epoch(mixed_corpus) -> None:
-    path, texts = mixed_corpus
-    shares = []
-    for index in (0, 1):
-        batches = bucketed(path, batch_tokens=2048, process_index=index, process_count=2)
-        assert batches.rows == bucketed(path, batch_tokens=1024).rows  # same shapes everywhere
-        for minibatches in epochs(batches, 2):
-            names = [text_of(s)[:3] for m in minibatches for b in m.buckets
-                     for s in segments(b)]
-            assert len(names) == len(set(names))
-            shares.append(set(names))
-    every = {t[:3] for t in texts}
-    for number in (0, 1):
-        first, second = shares[number], shares[2 + number]
-        assert not first & second and first | second == every
-        assert abs(len(first) - len(second)) <= 1
-    assert shares[0] != shares[1]  # each epoch deals the documents anew
+def test_a_state_resumes_on_another_table_with_the_same_data(mixed_corpus) -> None:
+    path = mixed_corpus[0]
+    options = {"batch_tokens": 512, "long_documents": "split", "seed": 1}
+    stream = batches(path, (16, 32, 64), **options)
+    for _ in range(10):
+        next(stream)
+    state = stream.get_state()
+    expected = [contents(next(stream), (16, 32, 64)) for _ in range(5)]
+    other = batches(path, (64,), packing="none", **options)
+    other.set_state(state)
+    assert [contents(next(other), (64,), "none") for _ in range(5)] == expected
 
 
 @pytest.mark.parametrize(
-    ("options", "message"),
+    ("changes", "corpus"),
+    [({"seed": 6}, "mixed"), ({}, "other"), ({"max_lens": (32, 128)}, "mixed"),
+     ({"long_documents": "split"}, "mixed"), ({"batch_tokens": 2048}, "mixed"),
+     ({"batch_tokens": None, "batch_sequences": 8}, "mixed")],
+)
+def test_a_state_from_another_stream_is_a_one_line_user_error(changes, corpus, mixed_corpus,
+                                                              tmp_path) -> None:
+    path = mixed_corpus[0]
+    state = batches(path, seed=5).get_state()
+    if corpus == "other":
+        texts = random_texts(20, 50, seed=0)
+        path = write_files(tmp_path, {f"{i}.txt": f"{i} {t}".encode() for i, t in enumerate(texts)})
+    options = {"seed": 5, **changes}
+    if options.get("batch_tokens", 0) is None:
+        del options["batch_tokens"]
+    with pytest.raises(UserError, match=re.escape(
+            "resume with the same corpus, seed, context, long-document handling and batch size")
+            ) as error:
+        batches(path, **options).set_state(state)
+    assert "\n" not in str(error.value)
+
+
+# Options
+
+
+@pytest.mark.parametrize(
+    ("max_lens", "options", "message"),
     [
-        ({"process_index": 2, "process_count": 2}, "process 2 of 2: the index must be from 0"),
-        ({"batch_tokens": 1001, "process_count": 2}, "batch_tokens (1001) does not split over 2"),
-        ({"batch_sequences": 8}, "give the mini-batch size as batch_tokens or batch_sequences"),
-        ({"seed": -1}, "seed -1: choose a seed from 0 to 2**32 - 1"),
-        ({"long_documents": "drop"}, "long documents 'drop': choose one of truncate, split"),
-        ({"row_multiples": (1, 2)}, "row multiples [1, 2]: give a positive multiple for each"),
+        ((16, 64), {"batch_tokens": 32},
+         "batch_tokens (32) must be at least the longest bucket's length (64)"),
+        ((16, 64), {"batch_tokens": 256, "batch_sequences": 8},
+         "give the mini-batch size as batch_tokens or batch_sequences, not both"),
+        ((16, 64), {}, "give the mini-batch size as batch_tokens or batch_sequences"),
+        ((16, 64), {"batch_sequences": 0}, "batch_sequences (0) must be positive"),
+        ((64, 16), {"batch_tokens": 256}, "bucket lengths [64, 16]: give positive, increasing"),
+        ((0, 16), {"batch_tokens": 256}, "bucket lengths [0, 16]: give positive, increasing"),
+        ((), {"batch_tokens": 256}, "bucket lengths []: give positive, increasing"),
+        ((16, 64), {"batch_tokens": 256, "seed": -1}, "seed -1: choose a seed from 0 to 2**32"),
+        ((16, 64), {"batch_tokens": 256, "long_documents": "drop"},
+         "long documents 'drop': choose one of truncate, split, error"),
+        ((16, 64), {"batch_tokens": 256, "packing": "greedy"},
+         "packing 'greedy': choose one of ffd, none"),
     ],
 )
-def test_bad_iterator_options_are_user_errors(options, message, mixed_corpus) -> None:
-    with pytest.raises(UserError, match=re.escape(message)):
-        bucketed(mixed_corpus[0], **options)
+def test_bad_options_are_one_line_user_errors(max_lens, options, message, mixed_corpus) -> None:
+    with pytest.raises(UserError, match=re.escape(message)) as error:
+        MiniBatches(open_corpus(str(mixed_corpus[0])), BYTES, max_lens, **options)
+    assert "\n" not in str(error.value)
 
 
-def test_more_processes_than_documents_is_a_user_error(tmp_path: Path) -> None:
-    corpus = open_corpus(str(write_files(tmp_path, {"a.txt": b"a", "b.txt": b"b"})))
-    with pytest.raises(UserError, match="process 2 gets none — use fewer processes"):
-        PackedBatches(corpus, BYTES, 8, 24, seed=0, process_index=2, process_count=3)
+# A real corpus
 
 
-def test_the_stdlib_fills_every_bucket() -> None:
-    batches = BucketedBatches(open_corpus("stdlib"), BYTES, (1024, 4096, 16384),
-                              batch_tokens=262144)
-    minibatches = [next(batches) for _ in range(5)]
-    capacity = sum(r * m for r, m in zip(batches.rows, batches.max_lens, strict=True))
-    assert 0.9 * 262144 <= capacity <= 262144 and batches.rows[-1] > batches.rows[0]
-    assert all(sum(m.stats[b].sequences for m in minibatches) for b in range(3))
-    assert sum(m.real_tokens for m in minibatches) > 0.9 * 5 * capacity
+def test_the_stdlib_fills_every_bucket_within_the_budget() -> None:
+    max_lens, budget = (1024, 4096, 16384), 262144
+    stream = MiniBatches(open_corpus("stdlib"), BYTES, max_lens, batch_tokens=budget)
+    minibatches = [next(stream) for _ in range(4)]
+    assert all(budget - 16384 < m.real_tokens <= budget for m in minibatches)
+    assert all(m.buckets[b].sequences for m in minibatches for b in range(3))
+    for m in minibatches:  # first fit: any two rows of a bucket hold more than one row
+        for batch in m.buckets:
+            fill = sorted(np.count_nonzero(batch.segment_ids, axis=1).tolist())
+            assert len(fill) < 2 or fill[0] + fill[1] > batch.tokens.shape[1]

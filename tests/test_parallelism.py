@@ -1,4 +1,5 @@
-"""Every parallelism as a strategy: one train step under it equals the single-device step."""
+"""Every parallelism as a strategy: one train step under it equals the single-device step; what
+XLA says each compiled piece (a bucket's micro-step, the home update) holds per device."""
 
 import dataclasses
 import os
@@ -10,11 +11,13 @@ import jax
 import numpy as np
 import pytest
 
-from hotjax.data import Batch
+from hotjax.data import Batch, MiniBatch
 from hotjax.optim import OptimConfig
-from hotjax.train import BATCH_KEYS, balanced_order, get_trainer, step_memory
-from models.llama import PRESETS
+from hotjax.step import BATCH_KEYS, Accumulator, Home, balanced_order, step_memory
+from hotjax.train import Trainer
+from models.llama import PRESETS, abstract_params
 from sharding.strategy import Strategy
+from sharding.table import StrategyTable
 
 # Divisible by every mesh size used here; GQA with 4 K/V heads for 8 query heads.
 CONFIG = dataclasses.replace(PRESETS["tiny"], vocab_size=256, compute_dtype="float32")
@@ -58,22 +61,40 @@ def batch() -> Batch:
     return Batch(tokens, segments, positions)
 
 
-def _one_step(trainer, batch: Batch):
-    state, metrics = trainer.step(trainer.init(seed=0), trainer.batch_arrays(batch))
+def _trainer(strategy: str, config, devices) -> Trainer:
+    """A single strategy: the one-bucket table, home in that strategy."""
+    table = StrategyTable.single(Strategy.parse(strategy), SEQ, strategy)
+    return Trainer(config, OPTIM, table, devices)
+
+
+def _one_step(trainer: Trainer, batch: Batch):
+    state, metrics, _ = trainer.step(trainer.init(seed=0), MiniBatch((batch,)))
     return float(metrics["loss"]), jax.tree.map(np.asarray, state.params)
+
+
+def compiled_update(home: Home) -> jax.stages.Compiled:
+    """The home's one update (`Home.apply`), compiled for its state and gradient sum."""
+    def shaped(shapes, shardings):
+        return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                                     sharding=sharding),
+                            shapes, shardings)
+
+    grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32),
+                         abstract_params(home.config))
+    acc = Accumulator(grads, jax.ShapeDtypeStruct((), np.float32),
+                      jax.ShapeDtypeStruct((), np.int32))
+    return home.apply.lower(home.abstract_state(), shaped(acc, home.acc_shardings)).compile()
 
 
 @pytest.fixture(scope="module")
 def single_device(devices, batch):
-    return {config: _one_step(get_trainer(config, OPTIM, Strategy.parse("data=1"),
-                                          tuple(devices[:1])), batch)
+    return {config: _one_step(_trainer("data=1", config, devices[:1]), batch)
             for config in (CONFIG, GQA2)}
 
 
 @pytest.mark.parametrize("strategy, config", STRATEGIES, ids=[s for s, _ in STRATEGIES])
 def test_one_step_equals_the_single_device_step(strategy, config, devices, batch, single_device):
-    trainer = get_trainer(config, OPTIM, Strategy.parse(strategy), tuple(devices))
-    loss, params = _one_step(trainer, batch)
+    loss, params = _one_step(_trainer(strategy, config, devices), batch)
     ref_loss, ref_params = single_device[config]
     assert abs(loss - ref_loss) <= 1e-5
     diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params, ref_params)
@@ -86,11 +107,10 @@ def test_strategies_compile_without_involuntary_rematerialization():
     script = (
         "import sys; sys.path.insert(0, 'tests')\n"
         "import jax, test_parallelism as t\n"
-        "from hotjax.train import Trainer\n"
-        "from sharding.strategy import Strategy\n"
         "for spec, config in t.STRATEGIES:\n"
-        "    trainer = Trainer(config, t.OPTIM, Strategy.parse(spec), jax.devices())\n"
-        "    trainer.compiled((t.ROWS, t.SEQ))\n"
+        "    trainer = t._trainer(spec, config, jax.devices())\n"
+        "    trainer.prepare()  # the micro-step\n"
+        "    t.compiled_update(trainer.home)\n"
         "    print('compiled', spec, flush=True)\n")
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu",
            "JAX_ENABLE_COMPILATION_CACHE": "false"}
@@ -102,34 +122,44 @@ def test_strategies_compile_without_involuntary_rematerialization():
 
 
 def test_kv_heads_fewer_than_tensor_are_replicated_and_said_so(devices):
-    trainer = get_trainer(GQA2, OPTIM, Strategy.parse("tensor=8"), tuple(devices))
+    trainer = _trainer("tensor=8", GQA2, devices)
     assert trainer.notes == ("2 K/V heads < tensor=8: each K/V head is replicated over 4 "
                              "tensor ranks",)
-    wk = trainer.state_shardings.params["layers"]["wk"]
-    wq = trainer.state_shardings.params["layers"]["wq"]
+    wk = trainer.home.state_shardings.params["layers"]["wk"]
+    wq = trainer.home.state_shardings.params["layers"]["wq"]
     assert wk.spec == jax.sharding.PartitionSpec()  # replicated
     assert wq.spec == jax.sharding.PartitionSpec(None, None, "tensor")
 
 
-def test_xla_state_memory_shrinks_with_sharding_as_expected(devices):
-    """Per-device bytes of params + Adam moments (fp32), as XLA reports them for the step."""
+def test_xla_memory_of_micro_step_and_update_shrinks_with_sharding_as_expected(devices):
+    """Per-device argument bytes, as XLA reports them: a bucket's micro-step holds the compute
+    weights (fp32 here), the fp32 gradient sum and one micro-batch; the home update holds the
+    fp32 master weights, the Adam moments and the gradient sum."""
     norms = 2 * CONFIG.n_layers * CONFIG.dim + CONFIG.dim  # norm scales are never split
     matrices = CONFIG.num_params() - norms
-    batch_bytes = len(BATCH_KEYS) * ROWS * SEQ * 4  # int32 tokens, segment ids, positions, ...
-    # Per device: (parameter copies, Adam-moment copies) of the matrices, and batch split ways.
+    # Per device: (parameter, Adam-moment, gradient) copies of the matrices; batch split ways.
     expected = {
-        "data=8,rules=dp": (1, 2, 8),
-        "fsdp=8,rules=zero1": (1, 2 / 8, 8),
-        "fsdp=8,rules=zero2": (1, 2 / 8, 8),
-        "fsdp=8,rules=fsdp": (1 / 8, 2 / 8, 8),
-        "data=2,tensor=4,rules=megatron": (1 / 4, 2 / 4, 2),
+        "data=8,rules=dp": (1, 2, 1, 8),
+        "fsdp=8,rules=zero1": (1, 2 / 8, 1, 8),
+        "fsdp=8,rules=zero2": (1, 2 / 8, 1 / 8, 8),
+        "fsdp=8,rules=fsdp": (1 / 8, 2 / 8, 1 / 8, 8),
+        "data=2,tensor=4,rules=megatron": (1 / 4, 2 / 4, 1 / 4, 2),
     }
-    for strategy, (params, moments, batch_ways) in expected.items():
-        trainer = get_trainer(CONFIG, OPTIM, Strategy.parse(strategy), tuple(devices))
-        state = step_memory(trainer.compiled((ROWS, SEQ)))["state"]
-        # Slack of 64 bytes: Adam's step counter and the train step, a few scalars.
-        assert state == pytest.approx(4 * ((params + moments) * matrices + 3 * norms)
+    for strategy, (params, moments, grads, batch_ways) in expected.items():
+        trainer = _trainer(strategy, CONFIG, devices)
+        rows = trainer.micro_rows[0]
+        assert rows % batch_ways == 0
+        batch_bytes = len(BATCH_KEYS) * rows * SEQ * 4  # int32 tokens, segment ids, ...
+        micro = step_memory(trainer.buckets[0].compiled((rows, SEQ)))["state"]
+        update = step_memory(compiled_update(trainer.home))["state"]
+        # Slack of 64 bytes: the loss sum, target count and step counters, a few scalars.
+        assert micro == pytest.approx(4 * ((params + grads) * matrices + 2 * norms)
                                       + batch_bytes / batch_ways, abs=64), strategy
+        assert update == pytest.approx(4 * ((params + moments + grads) * matrices + 4 * norms),
+                                       abs=64), strategy
+        # The home's own count of its state agrees with XLA's.
+        assert trainer.home.state_bytes() == pytest.approx(
+            4 * ((params + moments) * matrices + 3 * norms), abs=64), strategy
 
 
 def test_balanced_order_gives_each_context_rank_chunks_i_and_2c_minus_1_minus_i():

@@ -80,7 +80,8 @@ def test_a_tree_of_several_dtypes_and_a_scalar_switches_exactly(values, devices)
 
 @pytest.mark.parametrize("method", ["plan", "device_put"])
 def test_the_source_stays_valid_after_the_switched_tree_is_donated(method, values, devices):
-    # Norm weights are replicated under both strategies: the leaves DESIGN §6 saw aliased.
+    # Norm weights are replicated under both strategies: the leaves `device_put`
+    # returns aliased (donating the new tree then invalidated the old one).
     src = jax.device_put(values, shardings("data=2,tensor=4", devices))
     out = switch(src, shardings("fsdp=2,context=4", devices), method, TWO_NODES_OF_4)
     assert not buffers(out) & buffers(src)

@@ -118,8 +118,8 @@ class Checkpoints:
         Orbax copies every array to host before it returns (its device-to-host transfer is
         synchronous unless a transfer byte limit is set, which we never set), and writes in
         a background thread; so the caller may donate these arrays to its next step at once
-        (DESIGN §6). On CPU the host copy is a view, and JAX refuses to reuse a donated buffer
-        that a view still holds.
+        (the step donates its state). On CPU the host copy is a view, and JAX refuses to reuse
+        a donated buffer that a view still holds.
         """
         started = time.perf_counter()
         # Host copies, made here in the main thread: Orbax's own threads then never touch the

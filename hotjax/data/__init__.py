@@ -2,7 +2,7 @@
 
 import importlib
 
-from hotjax.data.buckets import bucket_of, estimated_lengths, pack_buckets
+from hotjax.data.buckets import bucket_of, cut, estimated_lengths, pack_buckets, typical_rows
 from hotjax.data.corpus import (
     EMBEDDED_CORPORA,
     Corpus,
@@ -48,6 +48,7 @@ __all__ = [
     "Tokenizer",
     "assemble",
     "bucket_of",
+    "cut",
     "default_cache_dir",
     "estimated_lengths",
     "load_tokenizer",
@@ -57,5 +58,6 @@ __all__ = [
     "shakespeare_root",
     "stdlib_files",
     "to_sequences",
+    "typical_rows",
     "train_bpe",
 ]

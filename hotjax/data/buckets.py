@@ -29,6 +29,16 @@ def pack_buckets(lengths: Sequence[int], max_lens: Sequence[int]) -> list[list[l
             for members, m in zip(own, max_lens, strict=True)]
 
 
+def typical_rows(lengths_N: np.ndarray, max_lens: Sequence[int], *, batch_tokens: int | None = None,
+                 batch_sequences: int | None = None) -> list[float]:
+    """Rows each bucket needs in a typical mini-batch: a sample of sequence lengths packed into
+    the buckets, scaled to the mini-batch's size (tokens or sequences)."""
+    rows = pack_buckets(lengths_N.tolist(), max_lens)
+    scale = (batch_tokens / max(int(lengths_N.sum()), 1) if batch_tokens is not None
+             else (batch_sequences or 0) / max(len(lengths_N), 1))
+    return [len(r) * scale for r in rows]
+
+
 def estimated_lengths(corpus: Corpus, tokenizer: Tokenizer) -> np.ndarray:
     """Sequence lengths (BOS and EOS included, before any cut) of a fixed sample of documents,
     from their text sizes and the tokenizer's measured tokens per byte: tokenizing a whole

@@ -188,7 +188,7 @@ def _plot(report: dict, path: str) -> None:
     names = [lay["name"] for lay in report["layouts"]]
     waste = [100 * lay["waste"] for lay in report["layouts"]]
     bars = waste_ax.bar([textwrap.fill(n, 10) for n in names], waste,
-                        color=["tab:gray", "tab:green", "tab:purple", "tab:olive"])
+                        color=["tab:gray", "tab:green", "tab:purple"])
     waste_ax.bar_label(bars, fmt="%.1f%%")
     waste_ax.set_ylabel("padding, % of row tokens")
     waste_ax.set_title("padding waste")

@@ -100,8 +100,8 @@ class MiniBatches(_Iterator):
         """Continue exactly where `get_state` was called (in this or another iterator)."""
         if state["check"] != self._identity():
             raise UserError(f"data iterator state was saved for {state['check']}, but this "
-                            f"iterator is {self._identity()}: resume with the same corpus, seed, "
-                            f"context, long-document handling and batch size")
+                            f"iterator is {self._identity()}: resume with the same corpus, "
+                            f"tokenizer, seed, context, long-document handling and batch size")
         self._parent.set_state(dict(state["documents"]))
         self._read = int(state["read"])
         pieces = {doc: self._sequences(doc)[1] for _, doc, _ in state["pending"]}
@@ -147,7 +147,8 @@ class MiniBatches(_Iterator):
     def _identity(self) -> dict:
         batch = (["tokens", self.batch_tokens] if self.batch_tokens is not None
                  else ["sequences", self.batch_sequences])
-        return {"corpus": self.corpus.fingerprint, "seed": self.seed, "context": self.context,
+        return {"corpus": self.corpus.fingerprint, "tokenizer": self.tokenizer.identity,
+                "seed": self.seed, "context": self.context,
                 "long_documents": self.long_documents, "batch": batch}
 
 

@@ -1,0 +1,105 @@
+"""Every benchmark script runs: each once with `--quick --json`, in its own process on 8 simulated
+CPU devices, and its report holds real numbers that agree where they must (losses across
+strategies and methods, planned switches against `jax.device_put`)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 600  # each takes well under a minute on 2 idle cores; shared machines are slower
+LOSS_TOLERANCE = 1e-4  # float32 compute: only the summation order differs
+
+
+def run_quick(script: str) -> dict:
+    """The script's JSON report from `--quick --json`, after checking it exited cleanly."""
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, f"scripts/{script}.py", "--quick", "--json"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stderr[-4000:]}"
+    return json.loads(done.stdout)
+
+
+def positive(x: float) -> bool:
+    return math.isfinite(x) and x > 0
+
+
+def test_bench_strategies() -> None:
+    report = run_quick("bench_strategies")
+    results = report["results"]
+    assert len(results) == 4 and report["machine"]["devices"] == 8
+    for r in results:
+        assert r["status"] == "ok", r
+        memory = r["memory_bytes"]
+        assert 0 < memory["resident"] < memory["peak"] and memory["step"] > 0
+        assert positive(r["step_s"]) and positive(r["tokens_per_s"]) and r["rows_run"] >= r["rows"]
+    for seq_len in {r["seq_len"] for r in results}:
+        losses = [r["loss"] for r in results if r["seq_len"] == seq_len]
+        assert max(losses) - min(losses) < LOSS_TOLERANCE, (seq_len, losses)
+
+
+def test_bench_switch() -> None:
+    report = run_quick("bench_switch")
+    assert len(report["pairs"]) == 2
+    for pair in report["pairs"]:
+        assert pair["equal"], pair
+        assert pair["bytes_moved"] > 0 and pair["messages"] > 0
+        assert pair["max_send"] >= pair["lower_bound"] > 0
+        assert positive(pair["executor_s"]) and positive(pair["device_put_s"])
+
+
+def test_bench_data() -> None:
+    report = run_quick("bench_data")
+    assert len(report["pipeline"]) == 2
+    for r in report["pipeline"].values():
+        assert 0 < r["real_tokens"] <= r["batches"] * report["batch_tokens"]
+        assert positive(r["tokens_per_s"])
+    trainer = report["trainer"]
+    assert 0 < trainer["real_tokens"] <= trainer["steps"] * report["batch_tokens"]
+    assert positive(trainer["tokens_per_s"]) and positive(report["ratio"])
+
+
+def test_bench_ckpt() -> None:
+    report = run_quick("bench_ckpt")
+    assert report["state_bytes"] > 0 and report["disk_bytes"] > 0
+    assert positive(report["save"]["seconds"]) and report["save"]["blocked_s"] >= 0
+    assert set(report["restore"]) == {"same mesh", "new mesh", "new device count"}
+    assert all(positive(r["seconds"]) for r in report["restore"].values())
+    assert positive(report["training"]["step_s"])
+
+
+def test_bench_mixed() -> None:
+    report = run_quick("bench_mixed")
+    methods = report["methods"]
+    assert set(methods) == {"hot", "a", "b", "c"}
+    steps = report["warmup"] + report["steps"]
+    hot = methods["hot"]["losses"]
+    for name, m in methods.items():
+        assert len(m["losses"]) == steps
+        assert all(math.isfinite(x) for x in m["losses"])
+        assert max(abs(x - y) for x, y in zip(m["losses"], hot, strict=True)) < LOSS_TOLERANCE
+        assert 0 <= m["padding"] < 1, name
+        assert max(m["memory_bytes"].values()) <= report["device_memory"] * 2**20
+        assert positive(m["step_s"]) and positive(m["tokens_per_s"])
+        # The same documents: the same real tokens every step.
+        assert [s["tokens"] for s in m["steps"]] == [s["tokens"] for s in methods["a"]["steps"]]
+    assert report["max_loss_difference"] < LOSS_TOLERANCE
+    # One document per row pads at least as much as packing them. One strategy switches nothing;
+    # the table switches in every step that runs a bucket whose strategy is not its home's.
+    assert methods["b"]["padding"] >= methods["a"]["padding"]
+    assert all(s["switched_bytes"] == 0 for m in "abc" for s in methods[m]["steps"])
+    strategy = {b["max_len"]: b["strategy"] for b in methods["hot"]["buckets"]}
+    for step in methods["hot"]["steps"]:
+        away = any(strategy[b["max_len"]] != methods["hot"]["home"] for b in step["buckets"])
+        assert (step["switched_bytes"] > 0) == away, step
+    assert all(positive(v) for v in report["ratios"].values())
+
+
+@pytest.mark.parametrize("script", sorted(p.stem for p in (ROOT / "scripts").glob("bench_*.py")))
+def test_every_benchmark_is_tested(script: str) -> None:
+    assert f"test_{script}" in globals(), f"scripts/{script}.py has no test here: add one"

@@ -20,7 +20,7 @@ class RunConfig:
     tokenizer: str | None = None  # default: a byte-level BPE trained on the corpus, cached
     vocab_size: int = 8192
     context: int = 512
-    steps: int = 50
+    steps: int = 30
     seed: int = 0
     batch_tokens: int | None = None  # real tokens per step (default 8192 unless sequences)
     batch_sequences: int | None = None  # or sequences per step

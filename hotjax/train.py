@@ -160,6 +160,8 @@ class Trainer:
              ) -> tuple[TrainState, dict[str, jax.Array], list[BucketMetrics]]:
         """One optimizer update over all buckets of `minibatch`. `state` is donated; the
         metrics are device scalars (reading them waits for the step)."""
+        if not minibatch.real_tokens:
+            raise UserError("an empty mini-batch: it holds no tokens to train on")
         if minibatch.max_lens != tuple(b.max_len for b in self.table.buckets):
             raise UserError(f"mini-batch buckets {list(minibatch.max_lens)} are not the table's "
                             f"{[b.max_len for b in self.table.buckets]}: make the data with the "

@@ -75,7 +75,7 @@ def already_laid_out(tree: Any, target_shardings: Any) -> bool:
     """Whether every array of `tree` already has its target sharding (the same devices
     holding the same slices)."""
     leaves, treedef = jax.tree.flatten(tree)
-    return all(x.sharding.is_equivalent_to(t, x.ndim)
+    return all(isinstance(x, jax.Array) and x.sharding.is_equivalent_to(t, x.ndim)
                for x, t in zip(leaves, treedef.flatten_up_to(target_shardings), strict=True))
 
 

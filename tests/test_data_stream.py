@@ -356,8 +356,8 @@ def test_a_state_from_another_stream_is_a_one_line_user_error(changes, corpus, m
     if options.get("batch_tokens", 0) is None:
         del options["batch_tokens"]
     with pytest.raises(UserError, match=re.escape(
-            "resume with the same corpus, seed, context, long-document handling and batch size")
-            ) as error:
+            "resume with the same corpus, tokenizer, seed, context, long-document handling "
+            "and batch size")) as error:
         batches(path, **options).set_state(state)
     assert "\n" not in str(error.value)
 

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from quick_option import parse_args  # beside this script
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -76,12 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object to stdout (the table goes to stderr)")
-    parser.add_argument("--quick", action="store_true", help="a smoke test of seconds: "
-                        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
-    args = parser.parse_args(argv)
-    if args.quick:  # its settings, under any flag given
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
+    args = parse_args(parser, argv, QUICK)
 
     from hotjax.cli import start_jax
 

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quick_option import parse_args  # noqa: E402  (beside this script)
+
 REQUIRED_RATIO = 10
 QUICK = {"model": "tiny", "context": 128, "batch_tokens": 2048, "batches": 10, "steps": 2,
          "tokenizer": "bytes"}
@@ -96,12 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="small")
     parser.add_argument("--tokenizer", help="tokenizer.json, a SentencePiece .model, or 'bytes' "
                         "(default: a byte-level BPE trained on the corpus and cached)")
-    parser.add_argument("--quick", action="store_true", help="a smoke test of seconds: "
-                        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
-    args = parser.parse_args(argv)
-    if args.quick:  # its settings, under any flag given
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
+    args = parse_args(parser, argv, QUICK)
 
     from hotjax.data import MiniBatches, load_tokenizer, open_corpus
 

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quick_option import parse_args  # noqa: E402  (beside this script)
+
 from hotjax.cli import start_jax  # noqa: E402  (imports no JAX: the device count comes first)
 from models.errors import UserError  # noqa: E402
 
@@ -302,8 +304,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document to stdout (the tables go to stderr)")
-    parser.add_argument("--quick", action="store_true", help="a smoke test of seconds: "
-                        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     parser.add_argument("--model", default="tiny", help="model preset (default: %(default)s)")
     parser.add_argument("--context", type=int, default=4096,
                         help="the longest bucket, in tokens (default: %(default)s)")
@@ -327,10 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: float32 on CPU, bfloat16 on accelerators")
     parser.add_argument("--switch-method", default="auto", choices=("auto", "plan", "device_put"))
     parser.add_argument("--seed", type=int, default=0, help="document order")
-    args = parser.parse_args(argv)
-    if args.quick:  # its settings, under any flag given
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
+    args = parse_args(parser, argv, QUICK)
 
     progress = _console(stderr=True)
     try:

@@ -30,6 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quick_option import parse_args  # noqa: E402  (beside this script)
+
 from hotjax.cli import start_jax  # noqa: E402  (imports no JAX: the device count comes first)
 from models.errors import UserError  # noqa: E402
 
@@ -295,12 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: 8 simulated CPUs, or all accelerators)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document to stdout (the table goes to stderr)")
-    parser.add_argument("--quick", action="store_true", help="a smoke test of seconds: "
-                        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
-    args = parser.parse_args(argv)
-    if args.quick:  # its settings, under any flag given
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
+    args = parse_args(parser, argv, QUICK)
 
     progress = _console(stderr=True)
     try:

@@ -25,7 +25,7 @@ from hotjax.data import (
     stdlib_files,
     to_sequences,
 )
-from hotjax.data.buckets import cut
+from hotjax.data.buckets import cut, typical_rows
 from models.errors import UserError
 
 BOS, EOS, PAD = 257, 258, 256  # the byte tokenizer's specials
@@ -432,6 +432,14 @@ def test_estimated_lengths_are_each_documents_uncut_length(tmp_path: Path) -> No
     corpus = open_corpus(str(write_files(tmp_path, {f"{i}.txt": t.encode()
                                                     for i, t in enumerate(texts)})))
     np.testing.assert_array_equal(estimated_lengths(corpus, ByteTokenizer()), [7, 102, 32, 1002])
+
+
+def test_typical_rows_scale_a_packed_sample_to_the_mini_batch() -> None:
+    # 20 sequences of 30 tokens need a 32-token row each; 10 of 100 a 128-token row each.
+    lengths = np.array([30] * 20 + [100] * 10)
+    assert typical_rows(lengths, (32, 128), batch_tokens=800) == [10.0, 5.0]  # half the tokens
+    assert typical_rows(lengths, (32, 128), batch_sequences=15) == [10.0, 5.0]
+    assert typical_rows(lengths, (64, 128), batch_tokens=1600) == [10.0, 10.0]  # pairs of 30
 
 
 def test_cut_truncates_or_splits_lengths_at_the_context() -> None:

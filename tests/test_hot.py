@@ -208,6 +208,29 @@ def test_micro_step_memory_does_not_depend_on_the_batch_size(devices, tmp_path):
     assert during == trainer.home.resident_bytes() + peak
 
 
+def test_micro_batches_sized_to_a_budget_are_the_most_that_fit(devices):
+    """With a per-device budget, a bucket's micro-batch is the largest multiple of its batch
+    shards whose micro-step XLA fits beside the resident home state and gradient sum — and no
+    larger than a typical mini-batch fills."""
+    table = StrategyTable.single(FSDP8, LONGEST, "fsdp")
+    one = Trainer(CONFIG, OPTIM, table, devices)  # one row per batch shard: 8
+    bucket, resident = one.buckets[0], one.home.resident_bytes()
+    peaks = {rows: bucket.peak_bytes((rows, LONGEST)) for rows in (8, 16)}
+    assert peaks[16] > peaks[8]
+    # Room for 16 rows and half of 8 more: 16 fit, 24 would not.
+    budget = (resident + peaks[16] + (peaks[16] - peaks[8]) // 2) / 2**20
+    sized = Trainer(CONFIG, OPTIM, table, devices, device_memory=budget)
+    assert sized.micro_rows == [16]
+    assert max(sized.memory().values()) <= budget * 2**20
+    # A bucket that a typical mini-batch fills with 12 rows gets 8: one micro-batch of 16
+    # would mostly compute empty rows.
+    assert Trainer(CONFIG, OPTIM, table, devices, device_memory=budget,
+                   typical_rows=[12.0]).micro_rows == [8]
+    # Too small a budget still gives the smallest micro-batch (the run's memory check refuses
+    # it with a one-line error).
+    assert Trainer(CONFIG, OPTIM, table, devices, device_memory=0.01).micro_rows == [8]
+
+
 def test_bfloat16_hot_table_stays_within_bf16_rounding_of_one_device(devices, minibatches,
                                                                      one_device):
     """bf16 compute against the fp32 single device. bf16 keeps 8 significant bits, so each

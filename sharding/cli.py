@@ -11,13 +11,14 @@ import json
 
 
 def _strategies(text: str) -> list:
-    """(bucket length, strategy) for a table file, or (None, strategy) for one strategy."""
+    """(bucket length, strategy, micro_rows) for each bucket of a table file, or
+    (None, strategy, None) for one strategy."""
     from sharding.strategy import Strategy
     from sharding.table import load_table
 
     if text.endswith(".toml"):
-        return [(bucket.max_len, bucket.strategy) for bucket in load_table(text).buckets]
-    return [(None, Strategy.parse(text))]
+        return [(b.max_len, b.strategy, b.micro_rows) for b in load_table(text).buckets]
+    return [(None, Strategy.parse(text), None)]
 
 
 def _show(args: argparse.Namespace) -> None:
@@ -32,12 +33,13 @@ def _show(args: argparse.Namespace) -> None:
     # As `hotjax train` builds it: the vocabulary padded to split over tensor ranks.
     model = preset(args.model)
     config = dataclasses.replace(model, vocab_size=padded_vocab(model.vocab_size))
-    reports = [describe(strategy, config) for _, strategy in entries]
+    reports = [describe(strategy, config) | {"micro_rows": micro_rows}
+               for _, strategy, micro_rows in entries]
     if args.json:
         print(json.dumps(reports, indent=2))
         return
     console = Console()
-    for (max_len, _), report in zip(entries, reports, strict=True):
+    for (max_len, _, _), report in zip(entries, reports, strict=True):
         title = f"{report['strategy']} on {args.model}"
         if max_len is not None:
             title = f"bucket <= {max_len} tokens: {title}"
@@ -54,6 +56,11 @@ def _show(args: argparse.Namespace) -> None:
         b = report["bytes_per_device"]
         console.print(f"per device (fp32): params {_mib(b['params'])}, grads "
                       f"{_mib(b['grads'])}, Adam moments {_mib(b['optimizer'])}")
+        shards = report["batch_shards"]
+        rows = report["micro_rows"]
+        console.print(f"micro-batches: rows split {shards} way(s); " + (
+            f"{rows} row(s) each (the table's)" if rows else
+            f"{shards} row(s) each by default, or the most that fit --device-memory"))
         activations = Table("activation", "placement", title="activations",
                             title_justify="left")
         for name, spec in report["activations"].items():

@@ -47,6 +47,7 @@ def describe(strategy: Strategy, config: LlamaConfig) -> dict[str, Any]:
     return {"strategy": str(strategy), "mesh": {a: n for a, n in sizes.items() if n > 1},
             "rules": fitted.rules.name, "notes": list(notes), "params": params,
             "bytes_per_device": totals,
+            "batch_shards": math.prod(ways(fitted.activation_spec(("batch",)), sizes)),
             "activations": {k: _spec_text(fitted.activation_spec(v))
                             for k, v in ACTIVATIONS.items()}}
 

@@ -74,7 +74,8 @@ def test_zero1_replicates_params_and_grads_and_splits_adam_moments(capsys):
 def test_a_table_gives_one_report_per_bucket_in_bucket_order(capsys, tmp_path):
     table = tmp_path / "table.toml"
     table.write_text('[[bucket]]\nmax_len = 256\nmesh = { data = 8 }\nrules = "dp"\n\n'
-                     '[[bucket]]\nmax_len = 1024\nmesh = { fsdp = 8 }\nrules = "fsdp"\n')
+                     '[[bucket]]\nmax_len = 1024\nmesh = { fsdp = 8 }\nrules = "fsdp"\n'
+                     'micro_rows = 16\n')
     short, long = _show(capsys, str(table), "--model", "tiny")
     assert (short["strategy"], long["strategy"]) == ("data8 [dp]", "fsdp8 [fsdp]")
     assert _specs(short)["layers/wq"] == "replicated"
@@ -82,6 +83,8 @@ def test_a_table_gives_one_report_per_bucket_in_bucket_order(capsys, tmp_path):
     matrices, norms = _sizes(TINY)
     assert short["bytes_per_device"]["params"] == FP32 * (matrices + norms)
     assert long["bytes_per_device"]["params"] == FP32 * (matrices // 8 + norms)
+    # Both split rows 8 ways; the second bucket's micro-batches are the table's 16 rows.
+    assert [(r["batch_shards"], r["micro_rows"]) for r in (short, long)] == [(8, None), (8, 16)]
 
 
 def test_kv_heads_fewer_than_tensor_are_replicated_with_a_note(capsys):

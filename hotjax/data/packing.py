@@ -56,43 +56,34 @@ def to_sequences(
 
 
 def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
-    """First-fit-decreasing: document indices per row, longest first, ties by index."""
-    for i, length in enumerate(lengths):
-        if not 0 < length <= seq_len:
-            raise ValueError(f"document {i} has length {length}, not in 1..{seq_len}")
-    placed = first_fit(lengths, [seq_len] * len(lengths))
-    rows: list[list[int]] = [[] for _ in range(max(placed, default=-1) + 1)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        rows[placed[i]].append(i)
-    return rows
-
-
-def first_fit(lengths: Sequence[int], free: list[int]) -> list[int]:
-    """Longest first (ties by index), each length goes to the first row whose `free` space
-    holds it; returns each length's row, or -1 where none had room, and updates `free`.
+    """First-fit-decreasing: document indices per row, longest first, ties by index. Each
+    length goes to the first row with room for it, or opens a new row.
 
     A max-tree over the rows' free space finds that row in O(log rows), so packing a whole
     corpus stays fast.
     """
-    size = 1 << max(len(free) - 1, 0).bit_length()
-    tree = [0] * size + list(free) + [-1] * (size - len(free))
+    for i, length in enumerate(lengths):
+        if not 0 < length <= seq_len:
+            raise ValueError(f"document {i} has length {length}, not in 1..{seq_len}")
+    # At most one row per document: leaves beyond the rows opened so far are all free.
+    size = 1 << max(len(lengths) - 1, 0).bit_length()
+    tree = [0] * size + [seq_len] * len(lengths) + [-1] * (size - len(lengths))
     for node in range(size - 1, 0, -1):
         tree[node] = max(tree[2 * node], tree[2 * node + 1])
-    placed = [-1] * len(lengths)
+    rows: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        length = lengths[i]
-        if tree[1] < length:
-            continue
         node = 1
         while node < size:
-            node = 2 * node if tree[2 * node] >= length else 2 * node + 1
-        placed[i] = node - size
-        tree[node] -= length
+            node = 2 * node if tree[2 * node] >= lengths[i] else 2 * node + 1
+        row = node - size
+        if row == len(rows):
+            rows.append([])
+        rows[row].append(i)
+        tree[node] -= lengths[i]
         while node > 1:
             node //= 2
             tree[node] = max(tree[2 * node], tree[2 * node + 1])
-    free[:] = tree[size:size + len(free)]
-    return placed
+    return rows
 
 
 def assemble(rows: list[list[np.ndarray]], num_rows: int, seq_len: int, pad_id: int) -> Batch:

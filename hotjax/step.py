@@ -154,8 +154,8 @@ class BucketStep:
                 out_shardings=self.acc_shardings, donate_argnums=1)
             compute = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, self.config.dtype),
                                    abstract_params(self.config))
-            acc = jax.eval_shape(functools.partial(_zeros, self.config))
-            self._compiled[shape] = jitted.lower(compute, acc, batch).compile()
+            self._compiled[shape] = jitted.lower(compute, _accumulator_shapes(self.config),
+                                                 batch).compile()
         return self._compiled[shape]
 
     def peak_bytes(self, shape: tuple[int, int]) -> int:
@@ -169,6 +169,11 @@ class BucketStep:
 def _zeros(config: LlamaConfig) -> Accumulator:
     grads = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), abstract_params(config))
     return Accumulator(grads, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+
+
+@functools.cache
+def _accumulator_shapes(config: LlamaConfig) -> Accumulator:
+    return jax.eval_shape(functools.partial(_zeros, config))
 
 
 def _micro_step(params: Params, acc: Accumulator, batch: dict[str, jax.Array], *,
@@ -222,22 +227,25 @@ class Home:
     def init(self, seed: int) -> TrainState:
         return self._init(seed)
 
+    @functools.cached_property
+    def _state_shapes(self) -> TrainState:
+        return jax.eval_shape(lambda: self.init(0))
+
     def abstract_state(self) -> TrainState:
         """The state as `jax.ShapeDtypeStruct`s on the home shardings (restore targets)."""
-        shapes = jax.eval_shape(lambda: self.init(0))
         return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                                                      sharding=sharding),
-                            shapes, self.state_shardings)
+                            self._state_shapes, self.state_shardings)
 
     def state_bytes(self) -> int:
         """Per-device bytes of the fp32 parameters and optimizer state."""
-        return _per_device_bytes(jax.eval_shape(lambda: self.init(0)), self.state_shardings)
+        return _per_device_bytes(self._state_shapes, self.state_shardings)
 
     def resident_bytes(self) -> int:
         """Per-device bytes that stay on every device while a bucket runs: the state and the
         fp32 gradient sum."""
-        acc = jax.eval_shape(functools.partial(_zeros, self.config))
-        return self.state_bytes() + _per_device_bytes(acc, self.acc_shardings)
+        return self.state_bytes() + _per_device_bytes(_accumulator_shapes(self.config),
+                                                      self.acc_shardings)
 
 
 def _apply(state: TrainState, acc: Accumulator, *, tx: optax.GradientTransformation

@@ -180,7 +180,7 @@ def _micro_step(params: Params, acc: Accumulator, batch: dict[str, jax.Array], *
                 config: LlamaConfig, layout: Layout) -> Accumulator:
     def loss_sum(params: Params) -> tuple[jax.Array, jax.Array]:
         model = bind(config, params)
-        logits = model(batch["tokens"], batch["segment_ids"], batch["positions"], layout.constrain)
+        logits = model(batch["tokens"], batch["segment_ids"], batch["positions"], layout)
         return token_loss(logits, batch["targets"])
 
     (total, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)

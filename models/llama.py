@@ -6,23 +6,40 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention import BACKENDS, AttentionSharding, accumulating, attention
 from models.errors import UserError
 
 Array = jax.Array
 # Logical axis names: strategies map these to mesh axes. `seq` is the residual stream's
-# sequence axis, `inner_seq` the one inside attention and the MLP, `kv_seq` that of keys/values.
+# sequence axis, `inner_seq` the one inside attention and the MLP (when split, keys and values
+# go round a ring).
 PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm")
-ACTIVATION_AXES = ("batch", "seq", "inner_seq", "kv_seq", "embed", "heads", "kv_heads",
-                   "head_dim", "mlp", "vocab")
-# Applies a sharding constraint to an activation, given its logical axis names. The identity
-# when no strategy is active; `sharding.Strategy.constrain` when one is.
+ACTIVATION_AXES = ("batch", "seq", "inner_seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
+                   "vocab")
+# What each layer keeps for the backward pass: everything; the outputs of its weight matmuls
+# (the rest, attention included, recomputed: MaxText's "minimal", Megatron's selective
+# recompute); or only its input (the whole layer recomputed).
+REMAT_POLICIES = ("none", "dots", "full")
 Constrain = Callable[[Array, tuple[str | None, ...]], Array]
+
+
+class Placement(Protocol):
+    """How a strategy lays the model out (`sharding.strategy.Layout` is one)."""
+
+    def constrain(self, x: Array, axes: tuple[str | None, ...]) -> Array:
+        """`x` with the sharding its logical axes map to."""
+        ...
+
+    @property
+    def attention(self) -> AttentionSharding:
+        """Where attention runs, per device."""
+        ...
 
 
 def _no_constraint(x: Array, _axes: tuple[str | None, ...]) -> Array:
@@ -54,11 +71,20 @@ class LlamaConfig:
     tie_embeddings: bool = False
     max_seq_len: int = 4096
     compute_dtype: str = "bfloat16"
-    remat: bool = False  # recompute each layer's activations in the backward pass
+    remat: str = "none"  # one of REMAT_POLICIES
+    attention: str = "auto"  # one of models.attention.BACKENDS
+    attention_block: int = 0  # the blockwise kernel's block edge (0: the platform's default)
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.remat not in REMAT_POLICIES:
+            raise UserError(f"remat {self.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
+        if self.attention not in BACKENDS:
+            raise UserError(f"attention {self.attention!r}: choose one of {', '.join(BACKENDS)}")
+        if self.attention_block < 0:
+            raise UserError(f"attention_block {self.attention_block}: give a positive block "
+                            f"edge, or 0 for the platform's default")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
@@ -81,6 +107,8 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         d = dict(d)
+        if isinstance(d.get("remat"), bool):  # written before remat had policies
+            d["remat"] = "full" if d["remat"] else "none"
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         return cls(**d)
@@ -164,11 +192,17 @@ class Llama(nnx.Module):
         tokens_BxT: Array,
         segment_ids_BxT: Array | None = None,
         positions_BxT: Array | None = None,
-        constrain: Constrain = _no_constraint,
+        placement: Placement | None = None,
     ) -> Array:
-        """Logits [B, T, V] in fp32. Tokens attend only within their segment (document)."""
+        """Logits [B, T, V] in fp32. Tokens attend only within their segment (document);
+        `placement` lays the activations out (None: one device, or XLA's choice)."""
         cfg = self.config
         B, T = tokens_BxT.shape
+        constrain = _no_constraint if placement is None else placement.constrain
+        attend = functools.partial(
+            attention, backend=cfg.attention, block=cfg.attention_block,
+            packed=segment_ids_BxT is not None,
+            sharding=None if placement is None else placement.attention)
         if segment_ids_BxT is None:
             segment_ids_BxT = jnp.ones((B, T), jnp.int32)
         if positions_BxT is None:
@@ -178,7 +212,6 @@ class Llama(nnx.Module):
         # axes, i.e. gathered over `fsdp` and still split over `tensor` (ZeRO-3's all-gather).
         embed_VxD = constrain(self.embed[...].astype(cfg.dtype), ("vocab", "embed"))
         x_BxTxD = constrain(jnp.take(embed_VxD, tokens_BxT, axis=0), ("batch", "seq", "embed"))
-        mask_Bx1xTxT = _document_causal_mask(segment_ids_BxT, positions_BxT)
         cos_BxTxH, sin_BxTxH = rope_tables(cfg, positions_BxT)
 
         def block(x_BxTxD: Array, w: dict[str, Array]) -> tuple[Array, None]:
@@ -187,47 +220,39 @@ class Llama(nnx.Module):
             x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
             w = {k: constrain(v.astype(cfg.dtype), layer_axes[k]) for k, v in w.items()}
             h = _rms_norm(x_BxTxD, w["attn_norm"], cfg.norm_eps)
-            x_BxTxD = x_BxTxD + _attention(h, w, cos_BxTxH, sin_BxTxH, mask_Bx1xTxT, constrain)
+            x_BxTxD = x_BxTxD + _attention(h, w, cos_BxTxH, sin_BxTxH, segment_ids_BxT,
+                                           positions_BxT, attend, constrain)
             x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
             h = _rms_norm(x_BxTxD, w["mlp_norm"], cfg.norm_eps)
             x_BxTxD = x_BxTxD + _mlp(h, w, constrain)
             return constrain(x_BxTxD, ("batch", "seq", "embed")), None
 
         layer_axes = {k: axes[1:] for k, axes in param_axes(cfg)["layers"].items()}
-        if cfg.remat:
-            block = jax.checkpoint(block)
+        block = _rematerialised(block, cfg.remat)
         stacked = nnx.to_pure_dict(nnx.state(self.layers))
         x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, stacked)
 
         x_BxTxD = _rms_norm(x_BxTxD, self.final_norm[...].astype(cfg.dtype), cfg.norm_eps)
         head_DxV = embed_VxD.T if cfg.tie_embeddings else constrain(
             self.lm_head[...].astype(cfg.dtype), ("embed", "vocab"))
-        wide = _accumulating(cfg.dtype)
+        wide = accumulating(cfg.dtype)
         logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD.astype(wide), head_DxV.astype(wide),
                                   preferred_element_type=jnp.float32)
         return constrain(logits_BxTxV, ("batch", "inner_seq", "vocab"))
 
 
-def _accumulating(dtype: jnp.dtype) -> jnp.dtype:
-    """The dtype for matmuls that accumulate in fp32: XLA:CPU has no fp16 x fp16 -> fp32 dot,
-    so there fp16 operands are widened (bf16 and every accelerator keep their own)."""
-    if jnp.dtype(dtype) == jnp.float16 and jax.default_backend() == "cpu":
-        return jnp.dtype(jnp.float32)
-    return jnp.dtype(dtype)
+def _rematerialised(block: Callable, policy: str) -> Callable:
+    if policy == "none":
+        return block
+    saved = (None if policy == "full"
+             else jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return jax.checkpoint(block, policy=saved, prevent_cse=False)
 
 
 def _rms_norm(x: Array, weight: Array, eps: float) -> Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * x32.astype(x.dtype)
-
-
-def _document_causal_mask(segment_ids_BxT: Array, positions_BxT: Array) -> Array:
-    """Query t sees key s iff both are in one document and s is not later in it. Causality
-    comes from document positions, not row order, so a reordered row masks the same."""
-    same_doc_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-    causal_BxTxT = positions_BxT[:, None, :] <= positions_BxT[:, :, None]
-    return (same_doc_BxTxT & causal_BxTxT)[:, None]
 
 
 def rope_frequencies(cfg: LlamaConfig) -> Array:
@@ -267,7 +292,9 @@ def _attention(
     w: dict[str, Array],
     cos_BxTxH: Array,
     sin_BxTxH: Array,
-    mask_Bx1xTxT: Array,
+    segment_ids_BxT: Array,
+    positions_BxT: Array,
+    attend: Callable[..., Array],
     constrain: Constrain,
 ) -> Array:
     q_BxTxNxH = jnp.einsum("btd,dnh->btnh", x_BxTxD, w["wq"])
@@ -276,12 +303,9 @@ def _attention(
     q_BxTxNxH = constrain(_rotate(q_BxTxNxH, cos_BxTxH, sin_BxTxH),
                           ("batch", "inner_seq", "heads", "head_dim"))
     k_BxTxKxH = constrain(_rotate(k_BxTxKxH, cos_BxTxH, sin_BxTxH),
-                          ("batch", "kv_seq", "kv_heads", "head_dim"))
-    v_BxTxKxH = constrain(v_BxTxKxH, ("batch", "kv_seq", "kv_heads", "head_dim"))
-    dtype, wide = q_BxTxNxH.dtype, _accumulating(q_BxTxNxH.dtype)
-    out_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH.astype(wide), k_BxTxKxH.astype(wide),
-                                               v_BxTxKxH.astype(wide),
-                                               mask=mask_Bx1xTxT).astype(dtype)
+                          ("batch", "inner_seq", "kv_heads", "head_dim"))
+    v_BxTxKxH = constrain(v_BxTxKxH, ("batch", "inner_seq", "kv_heads", "head_dim"))
+    out_BxTxNxH = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, positions_BxT)
     out_BxTxNxH = constrain(out_BxTxNxH, ("batch", "inner_seq", "heads", "head_dim"))
     return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, w["wo"])
 

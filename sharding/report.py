@@ -14,7 +14,7 @@ from sharding.strategy import Strategy, fit_to_model, ways
 ACTIVATIONS = {
     "residual stream": ("batch", "seq", "embed"),
     "attention queries / output": ("batch", "inner_seq", "heads", "head_dim"),
-    "attention keys / values": ("batch", "kv_seq", "kv_heads", "head_dim"),
+    "attention keys / values": ("batch", "inner_seq", "kv_heads", "head_dim"),
     "MLP hidden": ("batch", "inner_seq", "mlp"),
     "logits": ("batch", "inner_seq", "vocab"),
 }

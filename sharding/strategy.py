@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from models.attention import AttentionSharding
 from models.errors import UserError
 from models.llama import ACTIVATION_AXES, PARAM_AXES, LlamaConfig
 
@@ -87,7 +88,7 @@ class Rules:
 # drop out of every spec, so one rule set serves any mesh that has a subset of its axes.
 _DP = {"batch": ("data", "fsdp")}
 _FSDP = {"embed": "fsdp"}
-_CONTEXT = {**_DP, "seq": "context", "inner_seq": "context"}  # K/V (`kv_seq`) are gathered
+_CONTEXT = {**_DP, "seq": "context", "inner_seq": "context"}  # K/V go round a ring
 _TP_PARAMS = {**_FSDP, "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
               "vocab": "tensor"}
 _TP = {**_CONTEXT, "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
@@ -107,7 +108,7 @@ RULE_SETS: dict[str, Rules] = {
     # FSDP / ZeRO-3: parameters (hence grads and optimizer state) split on `embed` over fsdp,
     # gathered layer by layer inside the step.
     "fsdp": _rules("fsdp", _FSDP, _DP),
-    # Context parallelism: activations split on the sequence; K/V gathered inside attention.
+    # Context parallelism: activations split on the sequence; K/V passed round a ring.
     "context": _rules("context", _FSDP, _CONTEXT),
     # Megatron tensor parallelism: attention by heads, the MLP by its hidden axis, embedding and
     # LM head by vocabulary (so full logits are never gathered).
@@ -322,6 +323,15 @@ class Layout:
         """The activation-sharding hook handed to the model."""
         return jax.lax.with_sharding_constraint(
             x, NamedSharding(self.mesh, self.strategy.activation_spec(axes)))
+
+    @property
+    def attention(self) -> AttentionSharding:
+        """Where attention runs: per device, queries as the activation rules place them, K/V
+        heads likewise, and the sequence on a ring when `inner_seq` is split."""
+        spec = self.strategy.activation_spec
+        return AttentionSharding(self.mesh, spec(("batch", "inner_seq", "heads", "head_dim")),
+                                 spec(("batch", "inner_seq", "kv_heads", "head_dim")),
+                                 self.strategy.balanced)
 
     @property
     def batch_sharding(self) -> NamedSharding:

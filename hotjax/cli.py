@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from hotjax import simulate_cpu_devices
 from hotjax.config import DEFAULT_BATCH_TOKENS, RunConfig
 from models.errors import UserError
+from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 
 SIMULATED_CPU_DEVICES = 8
 # Modules with a `register(commands)` function, each adding one command group.
-COMMAND_MODULES: tuple[str, ...] = ("sharding.cli", "hotjax.data.cli",
+COMMAND_MODULES: tuple[str, ...] = ("hotjax.strategy_cli", "hotjax.data.cli",
                                     "hotjax.checkpoint.cli")
 _RUN = RunConfig()  # the defaults
 
@@ -66,6 +67,16 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
                        "truncated (as HotSPa) or split into context-length pieces")
     train.add_argument("--compute-dtype", choices=("bfloat16", "float32"),
                        default=_RUN.compute_dtype)
+    train.add_argument("--remat", choices=REMAT_POLICIES, help="what each layer recomputes in "
+                       "the backward pass: nothing, all but its weight matmuls' outputs (dots), "
+                       "or everything (full); for table buckets that name none (default: the "
+                       "cheapest that fits --device-memory, else none)")
+    train.add_argument("--attention", choices=ATTENTION_BACKENDS, default=_RUN.attention,
+                       help="attention kernel (default: %(default)s: the fastest correct one "
+                       "for the platform; dense is the reference)")
+    train.add_argument("--attention-block", type=int, default=_RUN.attention_block,
+                       metavar="TOKENS", help="block edge of the blockwise attention kernel "
+                       "(default: the platform's)")
     train.add_argument("--lr", type=float, default=_RUN.lr, help="peak learning rate")
     train.add_argument("--warmup-steps", type=int, default=_RUN.warmup_steps)
     train.add_argument("--metrics-jsonl", metavar="PATH", help="one JSON object per step")

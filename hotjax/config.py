@@ -26,6 +26,9 @@ class RunConfig:
     batch_sequences: int | None = None  # or sequences per step
     long_documents: str = "split"  # into context-length pieces, or "truncate"
     compute_dtype: str = "bfloat16"
+    remat: str | None = None  # for buckets whose table names none; None: fit to device_memory
+    attention: str = "auto"  # the kernel: auto, blockwise, dense, cudnn, pallas
+    attention_block: int = 0  # the blockwise kernel's block edge (0: the platform's default)
     lr: float = 1e-3
     warmup_steps: int = 10
     metrics_jsonl: str | None = None

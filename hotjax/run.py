@@ -83,7 +83,8 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
     corpus = open_corpus(run.data)
     tokenizer = load_tokenizer(run.tokenizer, corpus, vocab_size=run.vocab_size)
     config = dataclasses.replace(model, vocab_size=padded_vocab(tokenizer.vocab_size),
-                                 compute_dtype=run.compute_dtype)
+                                 compute_dtype=run.compute_dtype, attention=run.attention,
+                                 attention_block=run.attention_block)
     optim = OptimConfig(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps)
     batches = MiniBatches(corpus, tokenizer, [b.max_len for b in table.buckets], **run.batch,
                           long_documents=run.long_documents, seed=run.seed)
@@ -91,7 +92,7 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
     typical = typical_rows(cut(lengths, table.max_len, run.long_documents),
                            [b.max_len for b in table.buckets], **run.batch)
     trainer = Trainer(config, optim, table, devices, device_memory=run.device_memory,
-                      typical_rows=typical, timings=run.bucket_timings)
+                      typical_rows=typical, remat=run.remat, timings=run.bucket_timings)
     size = ", ".join(f"{v:,} {k.split('_')[1]}" for k, v in run.batch.items())
     console.print(f"model {run.model}: {config.num_params() / 1e6:.1f}M params, "
                   f"{config.compute_dtype} compute | corpus {corpus.source}: "

@@ -23,9 +23,10 @@ import jax
 
 from hotjax.data import MiniBatch
 from hotjax.optim import OptimConfig
-from hotjax.step import Accumulator, TrainState, bucket_step, home, micro_batches
+from hotjax.step import Accumulator, BucketStep, TrainState, bucket_step, home, micro_batches
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
+from models.options import REMAT_POLICIES
 from sharding.planner import SwitchPlan, Topology, plan_switch, strategy_switches
 from sharding.strategy import Strategy, canonical_devices
 from sharding.switch import already_laid_out, local_topology, switch
@@ -56,13 +57,14 @@ class Trainer:
     def __init__(self, config: LlamaConfig, optim: OptimConfig, table: StrategyTable,
                  devices: Sequence[jax.Device], *, home_strategy: Strategy | None = None,
                  device_memory: float | None = None,
-                 typical_rows: Sequence[float] | None = None,
+                 typical_rows: Sequence[float] | None = None, remat: str | None = None,
                  switch_method: str = "auto", topology: Topology | None = None,
                  timings: bool = False):
         """`device_memory`: MiB per device that micro-batches are sized to (None: one row per
         batch shard); `typical_rows`, the rows a typical mini-batch puts in each bucket
         (`hotjax.data.typical_rows`), bounds them, so that a sparse bucket does not compute
-        mostly empty rows. `switch_method`:
+        mostly empty rows. `remat`: the policy of buckets whose table entry names none (None:
+        the cheapest that fits `device_memory`, or none without a budget). `switch_method`:
         "plan" (the planner's fused transfers), "device_put" (JAX's own resharding) or "auto"
         (whichever measures faster, per pair of layouts). `timings`: wait for each bucket to
         report its compute and switch seconds (a host synchronisation per bucket)."""
@@ -70,11 +72,12 @@ class Trainer:
         self.topology = topology or local_topology()
         self.switch = functools.partial(switch, method=switch_method, topology=self.topology)
         devices = tuple(devices)
-        self.buckets = [bucket_step(config, b.strategy, devices) for b in table.buckets]
         self.home = home(config, optim, home_strategy or most_sharded(table, config), devices)
+        fitted = [self._fit(i, devices, remat, device_memory, typical_rows)
+                  for i in range(len(table.buckets))]
+        self.buckets = [bucket for bucket, _ in fitted]
+        self.micro_rows = [rows for _, rows in fitted]
         self.notes = tuple(dict.fromkeys(n for b in self.buckets for n in b.notes))
-        self.micro_rows = [self._micro_rows(i, device_memory, typical_rows)
-                           for i in range(len(self.buckets))]
         # The planner's view of every switch a step can make: compute weights from home or a
         # bucket into a bucket, and each bucket's fp32 gradients home (-1 stands for home).
         n = len(self.buckets)
@@ -92,39 +95,59 @@ class Trainer:
                                    target_kind=kind)
         return plan_switch(arrays, self.topology)
 
-    def _micro_rows(self, i: int, device_memory: float | None,
-                    typical_rows: Sequence[float] | None) -> int:
-        """Bucket i's rows per micro-batch: the table's, else the most that fit `device_memory`
-        by XLA's memory analysis, else one row per batch shard (the fewest empty rows)."""
-        spec, bucket = self.table.buckets[i], self.buckets[i]
+    def _fit(self, i: int, devices: tuple[jax.Device, ...], remat: str | None,
+             device_memory: float | None, typical_rows: Sequence[float] | None
+             ) -> tuple[BucketStep, int]:
+        """Bucket i's compiled step and rows per micro-batch. Its remat policy is the table's,
+        else `remat`, else with a memory budget the cheapest policy whose smallest
+        micro-batch fits (recomputing more only when less does not fit), else none."""
+        spec = self.table.buckets[i]
+        named = spec.remat or remat
+        policies = (named,) if named else REMAT_POLICIES if device_memory else ("none",)
+        for policy in policies:
+            bucket = bucket_step(dataclasses.replace(self.config, remat=policy), spec.strategy,
+                                 devices)
+            rows, fits = self._micro_rows(i, bucket, device_memory, typical_rows)
+            if fits:
+                break
+        return bucket, rows
+
+    def _micro_rows(self, i: int, bucket: BucketStep, device_memory: float | None,
+                    typical_rows: Sequence[float] | None) -> tuple[int, bool]:
+        """Bucket i's rows per micro-batch under `bucket`'s compiled step, and whether they fit
+        `device_memory`: the table's rows, else the most that fit by XLA's memory analysis,
+        else one row per batch shard (the fewest empty rows)."""
+        spec = self.table.buckets[i]
         shards = bucket.layout.batch_shards
+        available = None if device_memory is None else (device_memory * MiB
+                                                         - self.home.resident_bytes())
+
+        def peak(units: int) -> int:
+            return bucket.peak_bytes((units * shards, spec.max_len))
+
         if spec.micro_rows is not None:
             if spec.micro_rows % shards:
                 raise UserError(f"{self.table.source}: bucket {i + 1} (max_len {spec.max_len}): "
                                 f"micro_rows {spec.micro_rows} does not split over the {shards} "
                                 f"batch shards of {bucket.layout.strategy}: use a multiple of "
                                 f"{shards}")
-            return spec.micro_rows
-        if device_memory is None:
-            return shards
+            return spec.micro_rows, available is None or peak(spec.micro_rows // shards) <= \
+                available
+        if available is None:
+            return shards, True
         # No more rows than a typical mini-batch fills (else MAX_MICRO_UNITS units).
         most = (MAX_MICRO_UNITS if typical_rows is None
                 else max(1, int(typical_rows[i] // shards)))
         # Peak memory grows linearly with the rows: fit the line through one and two units of
         # `shards` rows, take the most that fit, then step down until XLA agrees.
-        available = device_memory * MiB - self.home.resident_bytes()
-
-        def peak(units: int) -> int:
-            return bucket.peak_bytes((units * shards, spec.max_len))
-
         one = peak(1)
         if one > available or most == 1:
-            return shards
+            return shards, one <= available
         per_unit = max(peak(2) - one, 1)
         units = min(most, 1 + int((available - one) // per_unit))
         while units > 1 and peak(units) > available:
             units -= 1
-        return units * shards
+        return units * shards, True
 
     def init(self, seed: int) -> TrainState:
         return self.home.init(seed)
@@ -152,8 +175,8 @@ class Trainer:
     def describe(self) -> str:
         order = " -> ".join(f"{self.table.buckets[i].max_len}: {self.buckets[i].layout.strategy}"
                             for i in self.order)
-        micro = ", ".join(f"{r} x {b.max_len}" for r, b in zip(self.micro_rows,
-                                                                self.table.buckets, strict=True))
+        micro = ", ".join(f"{r} x {b.max_len} (remat {s.config.remat})" for r, b, s in zip(
+            self.micro_rows, self.table.buckets, self.buckets, strict=True))
         return f"home {self.home.layout.strategy}; buckets {order}; micro-batches {micro}"
 
     def step(self, state: TrainState, minibatch: MiniBatch

@@ -36,8 +36,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from models.options import ATTENTION_BACKENDS
+
 Array = jax.Array
-BACKENDS = ("auto", "blockwise", "dense", "cudnn", "pallas")
 # Default block edge by platform: small blocks skip more of a packed row; on a GPU larger
 # blocks keep the matrix units busy.
 DEFAULT_BLOCK = {"cpu": 256, "gpu": 512}
@@ -87,9 +88,9 @@ def choose_backend(requested: str, platform: str, *, ring: bool, packed: bool
     one document each), the Pallas kernel with segment ids for packed rows, and the blockwise
     kernel around a ring; elsewhere the blockwise kernel.
     """
-    if requested not in BACKENDS:
+    if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}: choose one of "
-                         f"{', '.join(BACKENDS)}")
+                         f"{', '.join(ATTENTION_BACKENDS)}")
     if requested in ("blockwise", "dense"):
         return requested, None
     gpu_kernel = "pallas" if packed else "cudnn"
@@ -197,7 +198,7 @@ def _local_attention(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
     columns_BxT = jnp.broadcast_to(_columns(T, shard), (B, T))
     tokens = Tokens(segment_ids_BxT, positions_BxT, columns_BxT)
     dtype, wide = q_BxTxNxH.dtype, accumulating(q_BxTxNxH.dtype)
-    blocks = (_edge(T, block), _edge(k_BxSxKxH.shape[1], block))
+    blocks = (block_edge(T, block), block_edge(k_BxSxKxH.shape[1], block))
     out_BxTxNxH = _blockwise(q_BxTxNxH.astype(wide), k_BxSxKxH.astype(wide),
                              v_BxSxKxH.astype(wide), tokens, shard, blocks)
     return out_BxTxNxH.astype(dtype)
@@ -217,7 +218,7 @@ def _columns(T: int, shard: _Shard) -> Array:
     return chunk * half + local % half
 
 
-def _edge(length: int, block: int) -> int:
+def block_edge(length: int, block: int) -> int:
     """The largest block edge up to `block` that divides `length`."""
     return next(b for b in range(min(block, length), 0, -1) if length % b == 0)
 
@@ -260,7 +261,7 @@ def ring_block_counts(segment_ids_BxT: np.ndarray, positions_BxT: np.ndarray, wa
         owned = [np.arange(r * chunk, (r + 1) * chunk) for r in range(ways)]
     tokens = [Tokens(*(jnp.asarray(x[:, cols]) for x in (segment_ids_BxT, positions_BxT, columns)))
               for cols in owned]
-    edge = _edge(chunk, block)
+    edge = block_edge(chunk, block)
     return np.array([sum(int(visible_blocks(tokens[r], tokens[source], edge, edge).sum())
                          for source in range(ways)) for r in range(ways)])
 

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import BACKENDS, AttentionSharding, accumulating, attention
+from models.attention import AttentionSharding, accumulating, attention
 from models.errors import UserError
+from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 
 Array = jax.Array
 # Logical axis names: strategies map these to mesh axes. `seq` is the residual stream's
@@ -22,10 +23,6 @@ Array = jax.Array
 PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm")
 ACTIVATION_AXES = ("batch", "seq", "inner_seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
                    "vocab")
-# What each layer keeps for the backward pass: everything; the outputs of its weight matmuls
-# (the rest, attention included, recomputed: MaxText's "minimal", Megatron's selective
-# recompute); or only its input (the whole layer recomputed).
-REMAT_POLICIES = ("none", "dots", "full")
 Constrain = Callable[[Array, tuple[str | None, ...]], Array]
 
 
@@ -72,7 +69,7 @@ class LlamaConfig:
     max_seq_len: int = 4096
     compute_dtype: str = "bfloat16"
     remat: str = "none"  # one of REMAT_POLICIES
-    attention: str = "auto"  # one of models.attention.BACKENDS
+    attention: str = "auto"  # one of ATTENTION_BACKENDS
     attention_block: int = 0  # the blockwise kernel's block edge (0: the platform's default)
 
     def __post_init__(self) -> None:
@@ -80,8 +77,9 @@ class LlamaConfig:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.remat not in REMAT_POLICIES:
             raise UserError(f"remat {self.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
-        if self.attention not in BACKENDS:
-            raise UserError(f"attention {self.attention!r}: choose one of {', '.join(BACKENDS)}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise UserError(f"attention {self.attention!r}: choose one of "
+                            f"{', '.join(ATTENTION_BACKENDS)}")
         if self.attention_block < 0:
             raise UserError(f"attention_block {self.attention_block}: give a positive block "
                             f"edge, or 0 for the platform's default")

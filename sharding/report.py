@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from models.attention import DEFAULT_BLOCK, choose_backend
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
 from sharding.strategy import Strategy, fit_to_model, ways
@@ -22,8 +23,9 @@ FP32 = 4
 ADAM_MOMENTS = 2
 
 
-def describe(strategy: Strategy, config: LlamaConfig) -> dict[str, Any]:
-    """The placement of every parameter and activation, and per-device bytes of the state."""
+def describe(strategy: Strategy, config: LlamaConfig, platform: str = "cpu") -> dict[str, Any]:
+    """The placement of every parameter and activation, per-device bytes of the state, and the
+    attention kernel that runs on `platform` (a JAX platform name: cpu, gpu, tpu)."""
     fitted, notes = fit_to_model(strategy, config)
     sizes = fitted.axes
     flat_axes = _flatten(param_axes(config))
@@ -49,7 +51,17 @@ def describe(strategy: Strategy, config: LlamaConfig) -> dict[str, Any]:
             "bytes_per_device": totals,
             "batch_shards": math.prod(ways(fitted.activation_spec(("batch",)), sizes)),
             "activations": {k: _spec_text(fitted.activation_spec(v))
-                            for k, v in ACTIVATIONS.items()}}
+                            for k, v in ACTIVATIONS.items()},
+            "attention": _attention(fitted, config, platform)}
+
+
+def _attention(strategy: Strategy, config: LlamaConfig, platform: str) -> dict[str, Any]:
+    split = ways(strategy.activation_spec((None, "inner_seq")), strategy.axes)
+    ring = split[1] if len(split) > 1 else 1  # K/V go round the ranks splitting the sequence
+    kernel, note = choose_backend(config.attention, platform, ring=ring > 1, packed=True)
+    return {"requested": config.attention, "kernel": kernel, "note": note, "ring": ring,
+            "balanced": strategy.balanced,
+            "block": config.attention_block or DEFAULT_BLOCK.get(platform, DEFAULT_BLOCK["gpu"])}
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:

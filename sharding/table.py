@@ -8,17 +8,19 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import UserError
+from models.options import REMAT_POLICIES
 from sharding.strategy import Strategy
 
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
     """Sequences of up to `max_len` tokens run under `strategy`, as micro-batches of
-    `micro_rows` rows (None: chosen by the trainer)."""
+    `micro_rows` rows, recomputing activations by `remat` (None: chosen by the trainer)."""
 
     max_len: int
     strategy: Strategy
     micro_rows: int | None = None
+    remat: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +73,10 @@ def parse_table(data: dict[str, Any], source: str) -> StrategyTable:
         if not isinstance(entry, dict):
             raise UserError(f"{where}: each bucket must be a table: write [[bucket]] entries "
                             f"with max_len and mesh")
-        unknown = set(entry) - {"max_len", "mesh", "rules", "balanced", "micro_rows"}
+        unknown = set(entry) - {"max_len", "mesh", "rules", "balanced", "micro_rows", "remat"}
         if unknown:
             raise UserError(f"{where}: unknown key {sorted(unknown)[0]!r}: "
-                            f"use max_len, mesh, rules, balanced, micro_rows")
+                            f"use max_len, mesh, rules, balanced, micro_rows, remat")
         max_len = entry.get("max_len")
         if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
             raise UserError(f"{where}: max_len must be a positive integer, got {max_len!r}")
@@ -89,8 +91,13 @@ def parse_table(data: dict[str, Any], source: str) -> StrategyTable:
         if micro_rows is not None and (not isinstance(micro_rows, int)
                                        or isinstance(micro_rows, bool) or micro_rows < 1):
             raise UserError(f"{where}: micro_rows must be a positive integer, got {micro_rows!r}")
+        remat = entry.get("remat")
+        if remat is not None and remat not in REMAT_POLICIES:
+            raise UserError(f"{where}: remat {remat!r}: choose one of "
+                            f"{', '.join(map(repr, REMAT_POLICIES))}")
         buckets.append(Bucket(max_len, Strategy.create(mesh, entry.get("rules"), where,
-                                                       entry.get("balanced", False)), micro_rows))
+                                                       entry.get("balanced", False)), micro_rows,
+                              remat))
     return StrategyTable(tuple(buckets), source)
 
 

@@ -197,7 +197,7 @@ def test_inline_rules_of_the_wrong_shape_are_rejected(rules):
     ({"params": {"seq": "fsdp"}, "activations": {"batch": "fsdp"}},
      "strategy: params: unknown logical axis 'seq': use vocab"),
     ({"activations": {"batch": "fsdp", "embd": "fsdp"}},
-     "strategy: activations: unknown logical axis 'embd': use batch, seq, inner_seq, kv_seq, "
+     "strategy: activations: unknown logical axis 'embd': use batch, seq, inner_seq, "
      "embed, heads, kv_heads, head_dim, mlp, vocab"),
     ({"activations": {"batch": "fsdp", "layers": "fsdp"}},
      "strategy: activations: unknown logical axis 'layers': use batch"),
@@ -591,7 +591,7 @@ def test_megatron_places_the_whole_tiny_model_with_a_padded_vocabulary(devices):
 @pytest.mark.parametrize("axes, spec", [
     (("batch", "seq", "embed"), P("fsdp", "context")),
     (("batch", "inner_seq", "heads", "head_dim"), P("fsdp", "context", "tensor")),
-    (("batch", "kv_seq", "kv_heads", "head_dim"), P("fsdp", None, "tensor")),
+    (("batch", "inner_seq", "kv_heads", "head_dim"), P("fsdp", "context", "tensor")),
     (("batch", "inner_seq", "mlp"), P("fsdp", "context", "tensor")),
     (("batch", "inner_seq", "vocab"), P("fsdp", "context", "tensor")),
     (("vocab", "embed"), P("tensor")),  # a weight in its compute layout: gathered over fsdp
@@ -611,11 +611,12 @@ def test_auto_activations_split_batch_sequence_and_heads(axes, spec):
     ("fsdp=2,context=4,rules=context", ("batch", "seq", "embed"), P("fsdp", "context")),
     ("fsdp=2,context=4,rules=context", ("batch", "inner_seq", "heads", "head_dim"),
      P("fsdp", "context")),
-    ("fsdp=2,context=4,rules=context", ("batch", "kv_seq", "kv_heads", "head_dim"), P("fsdp")),
+    ("fsdp=2,context=4,rules=context", ("batch", "inner_seq", "kv_heads", "head_dim"),
+     P("fsdp", "context")),
 ])
 def test_sequence_parallel_and_context_activation_specs(text, axes, spec):
-    # K/V (`kv_seq`) are gathered over context; megatron-sp splits the residual stream's `seq`
-    # over tensor as well, but not the sequence inside attention and the MLP.
+    # K/V are split like the queries (they go round a ring); megatron-sp splits the residual
+    # stream's `seq` over tensor as well, but not the sequence inside attention and the MLP.
     assert Strategy.parse(text).activation_spec(axes) == spec
 
 
@@ -651,7 +652,7 @@ def test_fit_to_model_replicates_kv_heads_when_tensor_exceeds_them():
     assert strategy.param_spec(wk) == P(None, None, "tensor")
     assert fitted.param_spec(wk) == P()
     assert fitted.param_spec(WQ) == P(None, None, "tensor")  # query heads still split
-    assert fitted.activation_spec(("batch", "kv_seq", "kv_heads", "head_dim")) == P()
+    assert fitted.activation_spec(("batch", "inner_seq", "kv_heads", "head_dim")) == P()
     assert fitted.activation_spec(("batch", "inner_seq", "heads", "head_dim")) == P(
         None, None, "tensor")
 

@@ -32,7 +32,8 @@ META_FILE = Path("meta") / "metadata"  # where Orbax's JSON handler puts the `me
 DATA_FILE = Path("data") / "metadata"
 REQUIRED = ("format", "step", "items", "model", "fingerprints")
 # Fields that change neither the parameters' shapes nor their meaning.
-_NOT_ARCHITECTURE = ("vocab_size", "compute_dtype", "remat", "max_seq_len")
+_NOT_ARCHITECTURE = ("vocab_size", "compute_dtype", "remat", "attention", "attention_block",
+                     "max_seq_len")
 
 
 def record(*, step: int, source: str, items: list[str], model: dict[str, Any],

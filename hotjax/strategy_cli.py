@@ -1,0 +1,149 @@
+"""`hotjax strategy show`: what each strategy of a table does to the model, before a long run.
+
+Imports nothing heavy until a command runs: JAX must start after the device count is set.
+With `--memory` it compiles (never runs) each bucket's micro-step under every remat policy and
+reports XLA's activation memory per device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from hotjax.config import RunConfig
+from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
+
+
+def _buckets(text: str, context: int) -> list:
+    """The buckets of a table file, or one strategy as a bucket of `context` tokens."""
+    from sharding.strategy import Strategy
+    from sharding.table import Bucket, load_table
+
+    if text.endswith(".toml"):
+        return list(load_table(text).buckets)
+    return [Bucket(context, Strategy.parse(text))]
+
+
+def _activation_memory(config, bucket, rows: int) -> dict[str, int]:
+    """Per remat policy: XLA's per-device bytes of one micro-step beyond its arguments."""
+    import jax
+
+    from hotjax.step import bucket_step, step_memory
+    from models.options import REMAT_POLICIES
+
+    devices = tuple(jax.devices()[:bucket.strategy.num_devices])
+    memory = {}
+    for policy in REMAT_POLICIES:
+        step = bucket_step(dataclasses.replace(config, remat=policy), bucket.strategy, devices)
+        stats = step_memory(step.compiled((rows, bucket.max_len)))
+        memory[policy] = stats["peak"] - stats["state"]
+    return memory
+
+
+def _show(args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from hotjax.cli import start_jax
+
+    # Enough simulated devices for the widest mesh (a table's meshes are not known yet).
+    start_jax(None)
+    from models.llama import padded_vocab, preset
+    from sharding.report import describe
+
+    buckets = _buckets(args.table, args.context)
+    # As `hotjax train` builds it: the vocabulary padded to split over tensor ranks.
+    model = preset(args.model)
+    config = dataclasses.replace(model, vocab_size=padded_vocab(model.vocab_size),
+                                 attention=args.attention)
+    import jax
+
+    platform = jax.default_backend()
+    reports = [describe(b.strategy, config, platform) | {"micro_rows": b.micro_rows,
+                                                         "remat": b.remat} for b in buckets]
+    if args.memory:
+        with Console(stderr=True).status("compiling each bucket's micro-step per remat policy"):
+            for bucket, report in zip(buckets, reports, strict=True):
+                rows = bucket.micro_rows or report["batch_shards"]
+                report["activation_bytes"] = {"rows": rows, "max_len": bucket.max_len,
+                                              **_activation_memory(config, bucket, rows)}
+    if args.json:
+        print(json.dumps(reports, indent=2))
+        return
+    console = Console()
+    for bucket, report in zip(buckets, reports, strict=True):
+        title = f"{report['strategy']} on {args.model}"
+        if args.table.endswith(".toml"):
+            title = f"bucket <= {bucket.max_len} tokens: {title}"
+        title = escape(title)  # "[rules]" is not rich markup
+        params = Table(title=title, title_justify="left")
+        for column in ("parameter", "shape", "logical axes", "placement", "ZeRO grads / optim"):
+            params.add_column(column)
+        for p in report["params"]:
+            params.add_row(p["name"], "x".join(map(str, p["shape"])), ", ".join(p["axes"]),
+                           p["spec"], " / ".join(f"{k}: {v}" for k, v in p["zero"].items()))
+        console.print(params)
+        for note in report["notes"]:
+            console.print(f"note: {note}")
+        b = report["bytes_per_device"]
+        console.print(f"per device (fp32): params {_mib(b['params'])}, grads "
+                      f"{_mib(b['grads'])}, Adam moments {_mib(b['optimizer'])}")
+        shards = report["batch_shards"]
+        rows = report["micro_rows"]
+        console.print(f"micro-batches: rows split {shards} way(s); " + (
+            f"{rows} row(s) each (the table's)" if rows else
+            f"{shards} row(s) each by default, or the most that fit --device-memory"))
+        activations = Table("activation", "placement", title="activations",
+                            title_justify="left")
+        for name, spec in report["activations"].items():
+            activations.add_row(name, spec)
+        console.print(activations)
+        console.print(_attention_line(report["attention"], platform))
+        if report["remat"]:
+            console.print(f"remat: {report['remat']} (the table's)")
+        if "activation_bytes" in report:
+            memory = report["activation_bytes"]
+            policies = Table("remat", "activation memory per device", title=(
+                f"XLA, one micro-step of {memory['rows']} x {memory['max_len']} tokens"),
+                title_justify="left")
+            for policy in REMAT_POLICIES:
+                policies.add_row(policy, _mib(memory[policy]))
+            console.print(policies)
+
+
+def _attention_line(attention: dict, platform: str) -> str:
+    kernel = attention["kernel"]
+    line = f"attention on {platform}: {kernel}"
+    if kernel == "blockwise":
+        line += f" kernel, blocks of {attention['block']} tokens"
+    if attention["ring"] > 1:
+        line += (f", K/V round a ring of {attention['ring']} ranks"
+                 + (" (balanced chunks)" if attention["balanced"] else ""))
+    if attention["note"]:
+        line += f" ({attention['requested']} asked for: {attention['note']})"
+    return line
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    strategy = commands.add_parser("strategy", help="inspect strategies and strategy tables")
+    actions = strategy.add_subparsers(dest="action", required=True)
+    show = actions.add_parser("show", help="each parameter's placement, per-device state bytes "
+                              "and the activation layout of every strategy in a table")
+    show.add_argument("table", metavar="TABLE.toml|STRATEGY",
+                      help='a strategy table, or one strategy like "data=2,tensor=4"')
+    show.add_argument("--model", default="small", help="model preset (default: %(default)s)")
+    show.add_argument("--context", type=int, default=RunConfig().context,
+                      help="row length for a single strategy (a table sets its own)")
+    show.add_argument("--attention", choices=ATTENTION_BACKENDS, default="auto",
+                      help="attention kernel asked for (default: %(default)s)")
+    show.add_argument("--memory", action="store_true", help="also compile each bucket's "
+                      "micro-step under every remat policy and report XLA's activation memory "
+                      "(takes a while)")
+    show.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    show.set_defaults(handler=_show)

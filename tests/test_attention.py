@@ -1,0 +1,282 @@
+"""Blockwise and ring attention equal dense attention (values and gradients, fp32), compute
+only the blocks the mask shows, and pick a kernel per platform; remat policies change memory,
+never the numbers."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hotjax.optim import OptimConfig
+from hotjax.step import BucketStep, balanced_order, next_token_targets, step_memory, token_loss
+from hotjax.train import Trainer
+from models.attention import (
+    Tokens,
+    _pallas,
+    attention,
+    choose_backend,
+    dense_attention,
+    ring_block_counts,
+    visible_blocks,
+)
+from models.llama import PRESETS, bind, init_params
+from sharding.strategy import Layout, Strategy, fit_to_model
+from sharding.table import Bucket, StrategyTable, parse_table
+
+TOLERANCE = 1e-5  # fp32: only the order of the softmax sums differs
+TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=256, compute_dtype="float32")
+
+
+def packed_rows(rows: int, seq_len: int, lengths: list[int], seed: int = 0,
+                padding_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Segment ids and positions of rows packed with documents of the given lengths (drawn at
+    random), each row ending in some padding; the last `padding_rows` rows are all padding."""
+    rng = np.random.default_rng(seed)
+    segment_ids_BxT = np.zeros((rows, seq_len), np.int32)
+    positions_BxT = np.zeros((rows, seq_len), np.int32)
+    for r in range(rows - padding_rows):
+        start, segment = 0, 1
+        end = seq_len - int(rng.integers(0, seq_len // 8))
+        while start < end:
+            length = min(int(rng.choice(lengths)), end - start)
+            segment_ids_BxT[r, start:start + length] = segment
+            positions_BxT[r, start:start + length] = np.arange(length)
+            start, segment = start + length, segment + 1
+    return segment_ids_BxT, positions_BxT
+
+
+def qkv(rows: int, seq_len: int, heads: int, kv_heads: int, head_dim: int = 16, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.normal(size=(rows, seq_len, n, head_dim)), jnp.float32)
+                 for n in (heads, kv_heads, kv_heads))
+
+
+def values_and_grads(fn, q, k, v, segment_ids_BxT):
+    """fn's output and the gradients of a random projection of it; padding outputs carry no
+    loss (as in training), so they get no cotangent."""
+    weights = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32)
+    weights = weights * (jnp.asarray(segment_ids_BxT) > 0)[:, :, None, None]
+
+    def loss(q, k, v):
+        out = fn(q, k, v)
+        return jnp.sum(out * weights), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
+
+
+def assert_close(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+CASES = {
+    "packed rows of many documents": (3, 256, [5, 17, 30, 64], 8, 4, 0),
+    "one document per row": (2, 256, [256], 8, 4, 0),
+    "rows of padding only": (4, 128, [9, 40], 8, 4, 2),
+    "GQA 8/2": (2, 128, [7, 33, 100], 8, 2, 0),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_blockwise_attention_equals_dense_values_and_gradients(case):
+    rows, seq_len, lengths, heads, kv_heads, padding = CASES[case]
+    segment_ids_BxT, positions_BxT = packed_rows(rows, seq_len, lengths, padding_rows=padding)
+    q, k, v = qkv(rows, seq_len, heads, kv_heads)
+
+    def blockwise(q, k, v):
+        return attention(q, k, v, segment_ids_BxT, positions_BxT, backend="blockwise", block=32)
+
+    def dense(q, k, v):
+        return dense_attention(q, k, v, segment_ids_BxT, positions_BxT)
+
+    assert_close(values_and_grads(blockwise, q, k, v, segment_ids_BxT),
+                 values_and_grads(dense, q, k, v, segment_ids_BxT))
+
+
+def tokens(segment_ids_BxT: np.ndarray, positions_BxT: np.ndarray) -> Tokens:
+    columns_BxT = np.broadcast_to(np.arange(segment_ids_BxT.shape[1]), segment_ids_BxT.shape)
+    return Tokens(*(jnp.asarray(x, jnp.int32) for x in (segment_ids_BxT, positions_BxT,
+                                                        columns_BxT)))
+
+
+def test_only_blocks_the_mask_shows_are_computed():
+    n, block = 8, 16
+    seq_len = n * block
+    causal = tokens(np.ones((1, seq_len)), np.arange(seq_len)[None])
+    # The lower triangle with its diagonal: the blocks above it are never computed.
+    assert int(visible_blocks(causal, causal, block, block).sum()) == n * (n + 1) // 2
+    # One document per block: each block sees itself only.
+    per_block = tokens(np.repeat(np.arange(1, n + 1), block)[None],
+                       np.tile(np.arange(block), n)[None])
+    np.testing.assert_array_equal(visible_blocks(per_block, per_block, block, block)[0],
+                                  np.eye(n, dtype=bool))
+    # Documents straddling one block boundary add that one pair; padding adds nothing.
+    segment_ids_BxT = np.zeros((1, seq_len), np.int32)
+    positions_BxT = np.zeros((1, seq_len), np.int32)
+    segment_ids_BxT[0, :24], positions_BxT[0, :24] = 1, np.arange(24)  # blocks 0 and 1
+    segment_ids_BxT[0, 24:32], positions_BxT[0, 24:32] = 2, np.arange(8)  # block 1
+    visible = visible_blocks(*(2 * [tokens(segment_ids_BxT, positions_BxT)]), block, block)[0]
+    assert sorted(zip(*np.nonzero(np.asarray(visible)), strict=True)) == [(0, 0), (1, 0), (1, 1)]
+
+
+def test_balanced_chunks_balance_the_ring_work():
+    seq_len, ways, block = 4096, 4, 256
+    segment_ids_BxT, positions_BxT = np.ones((1, seq_len)), np.arange(seq_len)[None]
+    unbalanced = ring_block_counts(segment_ids_BxT, positions_BxT, ways, False, block)
+    balanced = ring_block_counts(segment_ids_BxT, positions_BxT, ways, True, block)
+    total = (seq_len // block) * (seq_len // block + 1) // 2  # the causal triangle
+    assert unbalanced.sum() == balanced.sum() == total
+    np.testing.assert_array_equal(unbalanced, [10, 26, 42, 58])  # rank 3 does 5.8x rank 0
+    np.testing.assert_array_equal(balanced, [total // ways] * ways)
+
+
+RING_LAYOUTS = [
+    ("context=4,tensor=2,rules=megatron", 4),
+    ("context=4,tensor=2,rules=megatron,balanced=true", 4),
+    ("fsdp=2,context=4,rules=context,balanced=true", 4),
+    ("context=8,rules=context", 4),
+    ("context=2,tensor=4,rules=megatron,balanced=true", 2),  # K/V heads replicated over tensor
+    ("data=2,tensor=4,rules=megatron-sp", 4),
+    ("data=2,context=2,tensor=2,rules=megatron-sp,balanced=true", 4),
+]
+
+
+@pytest.mark.parametrize("text, kv_heads", RING_LAYOUTS)
+def test_attention_under_every_layout_equals_dense(devices, text, kv_heads):
+    """Per device under a strategy (a ring when the sequence is split), with small blocks so
+    that every chunk holds several; the columns in the strategy's order, as the trainer
+    lays them out."""
+    config = dataclasses.replace(TINY, n_kv_heads=kv_heads)
+    strategy, _ = fit_to_model(Strategy.parse(text), config)
+    layout = Layout(strategy, devices)
+    rows, seq_len = 4, 128
+    segment_ids_BxT, positions_BxT = packed_rows(rows, seq_len, [5, 20, 50, 128], seed=3)
+    q, k, v = qkv(rows, seq_len, config.n_heads, kv_heads)
+    order = (balanced_order(seq_len, strategy.seq_ways("context")) if strategy.balanced
+             else np.arange(seq_len))
+    back = np.argsort(order)
+
+    def ring(q, k, v):
+        out = attention(q[:, order], k[:, order], v[:, order], segment_ids_BxT[:, order],
+                        positions_BxT[:, order], backend="blockwise", block=8,
+                        sharding=layout.attention)
+        return out[:, back]
+
+    def dense(q, k, v):
+        return dense_attention(q, k, v, segment_ids_BxT, positions_BxT)
+
+    assert_close(values_and_grads(ring, q, k, v, segment_ids_BxT),
+                 values_and_grads(dense, q, k, v, segment_ids_BxT))
+
+
+def test_model_with_blockwise_attention_equals_the_dense_model():
+    """Logits and parameter gradients of the whole model: the reference the strategy tests
+    (tests/test_parallelism.py) build on, since their single device runs the blockwise kernel."""
+    segment_ids_BxT, positions_BxT = packed_rows(2, 128, [9, 30, 70])
+    tokens_BxT = np.random.default_rng(4).integers(0, 256, size=(2, 128)).astype(np.int32)
+    targets_BxT = next_token_targets(tokens_BxT, segment_ids_BxT)
+    params = init_params(TINY)
+
+    def run(backend: str):
+        config = dataclasses.replace(TINY, attention=backend, attention_block=16)
+
+        def loss(params):
+            logits = bind(config, params)(tokens_BxT, segment_ids_BxT, positions_BxT)
+            total, count = token_loss(logits, targets_BxT)
+            return total / count, logits
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    assert_close(run("blockwise"), run("dense"))
+
+
+def test_the_pallas_gpu_kernel_equals_dense_when_interpreted():
+    """The GPU kernel's wrapper (K/V repeated per query head, padding zeroed), run by Pallas'
+    interpreter on CPU, since no GPU is here."""
+    segment_ids_BxT, positions_BxT = packed_rows(2, 64, [7, 20, 64])
+    q, k, v = qkv(2, 64, 8, 2)
+    want = dense_attention(q, k, v, segment_ids_BxT, positions_BxT)
+    got = _pallas(q, k, v, jnp.asarray(segment_ids_BxT), interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+@pytest.mark.parametrize("requested, platform, ring, packed, kernel, note", [
+    ("auto", "cpu", False, True, "blockwise", None),
+    ("auto", "cpu", True, True, "blockwise", None),
+    ("cudnn", "cpu", False, False, "blockwise", "cudnn needs a GPU"),
+    ("pallas", "cpu", False, True, "blockwise", "pallas needs a GPU"),
+    ("auto", "gpu", False, False, "cudnn", None),
+    ("auto", "gpu", False, True, "pallas", None),
+    ("auto", "gpu", True, True, "blockwise", None),
+    ("cudnn", "gpu", False, True, "blockwise", "cudnn has no document mask for packed rows"),
+    ("pallas", "gpu", True, True, "blockwise",
+     "pallas cannot pass K/V around a context-parallel ring"),
+    ("dense", "gpu", False, True, "dense", None),
+])
+def test_the_kernel_is_chosen_per_platform_and_falls_back_cleanly(requested, platform, ring,
+                                                                  packed, kernel, note):
+    assert choose_backend(requested, platform, ring=ring, packed=packed) == (kernel, note)
+
+
+def test_a_long_row_needs_a_quarter_of_the_dense_step_memory(devices):
+    """XLA's peak of a tiny fp32 training micro-step on one 4096-token row, one device."""
+    def peak(backend: str) -> int:
+        config = dataclasses.replace(TINY, attention=backend)
+        step = BucketStep(config, Strategy.parse("data=1"), devices[:1])
+        return step_memory(step.compiled((1, 4096)))["peak"]
+
+    dense, blockwise = peak("dense"), peak("blockwise")
+    assert dense > 2**30  # every score of 8 heads x 4096^2, and its gradient
+    assert blockwise <= dense / 4
+
+
+# --- remat --------------------------------------------------------------------------------------
+
+
+def test_remat_policies_change_memory_not_the_gradients(devices):
+    strategy = Strategy.parse("data=2,tensor=4,rules=megatron-sp")
+    segment_ids_BxT, positions_BxT = packed_rows(2, 256, [30, 100, 256], seed=5)
+    batch = {"tokens": np.random.default_rng(6).integers(0, 256, (2, 256)).astype(np.int32),
+             "segment_ids": segment_ids_BxT, "positions": positions_BxT,
+             "targets": np.where(segment_ids_BxT > 0, 7, -1).astype(np.int32)}
+    params = init_params(TINY)
+    results, peaks = {}, {}
+    for policy in ("none", "dots", "full"):
+        step = BucketStep(dataclasses.replace(TINY, remat=policy), strategy, devices)
+        compiled = step.compiled((2, 256))
+        peaks[policy] = step_memory(compiled)["peak"]
+        results[policy] = compiled(jax.device_put(params, step.param_shardings), step.zeros(),
+                                   step.place(batch))
+    assert peaks["full"] < peaks["dots"] < peaks["none"]
+    for policy in ("dots", "full"):
+        assert_close(results[policy], results["none"])
+
+
+def test_a_memory_budget_picks_the_cheapest_remat_policy_that_fits(devices):
+    strategy = Strategy.parse("data=8,rules=dp")
+    table = StrategyTable((Bucket(512, strategy),), "test")
+    optim = OptimConfig()
+    resident = Trainer(TINY, optim, table, devices).home.resident_bytes()
+    peaks = {policy: BucketStep(dataclasses.replace(TINY, remat=policy), strategy,
+                                devices).peak_bytes((8, 512)) for policy in ("none", "dots")}
+    # Room for one row per device with `dots`, not with `none`.
+    budget_mib = (resident + (peaks["none"] + peaks["dots"]) / 2) / 2**20
+    trainer = Trainer(TINY, optim, table, devices, device_memory=budget_mib)
+    assert (trainer.buckets[0].config.remat, trainer.micro_rows) == ("dots", [8])
+    # A policy named by the table (or --remat) is kept whatever the budget.
+    named = StrategyTable((Bucket(512, strategy, remat="full"),), "test")
+    assert Trainer(TINY, optim, named, devices).buckets[0].config.remat == "full"
+    assert Trainer(TINY, optim, table, devices, remat="dots").buckets[0].config.remat == "dots"
+
+
+def test_a_table_names_a_remat_policy_per_bucket():
+    table = parse_table({"bucket": [{"max_len": 256, "mesh": {"data": 8}},
+                                    {"max_len": 4096, "mesh": {"fsdp": 8}, "rules": "fsdp",
+                                     "remat": "full"}]}, "t.toml")
+    assert [b.remat for b in table.buckets] == [None, "full"]
+    with pytest.raises(Exception, match="remat 'some': choose one of 'none', 'dots', 'full'"):
+        parse_table({"bucket": [{"max_len": 256, "mesh": {"data": 8}, "remat": "some"}]},
+                    "t.toml")

@@ -103,3 +103,46 @@ def test_bench_mixed() -> None:
 @pytest.mark.parametrize("script", sorted(p.stem for p in (ROOT / "scripts").glob("bench_*.py")))
 def test_every_benchmark_is_tested(script: str) -> None:
     assert f"test_{script}" in globals(), f"scripts/{script}.py has no test here: add one"
+
+
+def test_bench_memory() -> None:
+    report = run_quick("bench_memory")
+    assert report["compile_only"] and report["machine"]["devices"] == 8
+    results = report["results"]
+    strategies = {r["strategy"] for r in results}
+    assert len(strategies) == 2 and len(results) == 3 * len(strategies)
+    for r in results:
+        assert r["step_peak_bytes"] > 0 and r["resident_bytes"] > 0
+        assert r["total_bytes"] == r["step_peak_bytes"] + r["resident_bytes"]
+        assert positive(r["compile_s"])
+    for strategy in strategies:
+        peak = {r["remat"]: r["step_peak_bytes"] for r in results if r["strategy"] == strategy}
+        assert set(peak) == {"none", "dots", "full"}
+        # Recomputing more keeps less for the backward pass.
+        assert peak["full"] < peak["none"] and peak["dots"] <= peak["none"], (strategy, peak)
+        # The home's state does not depend on what the micro-step recomputes.
+        assert len({r["resident_bytes"] for r in results if r["strategy"] == strategy}) == 1
+
+
+def test_bench_attention() -> None:
+    report = run_quick("bench_attention")
+    cases = {c["name"]: c for c in report["cases"]}
+    assert set(cases) == {"packed", "causal"}
+    for c in cases.values():
+        assert positive(c["dense_s"]) and positive(c["blockwise_s"]) and positive(c["speedup"])
+        assert c["max_abs_diff"] < LOSS_TOLERANCE, c
+        # The kernel skips blocks: those of other documents, and those above the diagonal.
+        assert 0 < c["blocks"] < c["total_blocks"], c
+    assert cases["packed"]["blocks"] < cases["causal"]["blocks"]
+    ring = {r["name"]: r for r in report["ring"]}
+    assert set(ring) == {"packed", "causal"}
+    for r in ring.values():
+        assert len(r["balanced"]) == len(r["unbalanced"]) == r["ways"]
+        assert min(r["balanced"]) > 0 and min(r["unbalanced"]) > 0
+        # Every pair is computed by one rank, however the row is split (the quick blocks are the
+        # kernel's own and fit in half a chunk).
+        assert sum(r["balanced"]) == sum(r["unbalanced"]) == cases[r["name"]]["blocks"], r
+    # A causal row split in order leaves the last rank most of the work; balanced chunks share it.
+    causal = ring["causal"]
+    assert causal["balanced_ratio"] < causal["unbalanced_ratio"]
+    assert causal["balanced_ratio"] <= 1.2

@@ -1,0 +1,201 @@
+"""Per-device memory of a training micro-step per (strategy, remat policy), compiled, not run.
+
+    python scripts/bench_memory.py [--json] [--quick] [--model llama2-7b] [--rows 8]
+                                   [--seq-len 4096] [--strategies "A; B"] [--policies none,full]
+                                   [--device-memory 80]
+
+For each strategy and each remat policy (`models.llama.REMAT_POLICIES`) the bucket's gradient
+micro-step on a micro-batch of `--rows` rows of `--seq-len` tokens is compiled ahead of time and
+XLA's memory analysis read: its per-device peak (compute-dtype weights, the fp32 gradient
+accumulator in the bucket's layout, the micro-batch and every temporary). Added to it are the
+home's resident bytes under the same strategy (fp32 master weights, AdamW moments and the fp32
+gradient sum), which stay on every device while a bucket runs; the total is compared with
+`--device-memory` GiB (80: an A100/H100). Nothing is allocated or run, so the 7B model needs no
+accelerator: on a CPU-only machine the step is compiled for 8 simulated devices, and the figures
+are XLA:CPU's plan (its fusions and buffer reuse, the blockwise attention kernel); XLA:GPU plans
+the same program with its own fusions and kernels, so its figures may differ. `--quick`: the
+`tiny` model on rows of 1024 tokens (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quick_option import parse_args  # noqa: E402  (beside this script)
+
+from hotjax.cli import start_jax  # noqa: E402  (imports no JAX: the device count comes first)
+from models.errors import UserError  # noqa: E402
+
+if TYPE_CHECKING:
+    import jax
+    from rich.console import Console
+
+    from models.llama import LlamaConfig
+    from sharding.strategy import Strategy
+
+DEFAULT_STRATEGIES = "data=2,tensor=4; fsdp=8,rules=fsdp"
+QUICK = {"model": "tiny", "rows": 8, "seq_len": 1024}
+GiB, MiB = 2**30, 2**20
+
+
+def measure(config: LlamaConfig, strategy: Strategy, policy: str,
+            devices: tuple[jax.Device, ...], shape: tuple[int, int]) -> dict:
+    """Compile seconds and XLA's per-device bytes of one micro-step, compiled and not run."""
+    from hotjax.step import bucket_step, step_memory
+
+    step = bucket_step(dataclasses.replace(config, remat=policy), strategy, devices)
+    started = time.perf_counter()
+    compiled = step.compiled(shape)
+    compile_s = time.perf_counter() - started
+    memory = step_memory(compiled)
+    return {"step_peak_bytes": memory["peak"], "step_args_bytes": memory["state"],
+            "step_temp_bytes": memory["temp"], "compile_s": compile_s,
+            "notes": list(step.notes)}
+
+
+def run(args: argparse.Namespace, progress: Console) -> dict:
+    import jax
+
+    from hotjax.optim import OptimConfig
+    from hotjax.step import home
+    from models.llama import REMAT_POLICIES, padded_vocab, preset
+    from sharding.strategy import Strategy
+
+    if args.rows < 1 or args.seq_len < 1:
+        raise UserError(f"--rows {args.rows} --seq-len {args.seq_len}: both must be positive")
+    strategies = [Strategy.parse(text) for text in _split(args.strategies, ";")]
+    policies = _split(args.policies, ",") if args.policies else list(REMAT_POLICIES)
+    unknown = [p for p in policies if p not in REMAT_POLICIES]
+    if unknown or not policies or not strategies:
+        raise UserError(f"--policies {args.policies!r}: choose from {', '.join(REMAT_POLICIES)}"
+                        if unknown or not policies else "--strategies: give at least one")
+    devices = tuple(jax.devices())
+    model = preset(args.model)
+    # As training does: the vocabulary padded so that it splits over tensor-parallel ranks.
+    config = dataclasses.replace(model, vocab_size=padded_vocab(model.vocab_size))
+    shape = (args.rows, args.seq_len)
+
+    results = []
+    total = len(strategies) * len(policies)
+    for strategy in strategies:
+        resident = home(config, OptimConfig(), strategy, devices).resident_bytes()
+        for policy in policies:
+            progress.print(f"[{len(results) + 1}/{total}] compiling {strategy}, remat {policy} "
+                           f"({args.rows} x {args.seq_len} tokens)...", markup=False,
+                           highlight=False)
+            entry = {"strategy": str(strategy), "remat": policy,
+                     **measure(config, strategy, policy, devices, shape),
+                     "resident_bytes": resident}
+            entry["total_bytes"] = entry["step_peak_bytes"] + resident
+            entry["fits"] = entry["total_bytes"] <= args.device_memory * GiB
+            results.append(entry)
+            progress.print(f"    compiled in {entry['compile_s']:.1f} s: step peak "
+                           f"{_size(entry['step_peak_bytes'])} + resident {_size(resident)} = "
+                           f"{_size(entry['total_bytes'])} per device", markup=False,
+                           highlight=False)
+    return {
+        "machine": {"platform": devices[0].platform, "device_kind": devices[0].device_kind,
+                    "devices": len(devices), "cpus": os.cpu_count(),
+                    "processor": platform.processor() or platform.machine(),
+                    "python": platform.python_version(), "jax": jax.__version__},
+        "compile_only": True,
+        "model": {"preset": args.model, "params": config.num_params(),
+                  "vocab_size": config.vocab_size, "compute_dtype": config.compute_dtype,
+                  "attention": config.attention},
+        "rows": args.rows, "seq_len": args.seq_len, "device_memory_gib": args.device_memory,
+        "results": results,
+    }
+
+
+def print_table(report: dict, console: Console) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    m, model = report["machine"], report["model"]
+    limit = report["device_memory_gib"]
+    # GiB for real models; MiB where every figure would round to 0.00 GiB (--quick).
+    big = max((r["total_bytes"] for r in report["results"]), default=0) >= GiB
+    unit, scale = ("GiB", GiB) if big else ("MiB", MiB)
+    table = Table(title=f"per-device memory of one micro-step of {model['preset']} "
+                        f"({model['params'] / 1e9:.2f}B params, {model['compute_dtype']}), "
+                        f"{report['rows']} rows x {report['seq_len']} tokens, compiled not run",
+                  title_justify="left")
+    for column in ("strategy", "remat", "compile s", f"step peak {unit}", f"resident {unit}",
+                   f"total {unit}", f"fits {limit:g} GiB"):
+        table.add_column(column, justify="left" if column in ("strategy", "remat") else "right")
+    for r in report["results"]:
+        table.add_row(escape(r["strategy"]), r["remat"], f"{r['compile_s']:.1f}",
+                      f"{r['step_peak_bytes'] / scale:.2f}", f"{r['resident_bytes'] / scale:.2f}",
+                      f"{r['total_bytes'] / scale:.2f}", "yes" if r["fits"] else "[red]no[/]")
+    console.print(table)
+    console.print("step peak: XLA's planned peak of the micro-step (compute-dtype weights, fp32 "
+                  "gradient accumulator, micro-batch, temporaries); resident: the home's fp32 "
+                  "weights, AdamW moments and gradient sum; total = step peak + resident.")
+    console.print(f"compile-only: nothing was allocated or run. Compiled by XLA:{m['platform']} "
+                  f"for {m['devices']} {m['device_kind']} devices ({m['cpus']} CPUs, "
+                  f"{m['processor']}, python {m['python']}, jax {m['jax']}); an accelerator's "
+                  f"XLA plans the same program with its own fusions and kernels.",
+                  markup=False, highlight=False)
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def _split(text: str, sep: str) -> list[str]:
+    return [part.strip() for part in text.split(sep) if part.strip()]
+
+
+def _console(stderr: bool) -> Console:
+    from rich.console import Console
+
+    # Into a file or a pipe, rich would wrap the table at 80 columns.
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else 120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama2-7b", help="model preset (default: "
+                        "%(default)s, in its compute dtype); its vocabulary is padded to a "
+                        "multiple of 128")
+    parser.add_argument("--rows", type=int, default=8, help="rows per micro-batch")
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per row")
+    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+                        help="strategies separated by ';', each like 'data=2,tensor=4,rules=NAME' "
+                        "(default: %(default)s)")
+    parser.add_argument("--policies", help="remat policies, comma-separated (default: every "
+                        "one of models.llama.REMAT_POLICIES)")
+    parser.add_argument("--device-memory", type=float, default=80.0,
+                        help="GiB per device that the total is compared with (default: "
+                        "%(default)s)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document to stdout (the table goes to stderr)")
+    args = parse_args(parser, argv, QUICK)
+
+    progress = _console(stderr=True)
+    try:
+        start_jax(None)
+        report = run(args, progress)
+    except UserError as e:
+        print(f"bench_memory: error: {e}", file=sys.stderr)
+        return 2
+    print_table(report, progress if args.json else _console(stderr=False))
+    if args.json:
+        print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,6 +44,7 @@ class BucketMetrics:
     rows: int
     micro_steps: int
     micro_rows: int
+    remat: str
     tokens: int
     slots: int  # token slots computed: micro_steps x micro_rows x max_len
     switched_bytes: int
@@ -217,7 +218,8 @@ class Trainer:
             total = acc if total is None else self.home.add(total, acc)
             timed = self.timings and self._wait(total)
             report.append(BucketMetrics(
-                batch.tokens.shape[1], batch.tokens.shape[0], len(micro), rows, batch.real_tokens,
+                batch.tokens.shape[1], batch.tokens.shape[0], len(micro), rows,
+                bucket.config.remat, batch.real_tokens,
                 len(micro) * rows * batch.tokens.shape[1], moved,
                 computed - switched if timed else None,
                 (switched - started) + (timed - computed) if timed else None))

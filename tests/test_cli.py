@@ -95,6 +95,30 @@ def test_a_table_run_records_its_buckets_micro_steps_and_padding(tmp_path, corpu
     assert {b["max_len"] for r in records for b in r["buckets"]} == set(BUCKETS)
 
 
+LONG_ROW = ["--devices", "1", "--strategy", "data=1", "--context", "4096", "--steps", "2",
+            "--batch-tokens", "8192"]
+
+
+@pytest.fixture(scope="module")
+def long_rows(tmp_path_factory, corpus) -> list[dict]:
+    """The reference: rows of 4096 tokens packed with many documents, on one device."""
+    return _train(tmp_path_factory.mktemp("long"), corpus, *LONG_ROW)
+
+
+@pytest.mark.parametrize("flags, remat", [
+    (["--device-memory", "1024"], "none"),  # the cheapest policy that fits the budget
+    (["--remat", "full"], "full"),
+    (["--remat", "dots", "--attention-block", "512"], "dots"),
+])
+def test_a_long_row_fits_one_device_and_remat_changes_no_loss(tmp_path, corpus, long_rows,
+                                                              flags, remat):
+    records = _train(tmp_path, corpus, *LONG_ROW, *flags)
+    assert {b["remat"] for r in records for b in r["buckets"]} == {remat}
+    assert [r["tokens"] for r in records] == [r["tokens"] for r in long_rows]
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in long_rows],
+                               rtol=0, atol=1e-5)
+
+
 def test_training_lowers_the_loss(tmp_path, corpus):
     records = _train(tmp_path, corpus, "--steps", "8", "--warmup-steps", "2", "--lr", "1e-2",
                      "--strategy", "data=8", "--context", "256")

@@ -59,10 +59,20 @@ def _show(args: argparse.Namespace) -> None:
     config = dataclasses.replace(model, vocab_size=padded_vocab(model.vocab_size),
                                  attention=args.attention)
     import jax
+    import numpy as np
+
+    from models.attention import ring_block_counts
 
     platform = jax.default_backend()
     reports = [describe(b.strategy, config, platform) | {"micro_rows": b.micro_rows,
                                                          "remat": b.remat} for b in buckets]
+    for bucket, report in zip(buckets, reports, strict=True):
+        attention = report["attention"]
+        if attention["ring"] > 1:
+            # The work of each rank on one causal row of the bucket's length.
+            attention["ring_blocks"] = ring_block_counts(
+                np.ones((1, bucket.max_len), np.int32), np.arange(bucket.max_len)[None],
+                attention["ring"], attention["balanced"], attention["block"]).tolist()
     if args.memory:
         with Console(stderr=True).status("compiling each bucket's micro-step per remat policy"):
             for bucket, report in zip(buckets, reports, strict=True):
@@ -120,7 +130,9 @@ def _attention_line(attention: dict, platform: str) -> str:
         line += f" kernel, blocks of {attention['block']} tokens"
     if attention["ring"] > 1:
         line += (f", K/V round a ring of {attention['ring']} ranks"
-                 + (" (balanced chunks)" if attention["balanced"] else ""))
+                 + (" (balanced chunks)" if attention["balanced"] else "")
+                 + "; blocks per rank on a causal row: "
+                 + " ".join(map(str, attention["ring_blocks"])))
     if attention["note"]:
         line += f" ({attention['requested']} asked for: {attention['note']})"
     return line

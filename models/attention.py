@@ -42,7 +42,7 @@ Array = jax.Array
 # Default block edge by platform: small blocks skip more of a packed row; on a GPU larger
 # blocks keep the matrix units busy.
 DEFAULT_BLOCK = {"cpu": 256, "gpu": 512}
-_NONE = jnp.iinfo(jnp.int32).max
+_NONE = jnp.iinfo(jnp.int32).max  # the lower bound of a block with no real token
 
 
 def accumulating(dtype: jnp.dtype) -> jnp.dtype:
@@ -142,6 +142,9 @@ def attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_
                    math.prod(sharding.mesh.shape[a] for a in head_axes),
                    kv_replicated=bool(head_axes) and _axes(sharding.kv, 2) != head_axes)
     tokens = PartitionSpec(*sharding.q[:2])
+    # Without replication checks: the kernel's loop carries start as constants (the same on
+    # every device) and become per-device, which the checker would have us annotate at every
+    # loop; the outputs are per-device by construction.
     return jax.shard_map(
         functools.partial(local, shard=shard), mesh=sharding.mesh,
         in_specs=(sharding.q, sharding.kv, sharding.kv, tokens, tokens), out_specs=sharding.q,
@@ -198,7 +201,9 @@ def _local_attention(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
     columns_BxT = jnp.broadcast_to(_columns(T, shard), (B, T))
     tokens = Tokens(segment_ids_BxT, positions_BxT, columns_BxT)
     dtype, wide = q_BxTxNxH.dtype, accumulating(q_BxTxNxH.dtype)
-    blocks = (block_edge(T, block), block_edge(k_BxSxKxH.shape[1], block))
+    # A balanced chunk is two halves far apart in the row: no block may straddle them.
+    halves = 2 if shard.balanced else 1
+    blocks = (block_edge(T // halves, block), block_edge(k_BxSxKxH.shape[1] // halves, block))
     out_BxTxNxH = _blockwise(q_BxTxNxH.astype(wide), k_BxSxKxH.astype(wide),
                              v_BxSxKxH.astype(wide), tokens, shard, blocks)
     return out_BxTxNxH.astype(dtype)
@@ -261,7 +266,7 @@ def ring_block_counts(segment_ids_BxT: np.ndarray, positions_BxT: np.ndarray, wa
         owned = [np.arange(r * chunk, (r + 1) * chunk) for r in range(ways)]
     tokens = [Tokens(*(jnp.asarray(x[:, cols]) for x in (segment_ids_BxT, positions_BxT, columns)))
               for cols in owned]
-    edge = block_edge(chunk, block)
+    edge = block_edge(chunk // 2 if balanced else chunk, block)
     return np.array([sum(int(visible_blocks(tokens[r], tokens[source], edge, edge).sum())
                          for source in range(ways)) for r in range(ways)])
 

@@ -87,6 +87,25 @@ def test_a_table_gives_one_report_per_bucket_in_bucket_order(capsys, tmp_path):
     assert [(r["batch_shards"], r["micro_rows"]) for r in (short, long)] == [(8, None), (8, 16)]
 
 
+def test_the_attention_kernel_and_its_ring_are_reported(capsys):
+    [ring] = _show(capsys, "context=4,tensor=2,balanced=true", "--model", "tiny",
+                   "--context", "1024")
+    assert ring["attention"] == {"requested": "auto", "kernel": "blockwise", "note": None,
+                                 "ring": 4, "balanced": True, "block": 256,
+                                 "ring_blocks": [9, 9, 9, 9]}  # 36 causal blocks of 128
+    [forced] = _show(capsys, "data=8", "--model", "tiny", "--attention", "cudnn")
+    assert (forced["attention"]["kernel"], forced["attention"]["note"], forced["attention"][
+        "ring"]) == ("blockwise", "cudnn needs a GPU", 1)
+
+
+def test_memory_reports_activation_bytes_per_remat_policy(capsys):
+    [report] = _show(capsys, "data=2,tensor=4,rules=megatron-sp", "--model", "tiny",
+                     "--context", "512", "--memory")
+    memory = report["activation_bytes"]
+    assert (memory["rows"], memory["max_len"]) == (2, 512)  # one row per batch shard
+    assert 0 < memory["full"] < memory["dots"] < memory["none"]
+
+
 def test_kv_heads_fewer_than_tensor_are_replicated_with_a_note(capsys):
     # `small`, not `tiny`: tiny's 259-token vocabulary does not split over tensor (see below).
     [report] = _show(capsys, "tensor=8", "--model", "small")

@@ -65,8 +65,18 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--long-documents", choices=("truncate", "split"),
                        default=_RUN.long_documents, help="documents longer than the context: "
                        "truncated (as HotSPa) or split into context-length pieces")
-    train.add_argument("--compute-dtype", choices=("bfloat16", "float32"),
-                       default=_RUN.compute_dtype)
+    train.add_argument("--compute-dtype", choices=("bfloat16", "float16", "float32"),
+                       default=_RUN.compute_dtype, help="matmul dtype over fp32 master weights "
+                       "(default: %(default)s; float16 scales the loss)")
+    train.add_argument("--loss-scale", metavar="dynamic|off|SCALE",
+                       help="loss scaling: dynamic (the default with float16: halved on "
+                       "overflow, doubled after --loss-scale-period good steps), off (the "
+                       "default otherwise), or a number for a static scale")
+    train.add_argument("--initial-loss-scale", type=float, default=_RUN.initial_loss_scale,
+                       metavar="SCALE", help="where a dynamic scale starts (default: 2^15)")
+    train.add_argument("--loss-scale-period", type=int, default=_RUN.loss_scale_period,
+                       metavar="N", help="finite steps after which a dynamic scale doubles "
+                       "(default: %(default)s)")
     train.add_argument("--remat", choices=REMAT_POLICIES, help="what each layer recomputes in "
                        "the backward pass: nothing, all but its weight matmuls' outputs (dots), "
                        "or everything (full); for table buckets that name none (default: the "

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from models.errors import UserError
+
 DEFAULT_BATCH_TOKENS = 8192
 
 
@@ -26,6 +28,9 @@ class RunConfig:
     batch_sequences: int | None = None  # or sequences per step
     long_documents: str = "split"  # into context-length pieces, or "truncate"
     compute_dtype: str = "bfloat16"
+    loss_scale: str | None = None  # "dynamic", "off" or a static scale; None: dynamic for fp16
+    initial_loss_scale: float = 2.0**15
+    loss_scale_period: int = 2000
     remat: str | None = None  # for buckets whose table names none; None: fit to device_memory
     attention: str = "auto"  # the kernel: auto, blockwise, dense, cudnn, pallas
     attention_block: int = 0  # the blockwise kernel's block edge (0: the platform's default)
@@ -40,6 +45,20 @@ class RunConfig:
     resume_from: str | None = None  # a step directory, or a checkpoint directory's latest
     keep_last: int = 3
     keep_every: int | None = None  # also keep every step that is a multiple of this
+
+    @property
+    def loss_scaling(self) -> tuple[str, float]:
+        """("off" | "dynamic" | "static", the initial or static scale)."""
+        if self.loss_scale is None:
+            return ("dynamic" if self.compute_dtype == "float16" else "off",
+                    self.initial_loss_scale)
+        if self.loss_scale in ("dynamic", "off"):
+            return self.loss_scale, self.initial_loss_scale
+        try:
+            return "static", float(self.loss_scale)
+        except ValueError:
+            raise UserError(f"--loss-scale {self.loss_scale}: give dynamic, off or a number "
+                            f"(a static scale)") from None
 
     @property
     def batch(self) -> dict[str, int]:

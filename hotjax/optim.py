@@ -1,13 +1,22 @@
-"""The optimizer: AdamW with linear warmup and cosine decay, after global-norm clipping."""
+"""The optimizer: AdamW with linear warmup and cosine decay, after global-norm clipping; for
+fp16 compute, behind a loss scale that skips the updates whose gradients overflowed."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
+from models.errors import UserError
 from models.llama import Params
+
+LOSS_SCALING = ("off", "dynamic", "static")
+# Overflowed steps in a row after which Optax applies the update anyway (so that a run gone
+# to NaN shows it): a dynamic scale has halved from 2^15 to below 2^-80 by then.
+MAX_SKIPPED_IN_A_ROW = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +30,19 @@ class OptimConfig:
     b2: float = 0.95
     eps: float = 1e-5  # as LLaMA 2 (Touvron et al. 2023, §2.2)
     clip_norm: float = 1.0
+    # Loss scaling (for fp16 compute): "dynamic" starts at `loss_scale`, halves it on overflow
+    # and doubles it after `loss_scale_period` steps without one; "static" keeps it.
+    loss_scaling: str = "off"
+    loss_scale: float = 2.0**15
+    loss_scale_period: int = 2000
+
+    def __post_init__(self) -> None:
+        if self.loss_scaling not in LOSS_SCALING:
+            raise UserError(f"loss scaling {self.loss_scaling!r}: choose one of "
+                            f"{', '.join(LOSS_SCALING)}")
+        if not self.loss_scale > 0 or self.loss_scale_period < 1:
+            raise UserError(f"loss scale {self.loss_scale} every {self.loss_scale_period} steps:"
+                            f" give a positive scale and a period of at least one step")
 
     def schedule(self) -> optax.Schedule:
         """Linear warmup to `lr`, cosine decay to `lr * min_lr_ratio` by `total_steps`."""
@@ -36,8 +58,53 @@ def make_optimizer(cfg: OptimConfig, axes: Params) -> optax.GradientTransformati
     """Weight decay applies to matrices, not to norm scales (found by their `norm` axis)."""
     decay_mask = jax.tree.map(lambda a: "norm" not in a, axes,
                               is_leaf=lambda x: isinstance(x, tuple))
-    return optax.chain(
+    adamw = optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
         optax.adamw(cfg.schedule(), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                     weight_decay=cfg.weight_decay, mask=decay_mask),
     )
+    if cfg.loss_scaling == "off":
+        return adamw
+    # Optax leaves the inner state untouched on a step whose gradients are not finite.
+    return optax.chain(loss_scale_keeper(cfg), optax.apply_if_finite(adamw,
+                                                                     MAX_SKIPPED_IN_A_ROW))
+
+
+class LossScaleState(NamedTuple):
+    loss_scale: jax.Array  # fp32: what the loss is multiplied by before the backward pass
+    good_steps: jax.Array  # int32: finite steps since the scale last changed
+
+
+def loss_scale_keeper(cfg: OptimConfig) -> optax.GradientTransformation:
+    """Keeps the loss scale beside the optimizer state (so checkpoints carry it). It reads the
+    gradients, already unscaled, and passes them on: when any is not finite a dynamic scale
+    halves; after `loss_scale_period` finite steps in a row it doubles."""
+    def init(params: Params) -> LossScaleState:
+        del params
+        return LossScaleState(jnp.asarray(cfg.loss_scale, jnp.float32), jnp.zeros((), jnp.int32))
+
+    def update(updates, state: LossScaleState, params=None):
+        del params
+        if cfg.loss_scaling == "static":
+            return updates, state
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
+        grow = finite & (state.good_steps + 1 >= cfg.loss_scale_period)
+        scale = jnp.where(finite, jnp.where(grow, 2 * state.loss_scale, state.loss_scale),
+                          state.loss_scale / 2)
+        good = jnp.where(finite & ~grow, state.good_steps + 1, 0)
+        return updates, LossScaleState(scale, good)
+
+    return optax.GradientTransformation(init, update)
+
+
+def loss_scale(opt_state: optax.OptState) -> jax.Array | None:
+    """The current loss scale held in an optimizer state (None: no loss scaling)."""
+    return optax.tree_utils.tree_get(opt_state, "loss_scale")
+
+
+def skipped_steps(opt_state: optax.OptState) -> tuple[jax.Array, jax.Array] | None:
+    """Whether the last update was skipped for a non-finite gradient, and how many were."""
+    last_finite = optax.tree_utils.tree_get(opt_state, "last_finite")
+    if last_finite is None:
+        return None
+    return ~last_finite, optax.tree_utils.tree_get(opt_state, "total_notfinite")

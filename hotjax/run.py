@@ -80,12 +80,15 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
 
     table = strategy_table(run, len(devices))
     model = preset(run.model)
+    scaling, scale = run.loss_scaling  # checked before the slow set-up
     corpus = open_corpus(run.data)
     tokenizer = load_tokenizer(run.tokenizer, corpus, vocab_size=run.vocab_size)
     config = dataclasses.replace(model, vocab_size=padded_vocab(tokenizer.vocab_size),
                                  compute_dtype=run.compute_dtype, attention=run.attention,
                                  attention_block=run.attention_block)
-    optim = OptimConfig(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps)
+    optim = OptimConfig(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps,
+                        loss_scaling=scaling, loss_scale=scale,
+                        loss_scale_period=run.loss_scale_period)
     batches = MiniBatches(corpus, tokenizer, [b.max_len for b in table.buckets], **run.batch,
                           long_documents=run.long_documents, seed=run.seed)
     lengths = estimated_lengths(corpus, tokenizer)
@@ -195,6 +198,9 @@ def _loop(run, trainer, state, batches, console, start, save) -> list[dict]:
                     sink.flush()
                 status = (f"loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
                           f"padding {metrics['padding']:.0%}")
+                if metrics.get("skipped"):
+                    status += (f" | update skipped: gradients overflowed at loss scale "
+                               f"{metrics['loss_scale']:g}")
                 progress.update(task, advance=1, status=status)
                 if step % run.log_every == 0 or step == run.steps:
                     progress.console.print(f"step {step:>5}  {status}")

@@ -21,13 +21,14 @@ import numpy as np
 import optax
 
 from hotjax.data import Batch
-from hotjax.optim import OptimConfig, make_optimizer
+from hotjax.optim import OptimConfig, loss_scale, make_optimizer, skipped_steps
 from models.errors import UserError
 from models.llama import LlamaConfig, Params, abstract_params, bind, init_params, param_axes
 from sharding.strategy import Layout, Strategy, fit_to_model
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets")
 NO_TARGET = -1
+SCALE = jax.ShapeDtypeStruct((), jnp.float32)
 
 
 class TrainState(NamedTuple):
@@ -118,7 +119,8 @@ def _per_device_bytes(shapes: Params, shardings: Params) -> int:
 
 class BucketStep:
     """One bucket's strategy on devices: its layouts, and its gradient micro-step
-    `(compute params, accumulator, micro-batch) -> accumulator` compiled once per shape."""
+    `(compute params, accumulator, micro-batch, loss scale) -> accumulator` compiled once per
+    shape."""
 
     def __init__(self, config: LlamaConfig, strategy: Strategy, devices: Sequence[jax.Device]):
         self.config = config
@@ -150,12 +152,12 @@ class BucketStep:
             batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in BATCH_KEYS}
             jitted = jax.jit(step, in_shardings=(
                 self.param_shardings, self.acc_shardings,
-                {k: self.layout.batch_sharding for k in BATCH_KEYS}),
+                {k: self.layout.batch_sharding for k in BATCH_KEYS}, self.layout.replicated),
                 out_shardings=self.acc_shardings, donate_argnums=1)
             compute = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, self.config.dtype),
                                    abstract_params(self.config))
             self._compiled[shape] = jitted.lower(compute, _accumulator_shapes(self.config),
-                                                 batch).compile()
+                                                 batch, SCALE).compile()
         return self._compiled[shape]
 
     def peak_bytes(self, shape: tuple[int, int]) -> int:
@@ -164,6 +166,9 @@ class BucketStep:
 
     def place(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return jax.device_put(arrays, self.layout.batch_sharding)
+
+    def place_scale(self, scale: jax.Array) -> jax.Array:
+        return jax.device_put(scale, self.layout.replicated)
 
 
 def _zeros(config: LlamaConfig) -> Accumulator:
@@ -176,16 +181,24 @@ def _accumulator_shapes(config: LlamaConfig) -> Accumulator:
     return jax.eval_shape(functools.partial(_zeros, config))
 
 
-def _micro_step(params: Params, acc: Accumulator, batch: dict[str, jax.Array], *,
-                config: LlamaConfig, layout: Layout) -> Accumulator:
-    def loss_sum(params: Params) -> tuple[jax.Array, jax.Array]:
+def _micro_step(params: Params, acc: Accumulator, batch: dict[str, jax.Array],
+                scale: jax.Array, *, config: LlamaConfig, layout: Layout) -> Accumulator:
+    # The backward pass runs on the loss per token slot times the loss scale: the size loss
+    # scales are tuned for (a mean loss), so small fp16 gradients do not underflow. The fp32
+    # gradients are then unscaled back to those of the summed loss.
+    slots = batch["tokens"].size
+
+    def scaled_loss(params: Params) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         model = bind(config, params)
         logits = model(batch["tokens"], batch["segment_ids"], batch["positions"], layout)
-        return token_loss(logits, batch["targets"])
+        total, count = token_loss(logits, batch["targets"])
+        return total * (scale / slots), (total, count)
 
-    (total, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
-    return Accumulator(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc.grads, grads),
-                       acc.loss_sum + total, acc.targets + count)
+    (_, (total, count)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+    unscale = slots / scale
+    return Accumulator(
+        jax.tree.map(lambda a, g: a + g.astype(jnp.float32) * unscale, acc.grads, grads),
+        acc.loss_sum + total, acc.targets + count)
 
 
 class Home:
@@ -209,6 +222,7 @@ class Home:
         self.state_shardings = TrainState(replicated, params, opt)
         self.acc_shardings = Accumulator(
             self.layout.param_shardings(axes, shapes, strategy.grad_spec), replicated, replicated)
+        self.no_scale = jax.device_put(jnp.ones((), jnp.float32), replicated)
         dtype = config.dtype
         self.cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p),
                             out_shardings=params)
@@ -226,6 +240,11 @@ class Home:
 
     def init(self, seed: int) -> TrainState:
         return self._init(seed)
+
+    def loss_scale(self, state: TrainState) -> jax.Array:
+        """What this step multiplies the loss by (1 without loss scaling)."""
+        scale = loss_scale(state.opt_state)
+        return self.no_scale if scale is None else scale
 
     @functools.cached_property
     def _state_shapes(self) -> TrainState:
@@ -251,11 +270,16 @@ class Home:
 def _apply(state: TrainState, acc: Accumulator, *, tx: optax.GradientTransformation
            ) -> tuple[TrainState, dict[str, jax.Array]]:
     count = jnp.maximum(acc.targets, 1).astype(jnp.float32)
+    scale = loss_scale(state.opt_state)  # the micro-steps have unscaled the gradients
     grads = jax.tree.map(lambda g: g / count, acc.grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
-    return state, {"loss": acc.loss_sum / count, "grad_norm": optax.global_norm(grads),
-                   "targets": acc.targets}
+    metrics = {"loss": acc.loss_sum / count, "grad_norm": optax.global_norm(grads),
+               "targets": acc.targets}
+    skipped = skipped_steps(opt_state)
+    if skipped is not None:
+        metrics |= {"loss_scale": scale, "skipped": skipped[0], "skipped_steps": skipped[1]}
+    return state, metrics
 
 
 @functools.cache

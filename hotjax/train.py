@@ -191,6 +191,7 @@ class Trainer:
                             f"{[b.max_len for b in self.table.buckets]}: make the data with the "
                             f"table's bucket lengths")
         compute = self.home.cast(state.params)
+        scale = self.home.loss_scale(state)  # one for the whole mini-batch
         total: Accumulator | None = None
         report, previous = [], -1
         for i in self.order:
@@ -206,9 +207,9 @@ class Trainer:
             previous = i
             switched = self._wait(compute)
             step = bucket.compiled((rows, batch.tokens.shape[1]))
-            acc = bucket.zeros()
+            acc, bucket_scale = bucket.zeros(), bucket.place_scale(scale)
             for arrays in micro:  # placed while the previous micro-step computes
-                acc = step(compute, acc, bucket.place(arrays))
+                acc = step(compute, acc, bucket.place(arrays), bucket_scale)
             computed = self._wait(acc)
             if not already_laid_out(acc.grads, self.home.acc_shardings.grads):
                 moved += self.grad_plans[i].bytes_moved
@@ -236,8 +237,12 @@ class Trainer:
         """`step`, with its metrics as plain numbers (this waits for the step)."""
         state, metrics, buckets = self.step(state, minibatch)
         slots = sum(b.slots for b in buckets)
+        scaling = {"loss_scale": float(metrics["loss_scale"]),
+                   "skipped": bool(metrics["skipped"]),
+                   "skipped_steps": int(metrics["skipped_steps"])} if "skipped" in metrics else {}
         return state, {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-                       "targets": int(metrics["targets"]), "tokens": minibatch.real_tokens,
+                       **scaling, "targets": int(metrics["targets"]),
+                       "tokens": minibatch.real_tokens,
                        "sequences": minibatch.sequences, "slots": slots,
                        "padding": 1 - minibatch.real_tokens / slots,
                        "switched_bytes": sum(b.switched_bytes for b in buckets),

@@ -249,7 +249,7 @@ def test_remat_policies_change_memory_not_the_gradients(devices):
         compiled = step.compiled((2, 256))
         peaks[policy] = step_memory(compiled)["peak"]
         results[policy] = compiled(jax.device_put(params, step.param_shardings), step.zeros(),
-                                   step.place(batch))
+                                   step.place(batch), step.place_scale(jnp.float32(1)))
     assert peaks["full"] < peaks["dots"] < peaks["none"]
     for policy in ("dots", "full"):
         assert_close(results[policy], results["none"])

@@ -22,6 +22,7 @@ import optax
 
 from hotjax.data import Batch
 from hotjax.optim import OptimConfig, loss_scale, make_optimizer, skipped_steps
+from models.attention import choose_backend
 from models.errors import UserError
 from models.llama import LlamaConfig, Params, abstract_params, bind, init_params, param_axes
 from sharding.strategy import Layout, Strategy, fit_to_model
@@ -126,6 +127,11 @@ class BucketStep:
         self.config = config
         fitted, self.notes = fit_to_model(strategy, config)
         self.layout = Layout(fitted, devices)
+        kernel, why = choose_backend(config.attention, devices[0].platform,
+                                     ring=self.layout.attention.ring_size > 1, packed=True)
+        if why:
+            self.notes += (f"{fitted}: attention {config.attention} asked for, {kernel} runs: "
+                           f"{why}",)
         axes, shapes = param_axes(config), abstract_params(config)
         self.param_shardings = self.layout.param_shardings(axes, shapes)  # compute weights
         # ZeRO-2 reduce-scatters the gradients: the accumulator takes the gradient layout.

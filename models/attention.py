@@ -42,6 +42,7 @@ Array = jax.Array
 # Default block edge by platform: small blocks skip more of a packed row; on a GPU larger
 # blocks keep the matrix units busy.
 DEFAULT_BLOCK = {"cpu": 256, "gpu": 512}
+PALLAS_BLOCK = 128  # the sequence tile of JAX's Pallas GPU attention
 _NONE = jnp.iinfo(jnp.int32).max  # the lower bound of a block with no real token
 
 
@@ -130,6 +131,8 @@ def attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_
     platform = (sharding.mesh.devices.flat[0].platform if sharding is not None
                 else jax.default_backend())
     kernel, _ = choose_backend(backend, platform, ring=ring, packed=packed)
+    if kernel == "pallas" and q_BxTxNxH.shape[1] % PALLAS_BLOCK:
+        kernel = "blockwise"  # Pallas' kernel tiles the sequence in blocks of 128
     block = block or DEFAULT_BLOCK.get(platform, DEFAULT_BLOCK["gpu"])
     if kernel == "dense":
         return dense_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, positions_BxT)

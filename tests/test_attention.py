@@ -221,6 +221,13 @@ def test_the_kernel_is_chosen_per_platform_and_falls_back_cleanly(requested, pla
     assert choose_backend(requested, platform, ring=ring, packed=packed) == (kernel, note)
 
 
+def test_a_trainer_notes_a_kernel_that_cannot_run_here(devices):
+    step = BucketStep(dataclasses.replace(TINY, attention="cudnn"), Strategy.parse("data=8"),
+                      tuple(devices))
+    assert step.notes == ("data8 [auto]: attention cudnn asked for, blockwise runs: cudnn needs "
+                          "a GPU",)
+
+
 def test_a_long_row_needs_a_quarter_of_the_dense_step_memory(devices):
     """XLA's peak of a tiny fp32 training micro-step on one 4096-token row, one device."""
     def peak(backend: str) -> int:

@@ -1,5 +1,6 @@
 """Tests run on CPU with 8 simulated devices and the persistent compilation cache on."""
 
+import gc
 import os
 
 from hotjax import simulate_cpu_devices
@@ -20,3 +21,29 @@ def devices() -> list[jax.Device]:
     found = jax.devices()
     assert len(found) == 8, "tests expect 8 simulated CPU devices (JAX_NUM_CPU_DEVICES=8)"
     return found
+
+
+def _memory_maps() -> tuple[int, int]:
+    """This process's memory maps, and the kernel's limit on them (Linux; else zeros)."""
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return 0, 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After a test module, drop the compiled programs once they hold half the kernel's limit on
+    a process's memory maps: XLA:CPU maps memory for every executable, a whole session's pass
+    the limit (`vm.max_map_count`, 65530 by default), and there XLA crashes while compiling.
+    Below it they stay cached, so later modules reuse them."""
+    yield
+    used, limit = _memory_maps()
+    if used > limit // 2:
+        from hotjax import step
+
+        step.bucket_step.cache_clear()
+        step.home.cache_clear()
+        jax.clear_caches()
+        gc.collect()

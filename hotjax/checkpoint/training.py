@@ -47,7 +47,7 @@ def restore_state(path: str | Path, home: Home, record: dict[str, Any]) -> Resum
     saved_vocab, vocab = meta["model"]["vocab_size"], home.config.vocab_size
     resize = (saved_vocab, vocab) if saved_vocab != vocab else None
     weights_only = store.OPT_STATE not in meta["items"]
-    saved_scaling = meta.get("optimizer", {}).get("loss_scaling", "off")
+    saved_scaling = (meta.get("optimizer") or {}).get("loss_scaling", "off")
     if not weights_only and (saved_scaling == "off") != (home.optim.loss_scaling == "off"):
         raise UserError(f"{where}: its optimizer state was saved with loss scaling "
                         f"{saved_scaling} but this run's is {home.optim.loss_scaling}: resume "

@@ -108,7 +108,7 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
                   + ("truncation drops them (--long-documents split keeps them)"
                      if run.long_documents == "truncate" else "split into context-length pieces"))
     for note in trainer.notes:
-        console.print(f"note: {note}")
+        console.print(escape(f"note: {note}"))
 
     home = trainer.home
     run_meta = run_record(home, tokenizer=tokenizer, seed=run.seed, table=table,

@@ -96,7 +96,7 @@ def _show(args: argparse.Namespace) -> None:
                            p["spec"], " / ".join(f"{k}: {v}" for k, v in p["zero"].items()))
         console.print(params)
         for note in report["notes"]:
-            console.print(f"note: {note}")
+            console.print(escape(f"note: {note}"))
         b = report["bytes_per_device"]
         console.print(f"per device (fp32): params {_mib(b['params'])}, grads "
                       f"{_mib(b['grads'])}, Adam moments {_mib(b['optimizer'])}")

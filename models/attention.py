@@ -81,13 +81,14 @@ class AttentionSharding:
         return math.prod(self.mesh.shape[a] for a in self.ring_axes)
 
 
-def choose_backend(requested: str, platform: str, *, ring: bool, packed: bool
-                   ) -> tuple[str, str | None]:
+def choose_backend(requested: str, platform: str, *, ring: bool, packed: bool,
+                   seq_len: int | None = None) -> tuple[str, str | None]:
     """The kernel that runs, and why it is not the one requested (None when it is).
 
     On GPU, "auto" takes cuDNN's fused attention where the mask is plain causal (rows that are
-    one document each), the Pallas kernel with segment ids for packed rows, and the blockwise
-    kernel around a ring; elsewhere the blockwise kernel.
+    one document each), the Pallas kernel with segment ids for packed rows (of a length its
+    tiles divide; `seq_len` None: not yet known), and the blockwise kernel around a ring;
+    elsewhere the blockwise kernel.
     """
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}: choose one of "
@@ -106,6 +107,8 @@ def choose_backend(requested: str, platform: str, *, ring: bool, packed: bool
         return "blockwise", "cudnn has no document mask for packed rows"
     if wanted == "pallas" and not _pallas_available():
         return "blockwise", "the Pallas GPU kernel is not importable"
+    if wanted == "pallas" and seq_len is not None and seq_len % PALLAS_BLOCK:
+        return "blockwise", f"Pallas tiles rows in blocks of {PALLAS_BLOCK} tokens"
     return wanted, None
 
 
@@ -130,9 +133,8 @@ def attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_
     ring = sharding is not None and sharding.ring_size > 1
     platform = (sharding.mesh.devices.flat[0].platform if sharding is not None
                 else jax.default_backend())
-    kernel, _ = choose_backend(backend, platform, ring=ring, packed=packed)
-    if kernel == "pallas" and q_BxTxNxH.shape[1] % PALLAS_BLOCK:
-        kernel = "blockwise"  # Pallas' kernel tiles the sequence in blocks of 128
+    kernel, _ = choose_backend(backend, platform, ring=ring, packed=packed,
+                               seq_len=q_BxTxNxH.shape[1])
     block = block or DEFAULT_BLOCK.get(platform, DEFAULT_BLOCK["gpu"])
     if kernel == "dense":
         return dense_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, positions_BxT)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import parse_args  # noqa: E402  (beside this script)
+from quick_option import console, parse_args  # noqa: E402  (beside this script)
 
 from hotjax.cli import start_jax  # noqa: E402  (imports no JAX: the device count comes first)
 from models.errors import UserError  # noqa: E402
@@ -157,13 +157,6 @@ def _split(text: str, sep: str) -> list[str]:
     return [part.strip() for part in text.split(sep) if part.strip()]
 
 
-def _console(stderr: bool) -> Console:
-    from rich.console import Console
-
-    # Into a file or a pipe, rich would wrap the table at 80 columns.
-    stream = sys.stderr if stderr else sys.stdout
-    return Console(stderr=stderr, width=None if stream.isatty() else 120)
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -184,14 +177,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="print one JSON document to stdout (the table goes to stderr)")
     args = parse_args(parser, argv, QUICK)
 
-    progress = _console(stderr=True)
+    progress = console(stderr=True)
     try:
         start_jax(None)
         report = run(args, progress)
     except UserError as e:
         print(f"bench_memory: error: {e}", file=sys.stderr)
         return 2
-    print_table(report, progress if args.json else _console(stderr=False))
+    print_table(report, progress if args.json else console(stderr=False))
     if args.json:
         print(json.dumps(report, indent=1))
     return 0

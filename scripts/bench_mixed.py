@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import parse_args  # noqa: E402  (beside this script)
+from quick_option import console, parse_args  # noqa: E402  (beside this script)
 
 from hotjax.cli import start_jax  # noqa: E402  (imports no JAX: the device count comes first)
 from models.errors import UserError  # noqa: E402
@@ -330,25 +330,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="document order")
     args = parse_args(parser, argv, QUICK)
 
-    progress = _console(stderr=True)
+    progress = console(stderr=True, width=150)
     try:
         start_jax(8)
         report = run(args, progress)
     except UserError as e:
         print(f"bench_mixed: error: {e}", file=sys.stderr)
         return 2
-    print_report(report, progress if args.json else _console(stderr=False))
+    print_report(report, progress if args.json else console(stderr=False, width=150))
     if args.json:
         print(json.dumps(report, indent=1))
     return 0
 
-
-def _console(stderr: bool) -> Console:
-    from rich.console import Console
-
-    # Into a file or a pipe, rich would wrap the tables at 80 columns.
-    stream = sys.stderr if stderr else sys.stdout
-    return Console(stderr=stderr, width=None if stream.isatty() else 150)
 
 
 if __name__ == "__main__":

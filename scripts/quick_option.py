@@ -1,11 +1,16 @@
 """What every benchmark's command line shares: `--quick`, a smoke-test setting of seconds that
-`tests/test_benchmarks.py` runs, so that a benchmark which breaks fails the tests."""
+`tests/test_benchmarks.py` runs, so that a benchmark which breaks fails the tests; and the
+console its tables print to."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
@@ -18,3 +23,12 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
         parser.set_defaults(**quick)
         args = parser.parse_args(argv)
     return args
+
+
+def console(stderr: bool, width: int = 120) -> Console:
+    """A rich console on stderr or stdout; into a file or a pipe, `width` columns (rich would
+    wrap tables at 80)."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else width)

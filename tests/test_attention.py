@@ -221,6 +221,12 @@ def test_the_kernel_is_chosen_per_platform_and_falls_back_cleanly(requested, pla
     assert choose_backend(requested, platform, ring=ring, packed=packed) == (kernel, note)
 
 
+def test_pallas_takes_only_rows_its_tiles_divide():
+    assert choose_backend("auto", "gpu", ring=False, packed=True, seq_len=1024) == ("pallas", None)
+    assert choose_backend("auto", "gpu", ring=False, packed=True, seq_len=1000) == (
+        "blockwise", "Pallas tiles rows in blocks of 128 tokens")
+
+
 def test_a_trainer_notes_a_kernel_that_cannot_run_here(devices):
     step = BucketStep(dataclasses.replace(TINY, attention="cudnn"), Strategy.parse("data=8"),
                       tuple(devices))

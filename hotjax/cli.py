@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from hotjax import simulate_cpu_devices
-from hotjax.config import DEFAULT_BATCH_TOKENS, RunConfig
+from hotjax.config import DEFAULT_BATCH_TOKENS, DEFAULT_MODEL, RunConfig
 from models.errors import UserError
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 
@@ -41,7 +41,8 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser(
         "train", help="train a LLaMA model (default: the small preset on the Python stdlib)")
     train.set_defaults(handler=_train)
-    train.add_argument("--model", default=_RUN.model, help="model preset (default: %(default)s)")
+    train.add_argument("--model", help=f"model preset (default: the checkpoint's model when "
+                       f"resuming, else {DEFAULT_MODEL})")
     layout = train.add_mutually_exclusive_group()
     layout.add_argument("--strategy", help='mesh and rules, e.g. "data=2,fsdp=4" or '
                         '"fsdp=8,rules=fsdp" (default: data parallel over all devices)')

@@ -10,11 +10,12 @@ import dataclasses
 from models.errors import UserError
 
 DEFAULT_BATCH_TOKENS = 8192
+DEFAULT_MODEL = "small"
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    model: str = "small"
+    model: str | None = None  # a preset; None: the checkpoint's model when resuming, else small
     strategy: str | None = None  # "data=2,fsdp=4"; default: data parallel over all devices
     strategies: str | None = None  # a TOML strategy table
     devices: int | None = None

@@ -14,9 +14,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint import store
 from hotjax.checkpoint.training import restore_state, run_record
-from hotjax.config import RunConfig
+from hotjax.config import DEFAULT_MODEL, RunConfig
 from hotjax.data import (
     MiniBatches,
     cut,
@@ -28,7 +29,7 @@ from hotjax.data import (
 from hotjax.optim import OptimConfig
 from hotjax.train import Trainer
 from models.errors import UserError
-from models.llama import padded_vocab, preset
+from models.llama import LlamaConfig, padded_vocab, preset
 from sharding.strategy import Strategy
 from sharding.table import StrategyTable, load_table
 
@@ -50,6 +51,16 @@ def strategy_table(run: RunConfig, num_devices: int) -> StrategyTable:
         table = StrategyTable.single(Strategy.parse(spec), run.context, f"--strategy {spec!r}")
     table.check_devices(num_devices)
     return table
+
+
+def _model(run: RunConfig, resume: str | Path | None) -> tuple[str, LlamaConfig]:
+    """The model to train, and what to call it: the --model preset, or when resuming without
+    one, the checkpoint's own (an import of any architecture resumes as it is)."""
+    if run.model is None and resume:
+        step_dir = store.find(resume)
+        return f"of {step_dir}", LlamaConfig.from_dict(meta_lib.read(step_dir)["model"])
+    name = run.model or DEFAULT_MODEL
+    return name, preset(name)
 
 
 def select_devices(count: int | None) -> list[jax.Device]:
@@ -79,7 +90,8 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
                   + (" (simulated: no accelerator found)" if platform == "cpu" else ""))
 
     table = strategy_table(run, len(devices))
-    model = preset(run.model)
+    resume = run.resume_from or (run.ckpt_dir and store.latest(run.ckpt_dir))
+    model_name, model = _model(run, resume)
     scaling, scale = run.loss_scaling  # checked before the slow set-up
     corpus = open_corpus(run.data)
     tokenizer = load_tokenizer(run.tokenizer, corpus, vocab_size=run.vocab_size)
@@ -97,7 +109,7 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
     trainer = Trainer(config, optim, table, devices, device_memory=run.device_memory,
                       typical_rows=typical, remat=run.remat, timings=run.bucket_timings)
     size = ", ".join(f"{v:,} {k.split('_')[1]}" for k, v in run.batch.items())
-    console.print(f"model {run.model}: {config.num_params() / 1e6:.1f}M params, "
+    console.print(f"model {model_name}: {config.num_params() / 1e6:.1f}M params, "
                   f"{config.compute_dtype} compute | corpus {corpus.source}: "
                   f"{corpus.num_documents} documents | tokenizer {tokenizer.identity} "
                   f"({tokenizer.vocab_size} tokens) | {size} per step")
@@ -114,7 +126,6 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
     run_meta = run_record(home, tokenizer=tokenizer, seed=run.seed, table=table,
                           data={"source": corpus.source, "seq_len": table.max_len,
                                 "long_documents": run.long_documents, **run.batch})
-    resume = run.resume_from or (run.ckpt_dir and store.latest(run.ckpt_dir))
     checkpoints = (store.Checkpoints(run.ckpt_dir, keep_last=run.keep_last,
                                      keep_every=run.keep_every) if run.ckpt_dir else None)
     try:

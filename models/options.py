@@ -8,3 +8,6 @@ ATTENTION_BACKENDS = ("auto", "blockwise", "dense", "cudnn", "pallas")
 # (the rest, attention included, recomputed: MaxText's "minimal", Megatron's selective
 # recompute); or only its input (the whole layer recomputed).
 REMAT_POLICIES = ("none", "dots", "full")
+# How a PyTorch checkpoint names a LLaMA's tensors: Hugging Face's transformers, or torchtitan's
+# (Meta's original names, rotary pairs interleaved in the Q/K rows).
+CHECKPOINT_NAMINGS = ("hf", "torchtitan")

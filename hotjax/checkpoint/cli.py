@@ -1,13 +1,16 @@
-"""`hotjax ckpt`: inspect a checkpoint, import and export Hugging Face weights, import foreign
-shard sets. (Training saves and resumes through `hotjax train --ckpt-dir / --resume-from`.)"""
+"""`hotjax ckpt`: inspect a checkpoint, import and export Hugging Face weights and PyTorch
+Distributed Checkpoints, import foreign shard sets. (Training saves and resumes through
+`hotjax train --ckpt-dir / --resume-from`.)"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from hotjax.cli import start_jax
+from models.options import CHECKPOINT_NAMINGS
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -36,11 +39,41 @@ def register(commands: argparse._SubParsersAction) -> None:
                            default="float32", help="weights' dtype (default: %(default)s)")
     export_hf.set_defaults(handler=_export_hf)
 
-    shards = sub.add_parser("import-shards", help="per-rank files of a TP/PP/ZeRO run, "
-                            "described by a manifest, to a weights-only checkpoint")
-    shards.add_argument("manifest", help="a .toml or .json manifest (format: "
-                        "hotjax.checkpoint.manifest)")
+    import_dcp = sub.add_parser("import-dcp", help="a PyTorch Distributed Checkpoint "
+                                "(torchtitan, FSDP2, DTensor) to a checkpoint that resumes its "
+                                "training: weights, AdamW moments and step")
+    import_dcp.add_argument("dcp_dir", help="the directory torch.distributed.checkpoint.save "
+                            "wrote (.metadata and *.distcp)")
+    import_dcp.add_argument("out", help="a new checkpoint directory")
+    _model_flags(import_dcp, "(default: config.json beside the checkpoint)",
+                 "its vocabulary size read from the checkpoint")
+    import_dcp.add_argument("--naming", choices=CHECKPOINT_NAMINGS,
+                            help="the tensors' names (default: detected)")
+    import_dcp.add_argument("--tokenizer", help="the tokenizer to record")
+    import_dcp.set_defaults(handler=_import_dcp)
+
+    export_dcp = sub.add_parser("export-dcp", help="a checkpoint to a PyTorch Distributed "
+                                "Checkpoint that torch loads into any sharding of the model")
+    export_dcp.add_argument("path", help="a step directory, or a checkpoint directory")
+    export_dcp.add_argument("out", help="a new directory")
+    export_dcp.add_argument("--naming", choices=CHECKPOINT_NAMINGS, default="hf",
+                            help="the tensors' names (default: %(default)s)")
+    export_dcp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                            default="float32", help="weights' dtype; AdamW moments stay "
+                            "float32 (default: %(default)s)")
+    export_dcp.set_defaults(handler=_export_dcp)
+
+    shards = sub.add_parser("import-shards", help="per-rank files of a TP/PP/ZeRO run to a "
+                            "weights-only checkpoint: described by a manifest, or Megatron-LM's")
+    shards.add_argument("source", help="a .toml or .json manifest (format: "
+                        "hotjax.checkpoint.manifest); with --format megatron, a Megatron "
+                        "checkpoint directory (its root or one iteration's)")
     shards.add_argument("out", help="a new checkpoint directory")
+    shards.add_argument("--format", choices=("manifest", "megatron"), default="manifest",
+                        help="megatron: mp_rank_XX[_YYY]/model_optim_rng.pt files, their "
+                        "manifest derived from the files (default: %(default)s)")
+    _model_flags(shards, "(--format megatron; default: the model the rank files' args record)",
+                 "with its vocabulary (the files' padding rows are dropped)")
     shards.add_argument("--workers", type=int, help="conversion processes (default: one per "
                         "core, at most 8)")
     shards.set_defaults(handler=_import_shards)
@@ -71,15 +104,72 @@ def _export_hf(args: argparse.Namespace) -> None:
     print(f"wrote {export_hf(args.path, args.out, args.dtype)}")
 
 
+def _model_flags(parser: argparse.ArgumentParser, config_default: str, model_help: str) -> None:
+    parser.add_argument("--config", help=f"the model's Hugging Face config.json {config_default}")
+    parser.add_argument("--model", help=f"a model preset instead, {model_help}")
+
+
+def _import_dcp(args: argparse.Namespace) -> None:
+    start_jax(1)
+    from hotjax.checkpoint import dcp
+    from hotjax.checkpoint.convert import model_config
+    from hotjax.data import load_tokenizer
+
+    directory = Path(args.dcp_dir)
+    config = model_config(args.config, args.model, beside=directory,
+                          vocab_size=lambda: dcp.embedding_rows(directory))
+    tokenizer = load_tokenizer(args.tokenizer, None) if args.tokenizer else None
+    step_dir = dcp.import_dcp(directory, args.out, config, naming=args.naming,
+                              tokenizer=tokenizer)
+    from hotjax.checkpoint import meta as meta_lib
+
+    meta = meta_lib.read(step_dir)
+    what = ("parameters, AdamW moments" if "opt_state" in meta["items"]
+            else "parameters only (no optimizer state saved)")
+    print(f"wrote {step_dir}: step {meta['step']}, {what}, "
+          f"{meta['written_from']['foreign']['naming']} naming")
+    optimizer = meta.get("optimizer") or {}
+    found = {k: v for k, v in optimizer.items() if k not in ("source", "loss_scaling")}
+    if found:
+        def show(v: Any) -> str:
+            if isinstance(v, list | tuple):
+                return "/".join(map(show, v))
+            return f"{v:g}" if isinstance(v, int | float) else str(v)
+
+        print("the torch run's AdamW: " + ", ".join(f"{k} {show(v)}" for k, v in found.items())
+              + " (a hotjax run resumes with its own optimizer settings)")
+
+
+def _export_dcp(args: argparse.Namespace) -> None:
+    start_jax(1)
+    from hotjax.checkpoint.dcp import export_dcp
+
+    print(f"wrote {export_dcp(args.path, args.out, naming=args.naming, dtype=args.dtype)}")
+
+
 def _import_shards(args: argparse.Namespace) -> None:
     from models.errors import UserError
 
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers {args.workers}: pass a positive number of processes")
+    if args.format == "manifest" and (args.config or args.model):
+        raise UserError("--config and --model go with --format megatron: a manifest names its "
+                        "model itself")
     start_jax(1)
-    from hotjax.checkpoint.foreign import import_shards
+    if args.format == "manifest":
+        from hotjax.checkpoint.foreign import import_shards
 
-    print(f"wrote {import_shards(args.manifest, args.out, args.workers)}")
+        print(f"wrote {import_shards(args.source, args.out, args.workers)}")
+        return
+    from hotjax.checkpoint.convert import model_config
+    from hotjax.checkpoint.megatron import import_megatron
+    from models.llama import preset
+
+    # A preset's vocabulary is the real one; the files' embedding holds it padded.
+    config = model_config(args.config, args.model, beside=Path(args.source),
+                          vocab_size=lambda: preset(args.model).vocab_size) if (
+        args.config or args.model) else None
+    print(f"wrote {import_megatron(args.source, args.out, config=config, workers=args.workers)}")
 
 
 def _print(info: dict[str, Any]) -> None:

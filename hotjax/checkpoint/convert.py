@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +16,9 @@ from flax import nnx
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint import store
 from hotjax.data import load_tokenizer
-from models.hf import load_hf_checkpoint, save_hf_checkpoint
-from models.llama import LlamaConfig, abstract_params, bind, param_axes
+from models.errors import UserError
+from models.hf import CONFIG_FILE, config_from_hf, load_hf_checkpoint, save_hf_checkpoint
+from models.llama import LlamaConfig, abstract_params, bind, param_axes, preset
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | None = None) -> Path:
@@ -55,6 +58,26 @@ def export_hf(path: str | Path, out: str | Path, dtype: str = "float32") -> Path
     save_hf_checkpoint(bind(config, params), out, dtype, bos_token_id=tokenizer.get("bos_id"),
                        eos_token_id=tokenizer.get("eos_id"))
     return out
+
+
+def model_config(config_json: str | Path | None, model: str | None, *, beside: Path,
+                 vocab_size: Callable[[], int]) -> LlamaConfig:
+    """The model a foreign checkpoint holds: its Hugging Face config.json (`config_json`, else
+    one found beside the checkpoint), or the preset `model` with the checkpoint's vocabulary
+    size (`vocab_size`, read from its embedding)."""
+    if config_json is not None and model is not None:
+        raise UserError("--config and --model both name the model: pass one")
+    if model is not None:
+        return dataclasses.replace(preset(model), vocab_size=vocab_size(),
+                                   compute_dtype="float32")
+    file = Path(config_json) if config_json is not None else beside / CONFIG_FILE
+    if not file.is_file():
+        raise UserError(f"{file}: no such config.json: pass the model's Hugging Face config "
+                        f"with --config, or a preset with --model")
+    try:
+        return config_from_hf(json.loads(file.read_text()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{file}: unreadable config.json ({meta_lib.first_line(e)})") from None
 
 
 def describe(path: str | Path) -> dict[str, Any]:

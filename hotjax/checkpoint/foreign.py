@@ -1,5 +1,6 @@
-"""Import of foreign shard sets: per-rank files of a TP/PP/ZeRO run, described by a manifest
-(format: `checkpoint.manifest`), rebuilt into logical tensors and written as a checkpoint.
+"""Import of foreign shard sets: per-rank files of a TP/PP/ZeRO run (`.npz`, `.safetensors` or
+PyTorch `.pt`), described by a manifest (format: `checkpoint.manifest`; `checkpoint.megatron`
+derives one), rebuilt into logical tensors and written as a checkpoint.
 
 The parent reads only the files' headers, checks them against the manifest and plans one task
 per logical tensor (per layer); worker processes, given tasks balanced by bytes, read the
@@ -10,11 +11,13 @@ Orbax. Every inconsistency names the rank file and the tensor.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import dataclasses
 import math
 import multiprocessing
 import os
+import pickle
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,14 +69,18 @@ class Task:
 
 # ---------------------------------------------------------------------------- rank files
 
-_open: dict[str, Any] = {}  # per process: path -> an open safetensors handle or zip file
+_open: dict[str, Any] = {}  # per process: path -> an open safetensors handle, zip file or .pt
 
 
 def _headers(file: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Each tensor's shape and dtype, read from the file's header alone."""
+    """Each tensor's shape and dtype, read from the file's header alone (a .pt file's pickle,
+    its tensors memory-mapped, not read)."""
     if not file.is_file():
         raise UserError(f"{file}: rank file not found (the manifest's `files` names it)")
     try:
+        if file.suffix == ".pt":
+            return {n: (tuple(x.shape), _torch_dtype(x.dtype))
+                    for n, x in pt_tensors(file).items()}
         if file.suffix == ".safetensors":
             with safe_open(file, framework="numpy") as f:
                 return {n: (tuple(f.get_slice(n).get_shape()),
@@ -97,6 +104,69 @@ def _st_dtype(name: str) -> np.dtype:
                      "I16": np.int16, "I8": np.int8, "U8": np.uint8}[name])
 
 
+# What a weights-only load of a Megatron rank file may build besides tensors: its `args`, and
+# the numpy arrays of its RNG state (`rng_state`, unless saved with --no-save-rng).
+_PT_CLASSES = [argparse.Namespace, np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+               np._core.multiarray._reconstruct]
+
+
+def pt_file(file: str | Path) -> Any:
+    """A PyTorch file's top-level object, cached per process, tensors memory-mapped. Loaded
+    with torch's weights-only unpickler, which besides tensors and plain containers may build
+    only Megatron's `args` (an argparse.Namespace) and the numpy arrays of its saved RNG
+    state."""
+    key = str(file)
+    if key in _open:
+        return _open[key]
+    try:
+        import torch
+    except ImportError:
+        raise UserError(f"{file}: reading .pt files needs PyTorch: pip install torch") from None
+    try:
+        with torch.serialization.safe_globals(_PT_CLASSES):
+            loaded = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        detail = str(e).split("WeightsUnpickler error:")[-1].split("Check the documentation")[0]
+        detail = " ".join(detail.split(" Please use")[0].split())
+        raise UserError(f"{file}: torch's weights-only loader refuses it: {detail} (hotjax "
+                        f"loads tensors, plain containers, numpy arrays and "
+                        f"argparse.Namespace only)") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{file}: not a readable .pt file ({message})") from None
+    return _open.setdefault(key, loaded)
+
+
+def pt_tensors(file: str | Path) -> dict[str, Any]:
+    """A .pt file's tensors by state-dict name: its `model` entry (Megatron's layout), or its
+    top level if that is the state dict; other entries (`_extra_state` and the like) skipped."""
+    import torch
+
+    loaded = pt_file(file)
+    state = loaded.get("model") if isinstance(loaded, dict) else None
+    state = state if isinstance(state, dict) else loaded
+    if not isinstance(state, dict):
+        raise UserError(f"{file}: holds a {type(state).__name__}, not a state dict of tensors")
+    return {n: x for n, x in state.items() if isinstance(n, str) and isinstance(x, torch.Tensor)}
+
+
+def _torch_dtype(dtype: Any) -> np.dtype:
+    import torch
+
+    return _numpy(torch.empty(0, dtype=dtype)).dtype
+
+
+def _numpy(x: Any) -> np.ndarray:
+    """A torch tensor's data as numpy (sharing memory); bfloat16 as ml_dtypes'."""
+    import torch
+
+    if x.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return x.numpy()
+
+
 def _npy_header(f: Any) -> tuple[tuple[int, ...], np.dtype, bool]:
     version = np.lib.format.read_magic(f)
     read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
@@ -108,6 +178,9 @@ def _npy_header(f: Any) -> tuple[tuple[int, ...], np.dtype, bool]:
 def _read(segment: Segment) -> np.ndarray:
     file = segment.file
     try:
+        if file.endswith(".pt"):
+            x = pt_tensors(file)[segment.tensor]
+            return _numpy(x if segment.start is None else x.reshape(-1)[segment.start:segment.stop])
         if file.endswith(".safetensors"):
             handle = _open.get(file) or _open.setdefault(file, safe_open(file, framework="numpy"))
             if segment.start is None:
@@ -367,19 +440,28 @@ def run_tasks(tasks: list[Task], workers: int) -> dict[str, np.ndarray]:
 def import_shards(manifest_path: str | Path, out: str | Path,
                   workers: int | None = None) -> Path:
     """Converts the shard set `manifest_path` describes into a weights-only checkpoint."""
+    from hotjax.checkpoint import store
+
+    store.check_new_directory(out)
+    manifest = load_manifest(manifest_path)
+    return import_manifest(manifest, out, workers, source=f"import-shards {manifest.path}",
+                           layout=manifest.describe())
+
+
+def import_manifest(manifest: Manifest, out: str | Path, workers: int | None, *, source: str,
+                    layout: dict[str, Any]) -> Path:
+    """Converts the shard set `manifest` describes (hand-written or derived) into a
+    weights-only checkpoint at `out`, recording `source` and the `layout` that wrote it."""
     from hotjax.checkpoint import meta as meta_lib
     from hotjax.checkpoint import store
     from models.hf import hf_state_to_params, hf_tensor_shapes
 
-    store.check_new_directory(out)
-    manifest = load_manifest(manifest_path)
     config = model_config(manifest)
     tasks = plan(manifest, config.n_layers, hf_tensor_shapes(config))
     tensors = run_tasks(tasks, workers or min(os.cpu_count() or 1, 8, len(tasks)))
     params = hf_state_to_params(tensors, config)
-    record = meta_lib.record(step=manifest.step, source=f"import-shards {manifest.path}",
-                             items=[store.PARAMS], model=config.to_dict(),
-                             written_from={"foreign": manifest.describe()})
+    record = meta_lib.record(step=manifest.step, source=source, items=[store.PARAMS],
+                             model=config.to_dict(), written_from={"foreign": layout})
     return store.save_weights(out, params, record)
 
 

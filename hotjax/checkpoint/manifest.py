@@ -1,14 +1,17 @@
 """The manifest of a foreign shard set: which slice of which logical tensor each rank file holds.
 
-A TP/PP/ZeRO run writes one file per rank (`.npz` or `.safetensors`). The manifest (TOML or
-JSON, the same keys) describes them geometrically, after Universal Checkpointing's patterns, so
-that `checkpoint.foreign` can rebuild every logical tensor and map it to Hugging Face names:
+A TP/PP/ZeRO run writes one file per rank (`.npz`, `.safetensors`, or PyTorch `.pt`: tensors
+by state-dict name, in its `model` entry if it has one). The manifest (TOML or JSON, the same
+keys) describes them geometrically, after Universal Checkpointing's patterns, so that
+`checkpoint.foreign` can rebuild every logical tensor and map it to Hugging Face names:
 
     format = "hotjax-shards/1"
     model = "tiny"                 # a preset; or a table of LlamaConfig fields (with an
                                    # optional `preset` they override); or { hf_config = "x.json" }
     files = "tp{tp}_pp{pp}_dp{dp}.npz"  # one rank file, relative to the manifest; {tp} {pp}
-                                   # {dp} are its coordinates; every axis larger than 1 appears
+                                   # {dp} are its coordinates, with Python format specs if
+                                   # wanted ("mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt");
+                                   # every axis larger than 1 appears
     step = 0                       # optional: the step recorded in the checkpoint
 
     [parallel]
@@ -159,12 +162,16 @@ def parse(data: dict[str, Any], path: Path) -> Manifest:
     files = data.get("files")
     if not isinstance(files, str) or not files:
         raise UserError(f"{where}: files must be a pattern like 'tp{{tp}}_pp{{pp}}.npz'")
-    used = set(re.findall(r"{(\w*)}", files))
+    used = set(re.findall(r"{(\w*)(?::[^{}]*)?}", files))
     if used - set(AXES) or any(sizes[a] > 1 and a not in used for a in AXES):
         raise UserError(f"{where}: files {files!r} must name each rank by {{tp}}, {{pp}}, {{dp}} "
                         f"(every axis larger than 1) and nothing else")
-    if not files.endswith((".npz", ".safetensors")):
-        raise UserError(f"{where}: files {files!r}: rank files must be .npz or .safetensors")
+    try:
+        files.format(tp=0, pp=0, dp=0)
+    except (ValueError, KeyError, IndexError) as e:
+        raise UserError(f"{where}: files {files!r} is not a valid pattern ({e})") from None
+    if not files.endswith((".npz", ".safetensors", ".pt")):
+        raise UserError(f"{where}: files {files!r}: rank files must be .npz, .safetensors or .pt")
     stages = parallel.get("layers_per_stage")
     if stages is not None and (not isinstance(stages, list) or len(stages) != sizes["pp"]):
         raise UserError(f"{where}: parallel.layers_per_stage must list {sizes['pp']} counts")

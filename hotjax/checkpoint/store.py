@@ -188,15 +188,22 @@ def check_new_directory(directory: str | Path) -> Path:
 
 def save_weights(directory: str | Path, params: Any, meta: dict[str, Any]) -> Path:
     """Writes a weights-only checkpoint (`params` + `meta`) at `meta['step']`, synchronously."""
+    return save_items(directory, {PARAMS: params}, meta)
+
+
+def save_items(directory: str | Path, items: dict[str, Any], meta: dict[str, Any]) -> Path:
+    """Writes a checkpoint of host arrays (`params`, and `opt_state` for one that resumes an
+    optimizer) at `meta['step']`, synchronously; complete or absent, as every save."""
     directory = check_new_directory(directory)
-    params = jax.tree.map(np.asarray, params)
-    meta = {**meta, "items": [PARAMS], "fingerprints": {PARAMS: fingerprints(params)}}
+    items = {item: jax.tree.map(np.asarray, tree) for item, tree in items.items()}
+    meta = {**meta, "items": list(items), "fingerprints": item_fingerprints(items)}
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False,
                                            save_root_metadata=False)
+    args = {item: ocp.args.PyTreeSave(tree) for item, tree in items.items()}
     with ocp.CheckpointManager(directory, options=options,
-                               item_handlers=_handlers((PARAMS, META))) as manager:
+                               item_handlers=_handlers((*items, META))) as manager:
         manager.save(meta["step"], args=ocp.args.Composite(
-            **{PARAMS: ocp.args.PyTreeSave(params), META: ocp.args.JsonSave(meta)}), force=True)
+            **args, **{META: ocp.args.JsonSave(meta)}), force=True)
     return directory / str(meta["step"])
 
 

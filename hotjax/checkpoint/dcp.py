@@ -1,0 +1,468 @@
+"""PyTorch Distributed Checkpoint (DCP) directories to and from hotjax checkpoints, so that a
+run moves between a PyTorch trainer (torchtitan, FSDP2, tensor-parallel `DTensor` runs) and
+hotjax with its weights, AdamW moments and step.
+
+A DCP directory is a `.metadata` file (every tensor's global shape and the chunks each rank
+wrote) and per-rank `__R_0.distcp` files. torch's own reader reassembles each tensor whatever
+the layout that wrote it; what this module adds is the naming. A key is matched by its longest
+suffix that is a parameter's name, so wrappers and prefixes (`model.`, `app.`, `_orig_mod.`,
+`_checkpoint_wrapped_module.`) need no configuration:
+- weights: `...{name}`, in Hugging Face LLaMA naming (`model.layers.0.self_attn.q_proj.weight`)
+  or torchtitan's (`layers.0.attention.wq.weight`, whose Q/K rows interleave the rotary pairs,
+  Meta's convention: converted to Hugging Face's halves on the way in, back on the way out);
+- AdamW state: `...state.{name}.exp_avg`, `.exp_avg_sq` and `.step`, nested or flattened
+  (`get_state_dict` with or without `flatten_optimizer_state_dict`); hyperparameters from
+  `param_groups` are recorded, not applied: the hotjax run keeps its own optimizer settings.
+
+torch is imported here only (the `torch` extra). Both directions hold whole tensors in host
+memory: about 12 bytes per parameter with the moments in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+import shutil
+import uuid
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from hotjax.checkpoint import meta as meta_lib
+from hotjax.checkpoint import store
+from hotjax.optim import OptimConfig, make_optimizer
+from models.errors import UserError
+from models.hf import hf_state_to_params, hf_tensor_shapes, params_to_hf_state
+from models.llama import LlamaConfig, abstract_params, param_axes
+from models.options import CHECKPOINT_NAMINGS
+
+NAMINGS = CHECKPOINT_NAMINGS
+MOMENTS = ("exp_avg", "exp_avg_sq")  # torch's AdamW names for optax's mu and nu
+_STATE_FIELDS = (*MOMENTS, "step")
+_GROUP_FIELDS = ("lr", "betas", "eps", "weight_decay", "params")
+_WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"}
+_BUFFERS = ("rotary_emb.inv_freq", "freqs_cis")  # rotary tables some models persist
+# Hugging Face module -> torchtitan module, inside `layers.{i}.`
+_TORCHTITAN_LAYER = {
+    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
+    "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
+    "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_TORCHTITAN_TOP = {"model.embed_tokens.weight": "tok_embeddings.weight",
+                   "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
+# Our torch.optim.AdamW param_group, as `get_state_dict(flatten_optimizer_state_dict=True)`
+# writes it per parameter (the fields besides lr, betas, eps and weight decay).
+_ADAMW_FLAGS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+
+
+def _torch() -> tuple[Any, Any]:
+    try:
+        import torch
+        import torch.distributed.checkpoint as dcp
+    except ImportError:
+        raise UserError("PyTorch checkpoints need torch: pip install 'hotjax[torch]'") from None
+    return torch, dcp
+
+
+# ---------------------------------------------------------------------------- naming
+
+def foreign_names(config: LlamaConfig, naming: str) -> dict[str, str]:
+    """Each Hugging Face tensor name of `config` -> its name under `naming`."""
+    names = {}
+    for hf in hf_tensor_shapes(config):
+        if naming == "hf":
+            names[hf] = hf
+        elif hf in _TORCHTITAN_TOP:
+            names[hf] = _TORCHTITAN_TOP[hf]
+        else:
+            layer, module = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", hf).groups()
+            names[hf] = f"layers.{layer}.{_TORCHTITAN_LAYER[module]}.weight"
+    return names
+
+
+def _rotary_heads(hf_name: str, config: LlamaConfig) -> int | None:
+    """Heads whose rows a torchtitan Q/K weight interleaves; None for other tensors."""
+    if hf_name.endswith("self_attn.q_proj.weight"):
+        return config.n_heads
+    if hf_name.endswith("self_attn.k_proj.weight"):
+        return config.n_kv_heads
+    return None
+
+
+def interleaved_to_halves(x: np.ndarray, heads: int) -> np.ndarray:
+    """Q/K rows of each head from Meta's rotary pairs (0,1),(2,3).. to Hugging Face's halves."""
+    return x.reshape(heads, -1, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def halves_to_interleaved(x: np.ndarray, heads: int) -> np.ndarray:
+    return x.reshape(heads, 2, -1, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    key: str  # the DCP key
+    field: str  # "weight", or the optimizer state: exp_avg, exp_avg_sq, step
+    hf_name: str
+    shape: tuple[int, ...]
+
+
+def _components(key: str, planner_data: dict[str, Any]) -> list[str]:
+    path = planner_data.get(key, (key,))
+    parts = [c for p in path for c in str(p).split(".")]
+    return [c for c in parts if c not in _WRAPPERS]
+
+
+def _resolve(parts: list[str], names: dict[str, str]) -> tuple[str, str] | None:
+    """(field, HF name) of a key's components, matched by its longest suffix that names a
+    parameter; None if no suffix does."""
+    field = "weight"
+    if parts[-1] in _STATE_FIELDS and "state" in parts[:-1]:
+        field, parts = parts[-1], parts[:-1]
+    for start in range(len(parts)):
+        name = names.get(".".join(parts[start:]))
+        if name is not None:
+            return field, name
+    return None
+
+
+def _group_field(parts: list[str]) -> tuple[str, str] | None:
+    """(which parameter or group, field) of a param_groups entry worth reading."""
+    if "param_groups" not in parts or parts[-1] not in _GROUP_FIELDS:
+        return None
+    at = len(parts) - 1 - parts[::-1].index("param_groups")
+    return ".".join(parts[at + 1:-1]), parts[-1]
+
+
+# ---------------------------------------------------------------------------- reading
+
+@dataclasses.dataclass(frozen=True)
+class TorchState:
+    """A DCP checkpoint's LLaMA state, Hugging Face-named, in fp32 numpy."""
+
+    naming: str
+    weights: dict[str, np.ndarray]
+    moments: dict[str, dict[str, np.ndarray]] | None  # exp_avg / exp_avg_sq -> HF tensors
+    step: int
+    hyperparameters: dict[str, Any]  # from param_groups: what the torch run used
+
+
+def read_metadata(directory: Path) -> Any:
+    _, dcp = _torch()
+    if not (directory / ".metadata").is_file():
+        raise UserError(f"{directory}: holds no .metadata file: not a PyTorch Distributed "
+                        f"Checkpoint directory (torch.distributed.checkpoint.save writes one)")
+    try:
+        return dcp.FileSystemReader(str(directory)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - torch's unpickler raises many types
+        raise UserError(f"{directory / '.metadata'}: unreadable ({meta_lib.first_line(e)}): "
+                        f"the checkpoint is damaged") from None
+
+
+def embedding_rows(directory: str | Path) -> int:
+    """The vocabulary size of a DCP checkpoint, read from its embedding's shape."""
+    directory = Path(directory).absolute()
+    metadata = read_metadata(directory)
+    ends = (".embed_tokens.weight", "tok_embeddings.weight")
+    for key, info in metadata.state_dict_metadata.items():
+        parts = _components(key, metadata.planner_data or {})
+        if ".".join(parts).endswith(ends) and "state" not in parts:
+            return int(info.size[0])
+    raise UserError(f"{directory / '.metadata'}: holds no embedding (embed_tokens or "
+                    f"tok_embeddings): not a LLaMA checkpoint, or saved without its model")
+
+
+def _detect(keys: Iterable[list[str]], config: LlamaConfig, naming: str | None) -> str:
+    keys = list(keys)
+    found = {n: sum(_resolve(k, _inverse(config, n)) is not None for k in keys) for n in NAMINGS}
+    best = naming or max(NAMINGS, key=lambda n: found[n])
+    if not found[best]:
+        which = f"{naming} naming" if naming else "Hugging Face or torchtitan naming"
+        sample = ", ".join(".".join(k) for k in keys[:3])
+        raise UserError(f"no tensor is named as a LLaMA weight in {which} (keys such as "
+                        f"{sample}): pass the right --naming, or the --config of the model the "
+                        f"checkpoint holds")
+    return best
+
+
+def _inverse(config: LlamaConfig, naming: str) -> dict[str, str]:
+    return {foreign: hf for hf, foreign in foreign_names(config, naming).items()}
+
+
+def read_dcp(directory: str | Path, config: LlamaConfig, naming: str | None = None) -> TorchState:
+    """The weights, AdamW moments and step of the DCP checkpoint in `directory`, checked
+    against `config`; every problem names the checkpoint and the tensor."""
+    torch, dcp = _torch()
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    directory = Path(directory).absolute()
+    metadata = read_metadata(directory)
+    planner_data = metadata.planner_data or {}
+    parts = {key: _components(key, planner_data) for key in metadata.state_dict_metadata}
+    tensors = {k: v for k, v in metadata.state_dict_metadata.items()
+               if isinstance(v, TensorStorageMetadata)}
+    naming = _detect((parts[k] for k in tensors), config, naming)
+    names = _inverse(config, naming)
+    expected = hf_tensor_shapes(config)
+    where = directory / ".metadata"
+
+    entries: dict[tuple[str, str], _Entry] = {}
+    for key, info in tensors.items():
+        found = _resolve(parts[key], names)
+        if found is None:
+            if not key.endswith(_BUFFERS) and parts[key][-1] in ("weight", "bias"):
+                raise UserError(f"{where}: holds tensor {key}, which a LLaMA of this config "
+                                f"lacks in {naming} naming: pass the --config the checkpoint "
+                                f"was trained with (or its --naming)")
+            continue
+        field, hf_name = found
+        if (field, hf_name) in entries:
+            raise UserError(f"{where}: tensors {entries[field, hf_name].key} and {key} are both "
+                            f"{field} of {hf_name}: the checkpoint holds two models")
+        shape = tuple(info.size)
+        want = () if field == "step" else expected[hf_name]
+        if shape != want and not (field == "step" and math.prod(shape) == 1):
+            raise UserError(f"{where}: tensor {key} has shape {list(shape)}, but the model "
+                            f"needs {list(want)}: pass the --config it was trained with")
+        entries[field, hf_name] = _Entry(key, field, hf_name, shape)
+
+    missing = [n for n in expected if ("weight", n) not in entries]
+    if missing:
+        raise UserError(f"{where}: lacks the weight {foreign_names(config, naming)[missing[0]]}"
+                        f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}: not a "
+                        f"checkpoint of this model (or saved without its model state)")
+    has_state = any(e.field != "weight" for e in entries.values())
+    if has_state:
+        for field in _STATE_FIELDS:
+            absent = [n for n in expected if (field, n) not in entries]
+            if absent:
+                raise UserError(f"{where}: holds AdamW state but no {field} for "
+                                f"{foreign_names(config, naming)[absent[0]]}: the optimizer "
+                                f"state is incomplete (saved from another optimizer?)")
+
+    groups = {key: _group_field(parts[key]) for key, info in metadata.state_dict_metadata.items()
+              if key not in tensors}
+    groups = {key: g for key, g in groups.items() if g is not None}
+    state: dict[str, Any] = {e.key: torch.empty(e.shape, dtype=tensors[e.key].properties.dtype)
+                             for e in entries.values()}
+    state.update(dict.fromkeys(groups))
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    # torch's CheckpointException, which wraps each rank's error, is a BaseException.
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
+
+        raise UserError(f"{directory}: reading its tensors failed ({meta_lib.first_line(e)}): "
+                        f"the checkpoint is truncated or damaged") from None
+
+    def host(entry: _Entry) -> np.ndarray:
+        x = state[entry.key].to(torch.float32).numpy()
+        heads = _rotary_heads(entry.hf_name, config)
+        return interleaved_to_halves(x, heads) if naming == "torchtitan" and heads else x
+
+    weights = {n: host(entries["weight", n]) for n in expected}
+    moments, step = None, 0
+    if has_state:
+        moments = {f: {n: host(entries[f, n]) for n in expected} for f in MOMENTS}
+        steps = {n: float(state[entries["step", n].key].reshape(())) for n in expected}
+        first = next(iter(expected))
+        odd = next((n for n in expected if steps[n] != steps[first]), None)
+        if odd is not None:
+            raise UserError(f"{where}: {entries['step', odd].key} is {steps[odd]:g} but "
+                            f"{entries['step', first].key} is {steps[first]:g}: AdamW steps "
+                            f"must agree")
+        step = int(steps[first])
+    return TorchState(naming, weights, moments, step,
+                      _hyperparameters({g: state[k] for k, g in groups.items()}, names))
+
+
+def _hyperparameters(values: dict[tuple[str, str], Any], names: dict[str, str]) -> dict[str, Any]:
+    """lr, betas, eps, and weight decay of matrices and of norm scales, as the torch run's
+    param_groups give them (groups nested or flattened per parameter)."""
+    per_param: dict[str, dict[str, Any]] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for (owner, field), value in values.items():
+        if owner.isdigit() or owner == "":
+            nested.setdefault(owner, {})[field] = value
+        else:
+            per_param.setdefault(owner, {})[field] = value
+    for group in nested.values():
+        for fqn in group.get("params") or []:
+            per_param[str(fqn)] = group
+    out: dict[str, Any] = {}
+    for fqn, group in per_param.items():
+        hf_name = _resolve([c for c in fqn.split(".") if c not in _WRAPPERS], names)
+        if hf_name is None:
+            continue
+        kind = "norm" if hf_name[1].endswith("norm.weight") else "matrix"
+        for field in ("lr", "betas", "eps"):
+            if field in group:
+                out.setdefault(field, group[field])
+        if "weight_decay" in group:
+            out.setdefault(f"weight_decay_{kind}", group["weight_decay"])
+    if "betas" in out:
+        out["betas"] = [float(b) for b in out["betas"]]
+    return out
+
+
+# ---------------------------------------------------------------------------- import
+
+def adam_state(config: LlamaConfig, params: Any, moments: dict[str, Any], step: int) -> Any:
+    """hotjax's optimizer state (loss scaling off) holding torch AdamW's moments and step."""
+    tx = make_optimizer(OptimConfig(), param_axes(config))
+    shapes = jax.eval_shape(tx.init, params)
+    count = np.asarray(step, np.int32)
+
+    def fill(node: Any) -> Any:
+        if isinstance(node, optax.ScaleByAdamState):
+            return optax.ScaleByAdamState(count, moments["exp_avg"], moments["exp_avg_sq"])
+        if isinstance(node, optax.ScaleByScheduleState):
+            return optax.ScaleByScheduleState(count)
+        raise AssertionError(f"unexpected optimizer state {type(node).__name__}")
+
+    return jax.tree.map(fill, shapes, is_leaf=lambda n: isinstance(
+        n, optax.ScaleByAdamState | optax.ScaleByScheduleState | jax.ShapeDtypeStruct))
+
+
+def import_dcp(directory: str | Path, out: str | Path, config: LlamaConfig, *,
+               naming: str | None = None, tokenizer: Any = None) -> Path:
+    """A hotjax checkpoint of the DCP checkpoint in `directory`: parameters, and when the
+    torch run saved them its AdamW moments and step, so that training resumes there on any
+    strategy; weights only otherwise."""
+    store.check_new_directory(out)
+    directory = Path(directory).absolute()
+    torch_state = read_dcp(directory, config, naming)
+    params = hf_state_to_params(torch_state.weights, config)
+    items = {store.PARAMS: params}
+    hyper = torch_state.hyperparameters
+    optimizer = None
+    if torch_state.moments is not None:
+        moments = {f: hf_state_to_params(m, config) for f, m in torch_state.moments.items()}
+        items[store.OPT_STATE] = adam_state(config, params, moments, torch_state.step)
+        optimizer = {"source": "torch.optim.AdamW", "loss_scaling": "off", **hyper}
+    record = meta_lib.record(
+        step=torch_state.step, source=f"import-dcp {directory}", items=list(items),
+        model=config.to_dict(), optimizer=optimizer,
+        tokenizer=meta_lib.tokenizer_record(tokenizer) if tokenizer else None,
+        written_from={"foreign": {"format": "torch-dcp", "naming": torch_state.naming,
+                                  "checkpoint": str(directory)}})
+    return store.save_items(out, items, record)
+
+
+# ---------------------------------------------------------------------------- export
+
+def export_dcp(path: str | Path, out: str | Path, *, naming: str = "hf",
+               dtype: str = "float32") -> Path:
+    """A DCP directory of a checkpoint's parameters (in `dtype`) and, if it has one, its AdamW
+    state (fp32), under `naming`, that `torch.distributed.checkpoint.load` reads into any
+    sharding of the same model. Hugging Face naming nests them as `{"model": ..., "optim":
+    ...}`; torchtitan's puts the model at the top and the optimizer under "optimizer". The
+    optimizer state is flattened per parameter, as `get_state_dict(..., options=
+    StateDictOptions(flatten_optimizer_state_dict=True))` gives it. Vocabulary padding past
+    the recorded tokenizer's size is left out, as in `export-hf`."""
+    torch, dcp = _torch()
+    out = store.check_new_directory(out)
+    step_dir = store.find(path)
+    meta = meta_lib.read(step_dir)
+    config = LlamaConfig.from_dict(meta["model"])
+    host = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), abstract_params(config))
+    targets = {store.PARAMS: host}
+    optim = _saved_optimizer(meta)
+    if store.OPT_STATE in meta["items"]:
+        tx = make_optimizer(optim, param_axes(config))
+        targets[store.OPT_STATE] = jax.eval_shape(tx.init, host)
+    arrays = store.restore(step_dir, targets).arrays
+    params, adam = arrays[store.PARAMS], None
+    if store.OPT_STATE in arrays:
+        (adam,) = [n for n in jax.tree.leaves(arrays[store.OPT_STATE], is_leaf=_is_adam)
+                   if _is_adam(n)]
+    vocab = meta_lib.real_vocab(meta)
+    if vocab < config.vocab_size:
+        trim = functools.partial(_trim_vocab, axes=param_axes(config), vocab=vocab)
+        params = trim(params)
+        adam = adam and optax.ScaleByAdamState(adam.count, trim(adam.mu), trim(adam.nu))
+        config = dataclasses.replace(config, vocab_size=vocab)
+    names = foreign_names(config, naming)
+    torch_dtype = getattr(torch, dtype)
+
+    def tensors(tree: Any, as_dtype: Any) -> dict[str, Any]:
+        out = {}
+        for hf_name, x in params_to_hf_state(tree, config).items():
+            heads = _rotary_heads(hf_name, config)
+            if naming == "torchtitan" and heads:
+                x = halves_to_interleaved(x, heads)
+            out[names[hf_name]] = torch.from_numpy(np.ascontiguousarray(x)).to(as_dtype)
+        return out
+
+    model = tensors(params, torch_dtype)
+    state: dict[str, Any] = {"model": model} if naming == "hf" else dict(model)
+    if adam is not None:
+        step = int(adam.count)
+        lr = float(optim.schedule()(step))
+        flat: dict[str, Any] = {}
+        for field, tree in zip(MOMENTS, (adam.mu, adam.nu), strict=True):
+            flat.update({f"state.{name}.{field}": x
+                         for name, x in tensors(tree, torch.float32).items()})
+        for hf_name, name in names.items():
+            flat[f"state.{name}.step"] = torch.tensor(float(step))
+            decay = 0.0 if hf_name.endswith("norm.weight") else optim.weight_decay
+            group = {"lr": lr, "betas": (optim.b1, optim.b2), "eps": optim.eps,
+                     "weight_decay": decay, **_ADAMW_FLAGS}
+            flat.update({f"param_groups.{name}.{k}": v for k, v in group.items()})
+        state["optim" if naming == "hf" else "optimizer"] = flat
+    return _write_atomically(state, out, dcp)
+
+
+def _is_adam(node: Any) -> bool:
+    return isinstance(node, optax.ScaleByAdamState)
+
+
+def _saved_optimizer(meta: dict[str, Any]) -> OptimConfig:
+    """The optimizer a checkpoint was written with (its hyperparameters and state layout)."""
+    saved = meta.get("optimizer") or {}
+    if saved.get("source") == "torch.optim.AdamW":  # an import: the state of our default
+        return OptimConfig(lr=saved.get("lr", OptimConfig.lr),
+                           b1=saved.get("betas", [OptimConfig.b1])[0],
+                           b2=saved.get("betas", [0, OptimConfig.b2])[1],
+                           eps=saved.get("eps", OptimConfig.eps),
+                           weight_decay=saved.get("weight_decay_matrix",
+                                                  OptimConfig.weight_decay),
+                           warmup_steps=0, min_lr_ratio=1.0)
+    fields = {f.name for f in dataclasses.fields(OptimConfig)}
+    return OptimConfig(**{k: v for k, v in saved.items() if k in fields})
+
+
+def _trim_vocab(params: Any, axes: Any, vocab: int) -> Any:
+    """`params` (or a tree that mirrors them) without the vocabulary rows past `vocab`."""
+    return jax.tree.map(
+        lambda x, a: x[tuple(slice(0, vocab) if n == "vocab" else slice(None) for n in a)],
+        params, axes, is_leaf=lambda a: isinstance(a, tuple))
+
+
+def _write_atomically(state: dict[str, Any], out: Path, dcp: Any) -> Path:
+    """`dcp.save` into a scratch directory beside `out`, renamed to `out` once complete."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    scratch.mkdir()
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(scratch)), no_dist=True)
+        if out.exists():
+            out.rmdir()  # empty: check_new_directory saw to that
+        os.replace(scratch, out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out

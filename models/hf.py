@@ -197,7 +197,7 @@ def hf_state_to_params(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig) -> d
         if x.shape != _hf_shape(shape, fan_in):
             raise UserError(f"tensor {name}: config.json implies shape "
                             f"{_hf_shape(shape, fan_in)}, found {x.shape}")
-        x = x.astype(np.float32)
+        x = x.astype(np.float32, copy=False)
         x = np.ascontiguousarray(x.T.reshape(shape) if fan_in else x)
         if i is None:
             params[key] = x

@@ -71,6 +71,10 @@ def test_bench_ckpt() -> None:
     assert set(report["restore"]) == {"same mesh", "new mesh", "new device count"}
     assert all(positive(r["seconds"]) for r in report["restore"].values())
     assert positive(report["training"]["step_s"])
+    dcp = report["dcp"]
+    assert dcp["bytes"] > 0 and dcp["export"]["bytes"] > 0 and dcp["files"] > 1
+    assert all(positive(x) for way in ("import", "export") for x in dcp[way].values())
+    assert positive(dcp["disk_read_gb_s"]) and positive(dcp["import_vs_disk_read"])
 
 
 def test_bench_mixed() -> None:

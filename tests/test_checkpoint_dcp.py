@@ -204,11 +204,13 @@ def _save_torch(directory: Path, state: dict) -> Path:
 
 
 @pytest.fixture(scope="module")
-def weights(torch_run) -> dict:
-    """The torch run's weights after its steps, as torch tensors by Hugging Face name."""
-    reference = np.load(torch_run[1] / "ref.npz")
-    return {k.split("/", 1)[1]: torch.from_numpy(reference[k]) for k in reference.files
-            if k.startswith("param/")}
+def weights() -> dict:
+    """The torch model's weights, as torch tensors by Hugging Face name."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**torch_llama.CONFIG))
+    return {name: x.detach().clone() for name, x in model.state_dict().items()}
 
 
 def _error(argv: list[str], capsys) -> str:
@@ -250,17 +252,21 @@ def test_bad_torch_checkpoints_are_one_line_errors_naming_the_tensor_and_write_n
     assert "no .metadata" in err and not (tmp_path / "x").exists()
 
 
-def test_a_truncated_torch_checkpoint_is_refused(weights, tmp_path, capsys):
+def test_a_truncated_or_damaged_torch_checkpoint_is_refused(weights, tmp_path, capsys):
     source = _save_torch(tmp_path / "dcp", {"model": weights})
     (shard,) = source.glob("*.distcp")
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    data = shard.read_bytes()
     err = _error(["ckpt", "import-dcp", str(source), str(tmp_path / "out"), "--model", "tiny"],
                  capsys)
-    assert "layers" in err  # the preset has other shapes: named before any tensor is read
+    assert "has shape [160, 64], but the model needs [176, 64]" in err  # tiny's is another
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**torch_llama.CONFIG, "model_type": "llama"}))
-    err = _error(["ckpt", "import-dcp", str(source), str(tmp_path / "out"), "--config",
-                  str(config)], capsys)
+    argv = ["ckpt", "import-dcp", str(source), str(tmp_path / "out"), "--config", str(config)]
+    shard.write_bytes(data[: len(data) // 2])
+    err = _error(argv, capsys)
+    assert f"{shard}: holds {len(data) // 2} bytes, but tensor model.model" in err, err
+    shard.write_bytes(data[:200] + bytes(len(data) - 200))  # the same size, zeros inside
+    err = _error(argv, capsys)
     assert "truncated or damaged" in err and str(source) in err
     assert not (tmp_path / "out").exists()
 

@@ -100,11 +100,21 @@ def _show(args: argparse.Namespace) -> None:
         b = report["bytes_per_device"]
         console.print(f"per device (fp32): params {_mib(b['params'])}, grads "
                       f"{_mib(b['grads'])}, Adam moments {_mib(b['optimizer'])}")
-        shards = report["batch_shards"]
-        rows = report["micro_rows"]
-        console.print(f"micro-batches: rows split {shards} way(s); " + (
+        shards, rows, pipeline = report["batch_shards"], report["micro_rows"], report["pipeline"]
+        split = (f"{shards} way(s)" if not pipeline else
+                 f"{shards} ways ({shards // pipeline['microbatches']} batch shard(s) x "
+                 f"{pipeline['microbatches']} pipeline micro-batches)")
+        console.print(f"micro-steps: rows split {split}; " + (
             f"{rows} row(s) each (the table's)" if rows else
             f"{shards} row(s) each by default, or the most that fit --device-memory"))
+        if pipeline:
+            tokens = (rows or shards) * bucket.max_len
+            console.print(
+                f"pipeline: {pipeline['stages']} stages of {pipeline['layers_per_stage']} "
+                f"layer(s), {pipeline['microbatches']} micro-batches, "
+                f"{pipeline['iterations']} iterations; bubble {pipeline['bubble']:.0%}; each "
+                f"device sends the next stage {_mib(pipeline['stage_bytes_per_token'] * tokens)}"
+                f" per micro-step of {tokens:,} tokens (activations forward, gradients back)")
         activations = Table("activation", "placement", title="activations",
                             title_justify="left")
         for name, spec in report["activations"].items():

@@ -15,6 +15,7 @@ from flax import nnx
 from models.attention import AttentionSharding, accumulating, attention
 from models.errors import UserError
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
+from models.pipeline import gpipe
 
 Array = jax.Array
 # Logical axis names: strategies map these to mesh axes. `seq` is the residual stream's
@@ -22,7 +23,7 @@ Array = jax.Array
 # go round a ring).
 PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm")
 ACTIVATION_AXES = ("batch", "seq", "inner_seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
-                   "vocab")
+                   "vocab", "stages")  # stages: a pipeline's stage buffer, always on `stage`
 Constrain = Callable[[Array, tuple[str | None, ...]], Array]
 
 
@@ -36,6 +37,11 @@ class Placement(Protocol):
     @property
     def attention(self) -> AttentionSharding:
         """Where attention runs, per device."""
+        ...
+
+    @property
+    def pipeline(self) -> tuple[int, int] | None:
+        """(stages, micro-batches) when the layers run as a pipeline, else None."""
         ...
 
 
@@ -212,7 +218,8 @@ class Llama(nnx.Module):
         x_BxTxD = constrain(jnp.take(embed_VxD, tokens_BxT, axis=0), ("batch", "seq", "embed"))
         cos_BxTxH, sin_BxTxH = rope_tables(cfg, positions_BxT)
 
-        def block(x_BxTxD: Array, w: dict[str, Array]) -> tuple[Array, None]:
+        def block(x_BxTxD: Array, w: dict[str, Array], rows: tuple[Array, ...]) -> Array:
+            segment_ids_BxT, positions_BxT, cos_BxTxH, sin_BxTxH = rows
             # Re-stated on entry: the backward pass slices saved activations out of the scan's
             # stack, and without it the partitioner can lose their batch sharding.
             x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
@@ -223,12 +230,17 @@ class Llama(nnx.Module):
             x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
             h = _rms_norm(x_BxTxD, w["mlp_norm"], cfg.norm_eps)
             x_BxTxD = x_BxTxD + _mlp(h, w, constrain)
-            return constrain(x_BxTxD, ("batch", "seq", "embed")), None
+            return constrain(x_BxTxD, ("batch", "seq", "embed"))
 
         layer_axes = {k: axes[1:] for k, axes in param_axes(cfg)["layers"].items()}
         block = _rematerialised(block, cfg.remat)
         stacked = nnx.to_pure_dict(nnx.state(self.layers))
-        x_BxTxD, _ = jax.lax.scan(block, x_BxTxD, stacked)
+        rows = (segment_ids_BxT, positions_BxT, cos_BxTxH, sin_BxTxH)
+        pipeline = None if placement is None else placement.pipeline
+        if pipeline is None:
+            x_BxTxD, _ = jax.lax.scan(lambda x, w: (block(x, w, rows), None), x_BxTxD, stacked)
+        else:
+            x_BxTxD = gpipe(block, x_BxTxD, stacked, rows, *pipeline, constrain=constrain)
 
         x_BxTxD = _rms_norm(x_BxTxD, self.final_norm[...].astype(cfg.dtype), cfg.norm_eps)
         head_DxV = embed_VxD.T if cfg.tie_embeddings else constrain(

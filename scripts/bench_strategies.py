@@ -48,6 +48,7 @@ DEFAULT_STRATEGIES = "; ".join((
     "data=8,rules=dp", "fsdp=8,rules=zero1", "fsdp=8,rules=zero2", "fsdp=8,rules=fsdp",
     "context=8,rules=context", "tensor=8,rules=megatron", "tensor=8,rules=megatron-sp",
     "data=2,tensor=4,rules=megatron-sp", "fsdp=2,context=4,rules=context", "data=2,fsdp=2,tensor=2",
+    "stage=2,data=4", "stage=4,tensor=2", "stage=2,data=2,tensor=2,microbatches=8",
 ))
 DOCS_PER_ROW = 3
 MiB = 2**20
@@ -55,7 +56,7 @@ MiB = 2**20
 CACHE_MISS = "/jax/compilation_cache/cache_misses"
 HOST_MEMORY_SHARE = 0.8  # of the host's available memory that simulated devices may plan to use
 QUICK = {"model": "tiny", "seq_lens": "64,128", "batch_tokens": 1024, "steps": 1,
-         "strategies": "data=8,rules=dp; fsdp=2,context=4,rules=context"}
+         "strategies": "data=8,rules=dp; fsdp=2,context=4,rules=context; stage=2,data=4"}
 
 
 def synthetic_batch(rows: int, seq_len: int, vocab_size: int, seed: int = 0) -> Batch:

@@ -9,6 +9,7 @@ from typing import Any
 from models.attention import DEFAULT_BLOCK, choose_backend
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
+from models.pipeline import bubble
 from sharding.strategy import Strategy, fit_to_model, ways
 
 # Where activations are constrained in the model, by their logical axes.
@@ -49,10 +50,28 @@ def describe(strategy: Strategy, config: LlamaConfig, platform: str = "cpu") -> 
     return {"strategy": str(strategy), "mesh": {a: n for a, n in sizes.items() if n > 1},
             "rules": fitted.rules.name, "notes": list(notes), "params": params,
             "bytes_per_device": totals,
-            "batch_shards": math.prod(ways(fitted.activation_spec(("batch",)), sizes)),
+            "batch_shards": math.prod(ways(fitted.activation_spec(("batch",)), sizes))
+            * (fitted.microbatches or 1),
+            "pipeline": _pipeline(fitted, config),
             "activations": {k: _spec_text(fitted.activation_spec(v))
                             for k, v in ACTIVATIONS.items()},
             "attention": _attention(fitted, config, platform)}
+
+
+def _pipeline(strategy: Strategy, config: LlamaConfig) -> dict[str, Any] | None:
+    """Stages, layers and micro-batches of a pipeline; the bubble; and what each device sends
+    to the next stage per token of a micro-step's rows (forward activations, then as many
+    gradient bytes back)."""
+    S, M = strategy.stages, strategy.microbatches
+    if S == 1:
+        return None
+    data = math.prod(ways(strategy.activation_spec(("batch", "seq")), strategy.axes))
+    itemsize = 2 if config.compute_dtype in ("bfloat16", "float16") else 4
+    # Every iteration moves each stage's slot (a micro-batch of rows/M) one stage on.
+    sent = 2 * (M + S - 1) * config.dim * itemsize / (M * data)
+    return {"stages": S, "layers_per_stage": config.n_layers // S, "microbatches": M,
+            "iterations": M + S - 1, "bubble": bubble(S, M),
+            "stage_bytes_per_token": sent}
 
 
 def _attention(strategy: Strategy, config: LlamaConfig, platform: str) -> dict[str, Any]:

@@ -15,8 +15,10 @@ from models.attention import AttentionSharding
 from models.errors import UserError
 from models.llama import ACTIVATION_AXES, PARAM_AXES, LlamaConfig
 
-# Outermost to innermost: the innermost axes stay inside a node, where links are fastest.
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+# Outermost to innermost: the innermost axes stay inside a node, where links are fastest, and
+# pipeline stages, which exchange only one micro-batch's activations, cross nodes first (as
+# Megatron places them).
+MESH_AXES = ("stage", "data", "fsdp", "context", "tensor")
 
 # Logical axis -> mesh axes, frozen so that strategies can key caches of compiled steps.
 AxisMap = tuple[tuple[str, tuple[str, ...]], ...]
@@ -85,9 +87,11 @@ class Rules:
 
 
 # Rule sets build on each other: dp < fsdp < context < megatron < megatron-sp. Axes of size 1
-# drop out of every spec, so one rule set serves any mesh that has a subset of its axes.
+# drop out of every spec, so one rule set serves any mesh that has a subset of its axes. Every
+# one splits the stacked layers over `stage` (pipeline parallelism) when the mesh has it.
+_STAGE = {"layers": "stage"}
 _DP = {"batch": ("data", "fsdp")}
-_FSDP = {"embed": "fsdp"}
+_FSDP = {**_STAGE, "embed": "fsdp"}
 _CONTEXT = {**_DP, "seq": "context", "inner_seq": "context"}  # K/V go round a ring
 _TP_PARAMS = {**_FSDP, "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
               "vocab": "tensor"}
@@ -101,10 +105,10 @@ def _rules(name: str, params: dict, activations: dict, **zero: dict) -> Rules:
 
 RULE_SETS: dict[str, Rules] = {
     # Data parallel: parameters replicated, the batch split over every data-like axis.
-    "dp": _rules("dp", {}, _DP),
+    "dp": _rules("dp", _STAGE, _DP),
     # ZeRO-1: optimizer state split over fsdp; ZeRO-2: gradients too. Compute params replicated.
-    "zero1": _rules("zero1", {}, _DP, optimizer=_FSDP),
-    "zero2": _rules("zero2", {}, _DP, grads=_FSDP, optimizer=_FSDP),
+    "zero1": _rules("zero1", _STAGE, _DP, optimizer=_FSDP),
+    "zero2": _rules("zero2", _STAGE, _DP, grads=_FSDP, optimizer=_FSDP),
     # FSDP / ZeRO-3: parameters (hence grads and optimizer state) split on `embed` over fsdp,
     # gathered layer by layer inside the step.
     "fsdp": _rules("fsdp", _FSDP, _DP),
@@ -145,10 +149,13 @@ class Strategy:
     # Context parallelism with causal attention: each context rank holds sequence chunks i and
     # 2C-1-i, so every rank has as much of the causal triangle as any other.
     balanced: bool = False
+    # Pipeline micro-batches a step's rows are cut into (None without a `stage` axis).
+    microbatches: int | None = None
 
     @classmethod
     def create(cls, mesh: Mapping[str, int], rules: str | Mapping | None = None,
-               where: str = "strategy", balanced: bool = False) -> Strategy:
+               where: str = "strategy", balanced: bool = False,
+               microbatches: int | None = None) -> Strategy:
         unknown = [a for a in mesh if a not in MESH_AXES]
         if unknown:
             raise UserError(f"{where}: unknown mesh axis {unknown[0]!r}: "
@@ -159,8 +166,21 @@ class Strategy:
         sizes = tuple(mesh.get(a, 1) for a in MESH_AXES)
         if not isinstance(balanced, bool):
             raise UserError(f"{where}: balanced={balanced!r} must be true or false")
+        stages = mesh.get("stage", 1)
+        if microbatches is not None and (not isinstance(microbatches, int)
+                                         or isinstance(microbatches, bool) or microbatches < 1):
+            raise UserError(f"{where}: microbatches={microbatches!r} must be a positive integer")
+        if stages == 1 and microbatches is not None:
+            raise UserError(f"{where}: microbatches are a pipeline's: add a stage axis, or drop "
+                            f"microbatches")
+        if stages > 1:
+            microbatches = 2 * stages if microbatches is None else microbatches
+            if microbatches < stages:
+                raise UserError(f"{where}: microbatches={microbatches} < stage={stages}: a "
+                                f"pipeline needs at least one micro-batch per stage (default "
+                                f"{2 * stages})")
         strategy = cls(sizes, _parse_rules(DEFAULT_RULES if rules is None else rules, where),
-                       balanced)
+                       balanced, microbatches)
         if balanced and strategy.seq_ways("context") == 1:
             raise UserError(f"{where}: a balanced chunk order needs the sequence split over a "
                             f"context axis larger than 1: add one, or drop balanced")
@@ -170,6 +190,8 @@ class Strategy:
             raise UserError(f"{where}: mesh axis {idle[0]} is not used by rules "
                             f"{strategy.rules.name!r} (every device would repeat the same work): "
                             f"choose rules that use it, or drop the axis")
+        if stages > 1:
+            _check_pipeline(strategy, where)
         return strategy
 
     @classmethod
@@ -177,7 +199,7 @@ class Strategy:
         """From the command line: `"data=2,fsdp=4"`, optionally with `",rules=NAME"` and
         `",balanced=true"`."""
         mesh: dict[str, int] = {}
-        rules, balanced = None, None
+        rules, balanced, microbatches = None, None, None
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, value = item.partition("=")
             key = key.strip()
@@ -185,7 +207,8 @@ class Strategy:
                 raise UserError(f"--strategy {text!r}: expected AXIS=SIZE items, "
                                 f"like 'data=2,fsdp=4'")
             if key in mesh or (key == "rules" and rules is not None) or (
-                    key == "balanced" and balanced is not None):
+                    key == "balanced" and balanced is not None) or (
+                    key == "microbatches" and microbatches is not None):
                 raise UserError(f"--strategy {text!r}: {key!r} is given twice: give it once")
             if key == "rules":
                 rules = value.strip()
@@ -193,13 +216,19 @@ class Strategy:
                 if value.strip().lower() not in ("true", "false"):
                     raise UserError(f"--strategy {text!r}: balanced must be true or false")
                 balanced = value.strip().lower() == "true"
+            elif key == "microbatches":
+                if not value.strip().isdecimal():
+                    raise UserError(f"--strategy {text!r}: microbatches must be a positive "
+                                    f"integer")
+                microbatches = int(value)
             elif value.strip().isdecimal():
                 mesh[key] = int(value)
             else:
                 raise UserError(f"--strategy {text!r}: size of {key!r} must be a positive integer")
         if not mesh:
             raise UserError(f"--strategy {text!r}: give at least one mesh axis, e.g. 'data=8'")
-        return cls.create(mesh, rules, where=f"--strategy {text!r}", balanced=bool(balanced))
+        return cls.create(mesh, rules, where=f"--strategy {text!r}", balanced=bool(balanced),
+                          microbatches=microbatches)
 
     @property
     def axes(self) -> dict[str, int]:
@@ -211,7 +240,14 @@ class Strategy:
 
     def __str__(self) -> str:
         used = "·".join(f"{a}{n}" for a, n in self.axes.items() if n > 1) or "single"
-        return f"{used} [{self.rules.name}{', balanced' if self.balanced else ''}]"
+        extra = (", balanced" if self.balanced else "") + (
+            f", {self.microbatches} micro-batches" if self.microbatches else "")
+        return f"{used} [{self.rules.name}{extra}]"
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: the stacked layers split over `stage` (1: no pipeline)."""
+        return self.axes["stage"]
 
     def seq_ways(self, axis: str) -> int:
         """How many ways the residual sequence is split over one mesh axis."""
@@ -233,6 +269,31 @@ class Strategy:
         return _spec(axes, self.rules.activations, self.axes)
 
 
+def _check_pipeline(strategy: Strategy, where: str) -> None:
+    """Pipeline stages need the rules to split the stacked layers over `stage` (a stage holds
+    its block of layers) and nothing else over it (inside a stage every other axis works as
+    without a pipeline)."""
+    rules = strategy.rules
+    maps = (("params", rules.params), ("grads", rules.grads), ("optimizer", rules.optimizer))
+    for kind, mapping in maps:
+        if mapping is None:
+            continue
+        lookup = dict(mapping)
+        if "stage" not in lookup.get("layers", ()):
+            raise UserError(f"{where}: rules {rules.name!r} do not split the stacked layers over "
+                            f"stage in {kind}: map layers to stage (every built-in rule set "
+                            f"does)")
+        other = next((k for k, axes in mapping if k != "layers" and "stage" in axes), None)
+        if other:
+            raise UserError(f"{where}: rules {rules.name!r} split {other} over stage in {kind}: "
+                            f"only the stacked layers go over stage")
+    used = next((k for k, axes in rules.activations if "stage" in axes), None)
+    if used:
+        raise UserError(f"{where}: rules {rules.name!r} split activation axis {used} over "
+                        f"stage: a pipeline's activations move between stages, map them to "
+                        f"other axes")
+
+
 def canonical_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
     """Node-major device order: every strategy's mesh is a reshape of this one list."""
     devices = jax.devices() if devices is None else devices
@@ -241,7 +302,7 @@ def canonical_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.D
 
 def _spec(axes: Sequence[str | None], mapping: AxisMap, sizes: Mapping[str, int]
           ) -> PartitionSpec:
-    lookup = dict(mapping)
+    lookup = {"stages": ("stage",), **dict(mapping)}  # a pipeline's stage buffer
     taken: set[str] = set()
     parts: list[Any] = []
     for logical in axes:
@@ -266,6 +327,10 @@ def fit_to_model(strategy: Strategy, config: LlamaConfig) -> tuple[Strategy, tup
     With GQA and `tensor` larger than the K/V head count, each K/V head is replicated over
     `tensor / n_kv_heads` ranks, as Megatron does.
     """
+    if config.n_layers % strategy.stages:
+        raise UserError(f"{strategy}: {config.n_layers} layers do not split into "
+                        f"{strategy.stages} pipeline stages: choose a stage count that divides "
+                        f"{config.n_layers}")
     tensor = strategy.axes["tensor"]
     rules = strategy.rules
     heads_on_tensor = any(logical in ("heads", "kv_heads") and "tensor" in axes
@@ -338,9 +403,17 @@ class Layout:
         return NamedSharding(self.mesh, self.strategy.activation_spec(("batch", "seq")))
 
     @property
+    def pipeline(self) -> tuple[int, int] | None:
+        """(stages, micro-batches) of a pipeline, or None."""
+        return (self.strategy.stages, self.strategy.microbatches) if self.strategy.stages > 1 \
+            else None
+
+    @property
     def batch_shards(self) -> int:
-        """How many ways the rows of a batch are split; row counts must be a multiple of it."""
-        return math.prod(ways(self.strategy.activation_spec(("batch",)), self.mesh.shape))
+        """How many ways the rows of a batch are split (over data-like axes, and into pipeline
+        micro-batches); row counts must be a multiple of it."""
+        return math.prod(ways(self.strategy.activation_spec(("batch",)), self.mesh.shape)) * (
+            self.strategy.microbatches or 1)
 
     @property
     def seq_shards(self) -> int:

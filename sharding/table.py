@@ -73,10 +73,12 @@ def parse_table(data: dict[str, Any], source: str) -> StrategyTable:
         if not isinstance(entry, dict):
             raise UserError(f"{where}: each bucket must be a table: write [[bucket]] entries "
                             f"with max_len and mesh")
-        unknown = set(entry) - {"max_len", "mesh", "rules", "balanced", "micro_rows", "remat"}
+        unknown = set(entry) - {"max_len", "mesh", "rules", "balanced", "micro_rows", "remat",
+                                "microbatches"}
         if unknown:
             raise UserError(f"{where}: unknown key {sorted(unknown)[0]!r}: "
-                            f"use max_len, mesh, rules, balanced, micro_rows, remat")
+                            f"use max_len, mesh, rules, balanced, micro_rows, remat, "
+                            f"microbatches")
         max_len = entry.get("max_len")
         if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
             raise UserError(f"{where}: max_len must be a positive integer, got {max_len!r}")
@@ -95,9 +97,9 @@ def parse_table(data: dict[str, Any], source: str) -> StrategyTable:
         if remat is not None and remat not in REMAT_POLICIES:
             raise UserError(f"{where}: remat {remat!r}: choose one of "
                             f"{', '.join(map(repr, REMAT_POLICIES))}")
-        buckets.append(Bucket(max_len, Strategy.create(mesh, entry.get("rules"), where,
-                                                       entry.get("balanced", False)), micro_rows,
-                              remat))
+        strategy = Strategy.create(mesh, entry.get("rules"), where, entry.get("balanced", False),
+                                   entry.get("microbatches"))
+        buckets.append(Bucket(max_len, strategy, micro_rows, remat))
     return StrategyTable(tuple(buckets), source)
 
 

@@ -63,10 +63,16 @@ def _layouts(tmp_path) -> dict[str, list[str]]:
         "every bucket data=8": ["--strategies", _table(
             tmp_path, "dp", "data = 8", "data = 8", "data = 8")],
         "one strategy fsdp=8": ["--strategy", "fsdp=8", "--context", str(BUCKETS[-1])],
+        # HotSPa's LLaMA2-7B table in shape (8 data; 2 data, 2 tensor, 2 stages; 4 tensor, 2
+        # stages), at short lengths.
+        "pipeline table": ["--strategies", _table(
+            tmp_path, "pipeline", "data = 8", "data = 2, tensor = 2, stage = 2",
+            "tensor = 4, stage = 2")],
     }
 
 
-@pytest.mark.parametrize("layout", ["hot table", "every bucket data=8", "one strategy fsdp=8"])
+@pytest.mark.parametrize("layout", ["hot table", "every bucket data=8", "one strategy fsdp=8",
+                                    "pipeline table"])
 def test_every_layout_trains_on_the_same_minibatches_with_the_same_losses(layout, tmp_path,
                                                                            corpus, one_device):
     records = _train(tmp_path, corpus, "--steps", "3", *_layouts(tmp_path)[layout])

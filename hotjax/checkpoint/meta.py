@@ -57,7 +57,9 @@ def table_record(table: Any) -> dict[str, Any]:
     """A strategy table in its TOML form, rules written out in full (`sharding.table`)."""
     return {"bucket": [{"max_len": b.max_len,
                         "mesh": {a: n for a, n in b.strategy.axes.items() if n > 1},
-                        "rules": rules_record(b.strategy.rules)} for b in table.buckets]}
+                        "rules": rules_record(b.strategy.rules),
+                        **({"microbatches": b.strategy.microbatches}
+                           if b.strategy.microbatches else {})} for b in table.buckets]}
 
 
 def rules_record(rules: Any) -> dict[str, Any]:

@@ -1,0 +1,132 @@
+"""Pipeline stages: the stacked layers split over `stage`, a step's rows into micro-batches run
+GPipe's schedule, and one step equals one device's; a stage holds its share of the layers."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+from test_parallelism import compiled_update
+
+from hotjax.cli import main
+from hotjax.data import Batch, MiniBatch
+from hotjax.optim import OptimConfig
+from hotjax.step import Home
+from hotjax.train import Trainer
+from models.errors import UserError
+from models.llama import PRESETS, abstract_params
+from models.pipeline import bubble
+from sharding.report import describe
+from sharding.strategy import Strategy
+from sharding.table import StrategyTable
+
+# Eight layers, so that each of eight stages holds one; fp32, so that every layout must give the
+# one-device numbers to reduction-order noise.
+CONFIG = dataclasses.replace(PRESETS["tiny"], n_layers=8, vocab_size=384,
+                             compute_dtype="float32")
+OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, total_steps=4)
+SEQ, ROWS = 64, 16
+
+
+@pytest.fixture(scope="module")
+def minibatch() -> MiniBatch:
+    """Rows of two documents each, one with padding at its end."""
+    rng = np.random.default_rng(0)
+    segments = np.ones((ROWS, SEQ), np.int32)
+    segments[:, 40:] = 2
+    segments[3, 50:] = 0
+    positions = np.where(segments == 1, np.arange(SEQ), np.arange(SEQ) - 40) * (segments > 0)
+    tokens = rng.integers(1, 259, (ROWS, SEQ)) * (segments > 0)
+    return MiniBatch((Batch(tokens.astype(np.int32), segments, positions.astype(np.int32)),))
+
+
+def _one_step(strategy: str, devices, minibatch: MiniBatch):
+    table = StrategyTable.single(Strategy.parse(strategy), SEQ, strategy)
+    trainer = Trainer(CONFIG, OPTIM, table, devices)
+    state, metrics, _ = trainer.step(trainer.init(seed=0), minibatch)
+    return float(metrics["loss"]), jax.tree.map(np.asarray, state.params)
+
+
+@pytest.fixture(scope="module")
+def one_device(devices, minibatch):
+    return _one_step("data=1", devices[:1], minibatch)
+
+
+@pytest.mark.parametrize("strategy", [
+    "stage=2,data=4,microbatches=2", "stage=2,data=4",  # M = S, and M = 2S (the default)
+    "stage=4,tensor=2,microbatches=4", "stage=4,tensor=2",
+    "stage=2,fsdp=2,tensor=2,microbatches=2", "stage=2,fsdp=2,tensor=2",
+    "stage=8,microbatches=8", "stage=8",
+])
+def test_one_pipelined_step_equals_the_single_device_step(strategy, devices, minibatch,
+                                                          one_device):
+    loss, params = _one_step(strategy, devices, minibatch)
+    assert loss == pytest.approx(one_device[0], abs=1e-5)
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        reference = one_device[1]
+        for key in path:
+            reference = reference[key.key]
+        np.testing.assert_allclose(x, reference, atol=1e-5, rtol=0, err_msg=str(path))
+
+
+def test_a_stage_holds_its_share_of_the_layers_by_xla(devices):
+    """XLA's bytes of the update's arguments (fp32 parameters, Adam moments, gradient sum): the
+    layers' part under stage=4 is a quarter of data=8's, the rest (replicated) unchanged."""
+    def argument_bytes(strategy: str) -> int:
+        home = Home(CONFIG, OPTIM, Strategy.parse(strategy), devices)
+        return compiled_update(home).memory_analysis().argument_size_in_bytes
+
+    layers = sum(x.size * 4 for x in jax.tree.leaves(abstract_params(CONFIG)["layers"]))
+    copies = 4  # parameters, two moments, the gradient sum
+    saved = argument_bytes("data=8,rules=dp") - argument_bytes("stage=4,data=2,rules=dp")
+    assert saved == pytest.approx(copies * layers * (1 - 1 / 4), rel=1e-3)
+    report = describe(Strategy.parse("stage=4,data=2,rules=dp"), CONFIG)
+    whole = describe(Strategy.parse("data=8,rules=dp"), CONFIG)
+    assert whole["bytes_per_device"]["params"] - report["bytes_per_device"]["params"] == \
+        layers * 3 // 4
+
+
+def test_strategy_show_gives_stages_layers_micro_batches_and_the_bubble(capsys):
+    assert main(["strategy", "show", "stage=4,tensor=2,microbatches=12", "--model", "small",
+                 "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    pipeline = report["pipeline"]
+    assert (pipeline["stages"], pipeline["layers_per_stage"], pipeline["microbatches"]) == \
+        (4, PRESETS["small"].n_layers // 4, 12)
+    assert pipeline["bubble"] == pytest.approx(3 / 15) == bubble(4, 12)
+    assert report["batch_shards"] == 12  # rows: one per micro-batch (tensor splits no rows)
+    assert report["mesh"] == {"stage": 4, "tensor": 2}
+    layer = next(p for p in report["params"] if p["name"] == "layers/w_up")
+    assert layer["spec"] == "(stage, None, tensor)"
+
+
+@pytest.mark.parametrize("strategy, expected", [
+    ("stage=4,data=2", "2 layers do not split into 4 pipeline stages"),
+    ("stage=4,data=2,microbatches=2", "microbatches=2 < stage=4"),
+    ("data=8,microbatches=4", "microbatches are a pipeline's"),
+])
+def test_bad_pipelines_are_one_line_errors(strategy, expected, tmp_path, capsys):
+    assert main(["train", "--model", "tiny", "--tokenizer", "bytes", "--steps", "1",
+                 "--strategy", strategy]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("hotjax: error: ") and expected in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("rules, expected", [
+    ('{ params = { embed = "fsdp" }, activations = { batch = "data" } }',
+     "mesh axis stage=2 is not used by rules"),
+    ('{ params = { embed = "stage" }, activations = { batch = "data" } }',
+     "do not split the stacked layers over stage"),
+    ('{ params = { layers = "stage" }, activations = { batch = ["data", "stage"] } }',
+     "split activation axis batch over stage"),
+])
+def test_rules_that_cannot_hold_a_pipeline_are_refused(rules, expected):
+    with pytest.raises(UserError, match=expected):
+        import tomllib
+
+        from sharding.table import parse_table
+
+        parse_table(tomllib.loads(f"[[bucket]]\nmax_len = 64\nmesh = {{ stage = 2, data = 4 }}\n"
+                                  f"rules = {rules}\n"), "t.toml")

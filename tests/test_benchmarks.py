@@ -32,7 +32,7 @@ def positive(x: float) -> bool:
 def test_bench_strategies() -> None:
     report = run_quick("bench_strategies")
     results = report["results"]
-    assert len(results) == 4 and report["machine"]["devices"] == 8
+    assert len(results) == 6 and report["machine"]["devices"] == 8  # 3 strategies x 2 lengths
     for r in results:
         assert r["status"] == "ok", r
         memory = r["memory_bytes"]

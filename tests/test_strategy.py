@@ -35,11 +35,12 @@ def specs(shardings: dict) -> dict:
 # --- Strategy.parse -------------------------------------------------------------------------------
 
 
-def test_parse_orders_sizes_as_data_fsdp_context_tensor_and_defaults_to_auto_rules():
+def test_parse_orders_sizes_as_stage_data_fsdp_context_tensor_and_defaults_to_auto_rules():
     strategy = Strategy.parse("fsdp=4, data=2")
 
-    assert strategy.sizes == (2, 4, 1, 1)
-    assert strategy.axes == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1}
+    assert strategy.sizes == (1, 2, 4, 1, 1)
+    assert strategy.axes == {"stage": 1, "data": 2, "fsdp": 4, "context": 1, "tensor": 1}
+    assert strategy.stages == 1 and strategy.microbatches is None
     assert strategy.num_devices == 8
     assert DEFAULT_RULES == "auto"
     assert strategy.rules.name == "auto"
@@ -60,9 +61,9 @@ def test_a_strategy_shows_its_axes_above_1_and_its_rules_name(text, shown):
 def test_parse_takes_a_named_rule_set():
     strategy = Strategy.parse("data=8,rules=dp")
 
-    assert strategy.sizes == (8, 1, 1, 1)
+    assert strategy.sizes == (1, 8, 1, 1, 1)
     assert strategy.rules.name == "dp"
-    assert strategy.rules.params == ()
+    assert strategy.rules.params == (("layers", ("stage",)),)  # only a pipeline splits them
     assert strategy.rules.activations == (("batch", ("data", "fsdp")),)
 
 
@@ -82,23 +83,23 @@ def test_fsdp_axis_under_dp_rules_is_accepted_because_the_batch_splits_over_it(d
     strategy = Strategy.parse("fsdp=8,rules=dp")
     lay = Layout(strategy, devices)
 
-    assert strategy.sizes == (1, 8, 1, 1)
+    assert strategy.sizes == (1, 1, 8, 1, 1)
     assert lay.batch_sharding.spec == P("fsdp")
     assert lay.batch_shards == 8
 
 
 @pytest.mark.parametrize("text, sizes", [
-    ("tensor=8", (1, 1, 1, 8)),
-    ("context=8", (1, 1, 8, 1)),
-    ("data=2,tensor=4", (2, 1, 1, 4)),
-    ("fsdp=2,context=2,tensor=2", (1, 2, 2, 2)),
+    ("tensor=8", (1, 1, 1, 1, 8)),
+    ("context=8", (1, 1, 1, 8, 1)),
+    ("data=2,tensor=4", (1, 2, 1, 1, 4)),
+    ("fsdp=2,context=2,tensor=2", (1, 1, 2, 2, 2)),
 ])
 def test_default_rules_use_every_mesh_axis(text, sizes):
     strategy = Strategy.parse(text)
 
     assert strategy.sizes == sizes
     assert strategy.rules == RULE_SETS["auto"]
-    assert RULE_SETS["auto"].mesh_axes_used() == {"data", "fsdp", "context", "tensor"}
+    assert RULE_SETS["auto"].mesh_axes_used() == {"stage", "data", "fsdp", "context", "tensor"}
 
 
 @pytest.mark.parametrize("text, axis, rules", [
@@ -119,8 +120,8 @@ def test_an_axis_the_chosen_rules_do_not_use_is_rejected(text, axis, rules):
 
 
 @pytest.mark.parametrize("text, named, fix", [
-    ("pipe=2", "'pipe'", "use data, fsdp, context, tensor"),
-    ("data=2,pipe=4", "'pipe'", "use data, fsdp, context, tensor"),
+    ("pipe=2", "'pipe'", "use stage, data, fsdp, context, tensor"),
+    ("data=2,pipe=4", "'pipe'", "use stage, data, fsdp, context, tensor"),
     ("data=x", "'data'", "must be a positive integer"),
     ("data=2.5", "'data'", "must be a positive integer"),
     ("data=-8", "'data'", "must be a positive integer"),
@@ -156,13 +157,14 @@ def test_create_rejects_sizes_that_are_not_positive_integers(mesh):
 
 def test_inline_rules_equal_the_named_fsdp_rules(devices):
     inline = Strategy.create({"data": 2, "fsdp": 4}, {
-        "params": {"embed": "fsdp"},
+        "params": {"embed": "fsdp", "layers": "stage"},
         "activations": {"batch": ["data", "fsdp"]},
     })
     named = Strategy.create({"data": 2, "fsdp": 4}, "fsdp")
 
     assert inline.rules.name == "inline"
-    assert inline.rules.params == named.rules.params == (("embed", ("fsdp",)),)
+    assert inline.rules.params == named.rules.params == (("embed", ("fsdp",)),
+                                                         ("layers", ("stage",)))
     assert inline.rules.activations == named.rules.activations == (("batch", ("data", "fsdp")),)
     assert inline.rules.grads is inline.rules.optimizer is None
     axes, shapes = param_axes(TINY), abstract_params(TINY)
@@ -173,13 +175,13 @@ def test_inline_rules_equal_the_named_fsdp_rules(devices):
 
 @pytest.mark.parametrize("rules, named", [
     ({"params": {"embed": "pipe"}, "activations": {"batch": "data"}}, "'pipe' for 'embed'"),
-    ({"params": {}, "activations": {"batch": ["data", "stage"]}}, "'stage' for 'batch'"),
+    ({"params": {}, "activations": {"batch": ["data", "pipeline"]}}, "'pipeline' for 'batch'"),
 ])
 def test_inline_rules_naming_an_unknown_mesh_axis_are_rejected(rules, named):
     with pytest.raises(UserError, match="unknown mesh axis") as e:
         Strategy.create({"data": 8}, rules)
     assert named in str(e.value)
-    assert "use data, fsdp, context, tensor" in str(e.value)
+    assert "use stage, data, fsdp, context, tensor" in str(e.value)
 
 
 @pytest.mark.parametrize("rules", [{"param": {"embed": "fsdp"}}, {"zero": {}}, ["fsdp"], 3, {}])
@@ -271,14 +273,14 @@ def test_layout_rejects_a_strategy_whose_sizes_do_not_multiply_to_the_device_cou
 def test_mesh_has_every_canonical_axis_with_unused_ones_of_size_1(devices):
     mesh = layout("data=2,fsdp=4", devices).mesh
 
-    assert mesh.axis_names == ("data", "fsdp", "context", "tensor")
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1}
-    assert mesh.devices.shape == (2, 4, 1, 1)
-    assert mesh.axis_types == (AxisType.Auto,) * 4
+    assert mesh.axis_names == ("stage", "data", "fsdp", "context", "tensor")
+    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 4, "context": 1, "tensor": 1}
+    assert mesh.devices.shape == (1, 2, 4, 1, 1)
+    assert mesh.axis_types == (AxisType.Auto,) * 5
 
 
 @pytest.mark.parametrize("text, sizes", [
-    ("data=8", (8, 1, 1, 1)), ("data=2,fsdp=4", (2, 4, 1, 1)), ("fsdp=8", (1, 8, 1, 1)),
+    ("data=8", (1, 8, 1, 1, 1)), ("data=2,fsdp=4", (1, 2, 4, 1, 1)), ("fsdp=8", (1, 1, 8, 1, 1)),
 ])
 def test_every_mesh_is_a_reshape_of_one_canonical_device_order(text, sizes, devices):
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
@@ -706,7 +708,8 @@ def test_a_three_bucket_table_loads_with_its_lengths_and_strategies(tmp_path):
 
     assert table.source == str(path)
     assert [b.max_len for b in table.buckets] == [256, 1024, 4096]
-    assert [s.sizes for s in table.strategies] == [(8, 1, 1, 1), (2, 4, 1, 1), (1, 8, 1, 1)]
+    assert [s.sizes for s in table.strategies] == [(1, 8, 1, 1, 1), (1, 2, 4, 1, 1),
+                                                   (1, 1, 8, 1, 1)]
     assert [s.rules.name for s in table.strategies] == ["auto", "auto", "fsdp"]
     assert table.strategies == [Strategy.parse("data=8"), Strategy.parse("data=2,fsdp=4"),
                                 Strategy.parse("fsdp=8,rules=fsdp")]

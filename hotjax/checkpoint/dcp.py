@@ -214,10 +214,56 @@ def read_dcp(directory: str | Path, config: LlamaConfig, naming: str | None = No
     tensors = {k: v for k, v in metadata.state_dict_metadata.items()
                if isinstance(v, TensorStorageMetadata)}
     naming = _detect((parts[k] for k in tensors), config, naming)
+    entries = _entries(tensors, parts, config, naming, directory / ".metadata")
+    expected = hf_tensor_shapes(config)
+    has_state = any(e.field != "weight" for e in entries.values())
+    _check_files(directory, metadata, {e.key for e in entries.values()})
+    groups = {key: _group_field(parts[key]) for key in metadata.state_dict_metadata
+              if key not in tensors}
+    groups = {key: g for key, g in groups.items() if g is not None}
+    state: dict[str, Any] = {e.key: torch.empty(e.shape, dtype=tensors[e.key].properties.dtype)
+                             for e in entries.values()}
+    state.update(dict.fromkeys(groups))
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    # torch's CheckpointException, which wraps each rank's error, is a BaseException.
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        raise UserError(f"{directory}: reading its tensors failed ({type(cause).__name__}: "
+                        f"{meta_lib.first_line(cause)}): the checkpoint is truncated or "
+                        f"damaged") from None
+
+    def host(entry: _Entry) -> np.ndarray:
+        x = state[entry.key].to(torch.float32).numpy()
+        heads = _rotary_heads(entry.hf_name, config)
+        return interleaved_to_halves(x, heads) if naming == "torchtitan" and heads else x
+
+    weights = {n: host(entries["weight", n]) for n in expected}
+    moments, step = None, 0
+    if has_state:
+        moments = {f: {n: host(entries[f, n]) for n in expected} for f in MOMENTS}
+        steps = {n: float(state[entries["step", n].key].reshape(())) for n in expected}
+        first = next(iter(expected))
+        odd = next((n for n in expected if steps[n] != steps[first]), None)
+        if odd is not None:
+            raise UserError(f"{directory / '.metadata'}: {entries['step', odd].key} is "
+                            f"{steps[odd]:g} but {entries['step', first].key} is "
+                            f"{steps[first]:g}: AdamW steps must agree")
+        step = int(steps[first])
+    return TorchState(naming, weights, moments, step,
+                      _hyperparameters({g: state[k] for k, g in groups.items()},
+                                       _inverse(config, naming)))
+
+
+def _entries(tensors: dict[str, Any], parts: dict[str, list[str]], config: LlamaConfig,
+             naming: str, where: Path) -> dict[tuple[str, str], _Entry]:
+    """Each tensor the model needs, by (field, Hugging Face name): checked to be there once, at
+    its shape, with AdamW state for every weight or for none; other tensors refused unless they
+    are rotary tables (or, tied, the head's copy of the embedding)."""
     names = _inverse(config, naming)
     expected = hf_tensor_shapes(config)
-    where = directory / ".metadata"
-
     entries: dict[tuple[str, str], _Entry] = {}
     for key, info in tensors.items():
         found = _resolve(parts[key], names)
@@ -239,56 +285,20 @@ def read_dcp(directory: str | Path, config: LlamaConfig, naming: str | None = No
                             f"needs {list(want)}: pass the --config it was trained with")
         entries[field, hf_name] = _Entry(key, field, hf_name, shape)
 
+    foreign = foreign_names(config, naming)
     missing = [n for n in expected if ("weight", n) not in entries]
     if missing:
-        raise UserError(f"{where}: lacks the weight {foreign_names(config, naming)[missing[0]]}"
+        raise UserError(f"{where}: lacks the weight {foreign[missing[0]]}"
                         f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}: not a "
                         f"checkpoint of this model (or saved without its model state)")
-    has_state = any(e.field != "weight" for e in entries.values())
-    if has_state:
+    if any(e.field != "weight" for e in entries.values()):
         for field in _STATE_FIELDS:
             absent = [n for n in expected if (field, n) not in entries]
             if absent:
                 raise UserError(f"{where}: holds AdamW state but no {field} for "
-                                f"{foreign_names(config, naming)[absent[0]]}: the optimizer "
-                                f"state is incomplete (saved from another optimizer?)")
-
-    _check_files(directory, metadata, {e.key for e in entries.values()})
-    groups = {key: _group_field(parts[key]) for key, info in metadata.state_dict_metadata.items()
-              if key not in tensors}
-    groups = {key: g for key, g in groups.items() if g is not None}
-    state: dict[str, Any] = {e.key: torch.empty(e.shape, dtype=tensors[e.key].properties.dtype)
-                             for e in entries.values()}
-    state.update(dict.fromkeys(groups))
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
-    # torch's CheckpointException, which wraps each rank's error, is a BaseException.
-    except (Exception, CheckpointException) as e:  # noqa: BLE001
-
-        raise UserError(f"{directory}: reading its tensors failed ({meta_lib.first_line(e)}): "
-                        f"the checkpoint is truncated or damaged") from None
-
-    def host(entry: _Entry) -> np.ndarray:
-        x = state[entry.key].to(torch.float32).numpy()
-        heads = _rotary_heads(entry.hf_name, config)
-        return interleaved_to_halves(x, heads) if naming == "torchtitan" and heads else x
-
-    weights = {n: host(entries["weight", n]) for n in expected}
-    moments, step = None, 0
-    if has_state:
-        moments = {f: {n: host(entries[f, n]) for n in expected} for f in MOMENTS}
-        steps = {n: float(state[entries["step", n].key].reshape(())) for n in expected}
-        first = next(iter(expected))
-        odd = next((n for n in expected if steps[n] != steps[first]), None)
-        if odd is not None:
-            raise UserError(f"{where}: {entries['step', odd].key} is {steps[odd]:g} but "
-                            f"{entries['step', first].key} is {steps[first]:g}: AdamW steps "
-                            f"must agree")
-        step = int(steps[first])
-    return TorchState(naming, weights, moments, step,
-                      _hyperparameters({g: state[k] for k, g in groups.items()}, names))
+                                f"{foreign[absent[0]]}: the optimizer state is incomplete "
+                                f"(saved from another optimizer?)")
+    return entries
 
 
 def _check_files(directory: Path, metadata: Any, keys: set[str]) -> None:

@@ -19,11 +19,13 @@ from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 SIMULATED_CPU_DEVICES = 8
 # Modules with a `register(commands)` function, each adding one command group.
 COMMAND_MODULES: tuple[str, ...] = ("hotjax.strategy_cli", "hotjax.data.cli",
-                                    "hotjax.checkpoint.cli")
+                                    "hotjax.checkpoint.cli", "hotjax.launch")
 _RUN = RunConfig()  # the defaults
 
 
-def start_jax(devices: int | None) -> None:
+def start_jax(devices: int | None,
+              processes: tuple[str | None, int | None, int | None, int] = (None, None, None, 30),
+              ) -> None:
     """Settle the device count, then turn on the persistent compilation cache.
 
     On a CPU-only machine `devices` (default 8) simulated devices are made; only the CPU
@@ -32,6 +34,9 @@ def start_jax(devices: int | None) -> None:
     if devices is not None and devices < 1:
         raise UserError(f"--devices {devices}: pass a positive number of devices")
     simulate_cpu_devices(devices or SIMULATED_CPU_DEVICES)
+    from hotjax import distributed
+
+    distributed.initialize(*processes)  # (coordinator, num_processes, process_id, heartbeat)
     from hotjax.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()
@@ -99,6 +104,13 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
                        "sized to it")
     train.add_argument("--bucket-timings", action="store_true", help="time each bucket's "
                        "compute and switches (waits for the devices after each bucket)")
+    processes = train.add_argument_group("several processes (hotjax launch passes these)")
+    processes.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    processes.add_argument("--num-processes", type=int, metavar="N")
+    processes.add_argument("--process-id", type=int, metavar="I")
+    processes.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
+                           help="stop when another process has been silent this long "
+                           "(default: %(default)s s)")
     ckpt = train.add_argument_group("checkpoints")
     ckpt.add_argument("--ckpt-dir", metavar="DIR", help="save checkpoints here; resume from "
                       "the latest complete one in it")
@@ -113,10 +125,13 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
-    start_jax(args.devices)
+    start_jax(args.devices, (args.coordinator, args.num_processes, args.process_id,
+                             args.heartbeat_timeout))
     from hotjax.run import train
 
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "handler")}
+    process = ("command", "handler", "coordinator", "num_processes", "process_id",
+               "heartbeat_timeout")
+    options = {k: v for k, v in vars(args).items() if k not in process}
     train(RunConfig(**options))
 
 

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from hotjax import distributed
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint import store
 from hotjax.checkpoint.training import restore_state, run_record
@@ -75,7 +76,8 @@ def select_devices(count: int | None) -> list[jax.Device]:
 
 def train(run: RunConfig, console: Console | None = None) -> list[dict]:
     """Trains as `run` says; returns each step's metrics (also written to `metrics_jsonl`)."""
-    console = console or Console(stderr=True)
+    # One process speaks for a run of several: process 0 prints and writes the metrics.
+    console = console or Console(stderr=True, quiet=not distributed.is_main())
     if run.steps < 1:
         raise UserError(f"--steps {run.steps}: train for at least one step")
     if run.metrics_jsonl and not Path(run.metrics_jsonl).parent.is_dir():
@@ -185,7 +187,8 @@ def _check_checkpoint_flags(run: RunConfig) -> None:
 
 def _loop(run, trainer, state, batches, console, start, save) -> list[dict]:
     history: list[dict] = []
-    sink = open(run.metrics_jsonl, "w") if run.metrics_jsonl else None  # noqa: SIM115
+    sink = (open(run.metrics_jsonl, "w")  # noqa: SIM115
+            if run.metrics_jsonl and distributed.is_main() else None)
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
                         console=console)

@@ -71,14 +71,24 @@ class Trainer:
         report its compute and switch seconds (a host synchronisation per bucket)."""
         self.config, self.table, self.timings = config, table, timings
         self.topology = topology or local_topology()
-        self.switch = functools.partial(switch, method=switch_method, topology=self.topology)
         devices = tuple(devices)
+        processes = len({d.process_index for d in devices})
+        spanning = ()
+        if processes > 1 and switch_method != "device_put":
+            # The planner's executor sends its messages within one process.
+            if switch_method == "plan":
+                raise UserError(f"planned switches run within one process and this run spans "
+                                f"{processes}: use the device_put or auto switch method")
+            switch_method = "device_put"
+            spanning = (f"switches between layouts run as jax.device_put: the run spans "
+                        f"{processes} processes, and the planner's executor works within one",)
+        self.switch = functools.partial(switch, method=switch_method, topology=self.topology)
         self.home = home(config, optim, home_strategy or most_sharded(table, config), devices)
         fitted = [self._fit(i, devices, remat, device_memory, typical_rows)
                   for i in range(len(table.buckets))]
         self.buckets = [bucket for bucket, _ in fitted]
         self.micro_rows = [rows for _, rows in fitted]
-        self.notes = tuple(dict.fromkeys(n for b in self.buckets for n in b.notes))
+        self.notes = tuple(dict.fromkeys(n for b in self.buckets for n in b.notes)) + spanning
         # The planner's view of every switch a step can make: compute weights from home or a
         # bucket into a bucket, and each bucket's fp32 gradients home (-1 stands for home).
         n = len(self.buckets)

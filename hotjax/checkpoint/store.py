@@ -68,9 +68,11 @@ _device_fingerprints = jax.jit(lambda leaves: [_fingerprint(x) for x in leaves])
 
 
 def _fingerprint_values(leaves: list[Any]) -> list[int]:
-    # Arrays in host memory (numpy, or on CPU devices) are read in place: on CPU a compiled
-    # program would cost more than the arithmetic.
-    if all(isinstance(x, np.ndarray) or {d.platform for d in x.devices()} == {"cpu"}
+    # Arrays in this process's host memory (numpy, or on its CPU devices) are read in place: on
+    # CPU a compiled program would cost more than the arithmetic. Arrays spread over several
+    # processes are summed where they live.
+    if all(isinstance(x, np.ndarray) or (x.is_fully_addressable
+                                         and {d.platform for d in x.devices()} == {"cpu"})
            for x in leaves):
         return [int(_fingerprint(np.asarray(x), np)) for x in leaves]
     return [int(v) for v in jax.device_get(_device_fingerprints(leaves))]
@@ -123,8 +125,11 @@ class Checkpoints:
         """
         started = time.perf_counter()
         # Host copies, made here in the main thread: Orbax's own threads then never touch the
-        # devices while the next step runs (on XLA:CPU that interleaving hung steps).
-        params, opt_state = jax.device_get((params, opt_state))
+        # devices while the next step runs (on XLA:CPU that interleaving hung steps). Arrays
+        # spread over several processes go to Orbax as they are: each process writes its
+        # shards.
+        if all(x.is_fully_addressable for x in jax.tree.leaves((params, opt_state))):
+            params, opt_state = jax.device_get((params, opt_state))
         meta = {**meta, "step": step, "items": [PARAMS, OPT_STATE],
                 "fingerprints": item_fingerprints({PARAMS: params, OPT_STATE: opt_state})}
         args = {PARAMS: ocp.args.PyTreeSave(params), OPT_STATE: ocp.args.PyTreeSave(opt_state),

@@ -1,0 +1,58 @@
+"""One run over several processes: JAX's multi-controller runtime (`jax.distributed`).
+
+Every process runs the same command; each drives its local devices, and `jax.devices()` lists
+them all. A process learns its place from `--coordinator/--num-processes/--process-id` (what
+`hotjax launch` passes), or, given none, from the scheduler that started several of them (an
+`srun` step, an Open MPI job), which JAX detects itself. Between CPU processes collectives go
+over gloo.
+"""
+
+from __future__ import annotations
+
+import os
+
+from models.errors import UserError
+
+
+def _cluster_processes() -> int:
+    """The processes a scheduler started this one among (1: none): an `srun` step of several
+    tasks, or an Open MPI job of several ranks. JAX's own detection then finds the rest."""
+    if os.environ.get("SLURM_STEP_ID") is not None:
+        return int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS")
+                   or 1)
+    return int(os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+
+
+def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None,
+               heartbeat_timeout: int = 30) -> None:
+    """Joins the run's processes (a no-op for a single process). Call before JAX starts. A
+    process silent for `heartbeat_timeout` seconds ends the run (JAX's default waits 100)."""
+    given = [v is not None for v in (coordinator, num_processes, process_id)]
+    if any(given) and not all(given):
+        raise UserError("--coordinator, --num-processes and --process-id go together: pass all "
+                        "three (hotjax launch does), or none on a cluster JAX detects")
+    if not any(given) and _cluster_processes() == 1:
+        return
+    if all(given):
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise UserError(f"--process-id {process_id} of --num-processes {num_processes}: "
+                            f"give a process id from 0 to {num_processes - 1}")
+        if num_processes == 1:
+            return
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id,
+                                   heartbeat_timeout_seconds=heartbeat_timeout)
+    except (RuntimeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"joining the run's processes failed ({first}): check --coordinator "
+                        f"{coordinator} is reachable and every process was started") from None
+
+
+def is_main() -> bool:
+    """Whether this process prints progress and writes metrics (process 0)."""
+    import jax
+
+    return jax.process_index() == 0

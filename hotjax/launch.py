@@ -1,0 +1,126 @@
+"""`hotjax launch`: one hotjax command as several processes on this machine, joined by JAX's
+multi-process runtime — what a cluster's scheduler (`srun`, `mpirun`) does across machines.
+
+Each process gets the coordinator's address (a free local port), the process count and its
+id, and its share of the devices: on CPU, simulated devices (`JAX_NUM_CPU_DEVICES`); with
+NVIDIA GPUs, its own block of them (`CUDA_VISIBLE_DEVICES`). Their output is prefixed with the
+process id. When one fails, the others are stopped and the launcher exits with its code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+from models.errors import UserError
+
+STOP_GRACE_S = 10  # after SIGTERM, before SIGKILL
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    launch = commands.add_parser("launch", help="run `hotjax train` as several processes on "
+                                 "this machine (JAX's multi-process runtime)")
+    launch.add_argument("--processes", type=int, default=2, help="how many (default: "
+                        "%(default)s)")
+    launch.add_argument("--devices-per-process", type=int, help="CPU: simulated devices per "
+                        "process (default 4); GPU: GPUs per process (default: all, split "
+                        "evenly)")
+    launch.add_argument("command", nargs=argparse.REMAINDER,
+                        help="-- train ... (the command every process runs)")
+    launch.set_defaults(handler=_launch)
+
+
+def _launch(args: argparse.Namespace) -> None:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if command[:1] != ["train"]:
+        raise UserError("hotjax launch runs training: hotjax launch --processes 2 -- train ...")
+    if args.processes < 1:
+        raise UserError(f"--processes {args.processes}: pass a positive number")
+    taken = [f for f in ("--coordinator", "--num-processes", "--process-id") if f in command]
+    if taken:
+        raise UserError(f"{taken[0]}: hotjax launch sets it for each process: drop it")
+    sys.exit(run(command, args.processes, args.devices_per_process))
+
+
+def run(command: list[str], processes: int, devices_per_process: int | None,
+        out: IO[str] | None = None) -> int:
+    """Runs `hotjax <command>` as `processes` processes; 0 when all succeed, else the first
+    failure's exit code (the rest stopped)."""
+    out = out or sys.stdout
+    coordinator = f"127.0.0.1:{_free_port()}"
+    gpus = _gpus()
+    started = []
+    for i in range(processes):
+        env = dict(os.environ)
+        if gpus:
+            per = devices_per_process or max(1, len(gpus) // processes)
+            if per * processes > len(gpus):
+                raise UserError(f"{processes} processes x {per} GPUs: this machine has "
+                                f"{len(gpus)}")
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * per:(i + 1) * per])
+        else:
+            env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process or 4)
+        argv = [sys.executable, "-m", "hotjax.cli", *command, "--coordinator", coordinator,
+                "--num-processes", str(processes), "--process-id", str(i)]
+        process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                   start_new_session=True)
+        threading.Thread(target=_relay, args=(process.stdout, f"[{i}] ", out),
+                         daemon=True).start()
+        started.append(process)
+    return _supervise(started, out)
+
+
+def _supervise(processes: list[subprocess.Popen], out: IO[str]) -> int:
+    while True:
+        codes = [p.poll() for p in processes]
+        failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+        if failed is not None:
+            _stop([p for p in processes if p.poll() is None])
+            print(f"hotjax launch: process {failed} exited with code {codes[failed]}; the "
+                  f"others were stopped", file=out, flush=True)
+            return codes[failed] if codes[failed] > 0 else 128 - codes[failed]  # killed: 128+N
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.2)
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    for p in processes:
+        os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in processes:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _relay(stream: IO[str], prefix: str, out: IO[str]) -> None:
+    for line in stream:
+        out.write(prefix + line)
+        out.flush()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gpus() -> list[str]:
+    """This machine's NVIDIA GPUs, as CUDA_VISIBLE_DEVICES numbers them (none: CPU)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g for g in visible.split(",") if g]
+    found = Path("/proc/driver/nvidia/gpus")
+    return [str(i) for i in range(len(list(found.iterdir())))] if found.is_dir() else []

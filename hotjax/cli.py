@@ -147,14 +147,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        args.handler(args)
+        code = args.handler(args)  # an exit code, or None for success
     except UserError as e:
         print(f"hotjax: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hotjax: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

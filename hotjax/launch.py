@@ -38,7 +38,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     launch.set_defaults(handler=_launch)
 
 
-def _launch(args: argparse.Namespace) -> None:
+def _launch(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if command[:1] != ["train"]:
         raise UserError("hotjax launch runs training: hotjax launch --processes 2 -- train ...")
@@ -47,7 +47,7 @@ def _launch(args: argparse.Namespace) -> None:
     taken = [f for f in ("--coordinator", "--num-processes", "--process-id") if f in command]
     if taken:
         raise UserError(f"{taken[0]}: hotjax launch sets it for each process: drop it")
-    sys.exit(run(command, args.processes, args.devices_per_process))
+    return run(command, args.processes, args.devices_per_process)
 
 
 def run(command: list[str], processes: int, devices_per_process: int | None,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from models.errors import UserError
 
 
@@ -56,3 +58,15 @@ def is_main() -> bool:
     import jax
 
     return jax.process_index() == 0
+
+
+def gather(vector: np.ndarray) -> list[np.ndarray]:
+    """Every process's int32 `vector` (lengths may differ), process 0's first. A collective:
+    every process calls it at the same point of the run."""
+    from jax.experimental import multihost_utils
+
+    sizes = multihost_utils.process_allgather(np.array(len(vector), np.int32))
+    padded = np.zeros(int(sizes.max()), np.int32)
+    padded[:len(vector)] = vector
+    rows = multihost_utils.process_allgather(padded)
+    return [row[:size] for row, size in zip(rows, sizes, strict=True)]

@@ -21,6 +21,7 @@ from hotjax.checkpoint.training import restore_state, run_record
 from hotjax.config import DEFAULT_MODEL, RunConfig
 from hotjax.data import (
     MiniBatches,
+    Share,
     cut,
     estimated_lengths,
     load_tokenizer,
@@ -103,8 +104,11 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
     optim = OptimConfig(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps,
                         loss_scaling=scaling, loss_scale=scale,
                         loss_scale_period=run.loss_scale_period)
+    # Each process reads its share of the documents; all then hold the same mini-batches.
+    share = (Share(jax.process_index(), jax.process_count(), distributed.gather)
+             if jax.process_count() > 1 else None)
     batches = MiniBatches(corpus, tokenizer, [b.max_len for b in table.buckets], **run.batch,
-                          long_documents=run.long_documents, seed=run.seed)
+                          long_documents=run.long_documents, seed=run.seed, share=share)
     lengths = estimated_lengths(corpus, tokenizer)
     typical = typical_rows(cut(lengths, table.max_len, run.long_documents),
                            [b.max_len for b in table.buckets], **run.batch)

@@ -29,7 +29,7 @@ from models.llama import LlamaConfig, abstract_params, param_axes
 from models.options import REMAT_POLICIES
 from sharding.planner import SwitchPlan, Topology, plan_switch, strategy_switches
 from sharding.strategy import Strategy, canonical_devices
-from sharding.switch import already_laid_out, local_topology, switch
+from sharding.switch import already_laid_out, job_topology, switch
 from sharding.table import StrategyTable
 
 MiB = 2**20
@@ -70,7 +70,7 @@ class Trainer:
         (whichever measures faster, per pair of layouts). `timings`: wait for each bucket to
         report its compute and switch seconds (a host synchronisation per bucket)."""
         self.config, self.table, self.timings = config, table, timings
-        self.topology = topology or local_topology()
+        self.topology = topology or job_topology()
         devices = tuple(devices)
         processes = len({d.process_index for d in devices})
         spanning = ()

@@ -9,6 +9,7 @@ each array, the index box every device holds before the switch and must hold aft
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -44,16 +45,33 @@ class ArraySwitch:
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """Devices `d` and `e` share a node iff `d // devices_per_node == e // devices_per_node`
-    (device ids number devices node-major, as `canonical_devices` orders them). Bandwidths are
-    per device and direction, in bytes/s; the defaults are the HotSPa paper's cluster: NVLink
-    400 GB/s inside a node, InfiniBand 200 GB/s between nodes."""
+    """Which node each device (by id) sits on: given by `nodes` (pairs of device id and node,
+    as `of_processes` reads them from a running job), else `d // devices_per_node` (device ids
+    numbering devices node-major, as `canonical_devices` orders them: a simulated cluster).
+    Bandwidths are per device and direction, in bytes/s; the defaults are the HotSPa paper's
+    cluster: NVLink 400 GB/s inside a node, InfiniBand 200 GB/s between nodes."""
 
     devices_per_node: int
     intra_node_bandwidth: float = 400e9
     inter_node_bandwidth: float = 200e9
+    nodes: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of_processes(cls, devices: Sequence[jax.Device], **bandwidths: float) -> Topology:
+        """The job's own topology: the devices one process drives form a node (one host)."""
+        per_process = defaultdict(int)
+        for d in devices:
+            per_process[d.process_index] += 1
+        return cls(max(per_process.values()), **bandwidths,
+                   nodes=tuple(sorted((d.id, d.process_index) for d in devices)))
+
+    @functools.cached_property
+    def _node_of(self) -> dict[int, int]:
+        return dict(self.nodes)
 
     def node(self, device: int) -> int:
+        if self.nodes:
+            return self._node_of[device]
         return device // self.devices_per_node
 
 

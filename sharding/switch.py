@@ -107,7 +107,7 @@ def planned_switch(tree: Any, target_shardings: Any, topology: Topology | None =
     for x in leaves:
         if not isinstance(x, jax.Array):
             raise UserError(f"switch takes a tree of jax.Array, got a {type(x).__name__}")
-    topology = topology or local_topology()
+    topology = topology or job_topology()
     key = (treedef, tuple((x.shape, x.dtype, x.sharding, t)
                           for x, t in zip(leaves, targets, strict=True)),
            topology, policy, min_piece_bytes)
@@ -122,9 +122,9 @@ def planned_switch(tree: Any, target_shardings: Any, topology: Topology | None =
     return _planned[key]
 
 
-def local_topology() -> Topology:
-    """This process's devices as one node."""
-    return Topology(devices_per_node=max(jax.local_device_count(), 1))
+def job_topology() -> Topology:
+    """The job's devices, the devices of one process forming a node."""
+    return Topology.of_processes(jax.devices())
 
 
 class PlannedSwitch:

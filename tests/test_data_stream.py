@@ -6,9 +6,11 @@ documented `range → shuffle(seed) → repeat`), each document as `[BOS, bytes,
 split at the context, cut greedily at the budget, and packed with a plain first-fit-decreasing.
 """
 
+import functools
 import itertools
 import json
 import re
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -17,7 +19,15 @@ import numpy as np
 import pytest
 from test_data import BOS, EOS, PAD, first_fit_decreasing, random_texts, write_files
 
-from hotjax.data import Batch, ByteTokenizer, MiniBatch, MiniBatches, assemble, open_corpus
+from hotjax.data import (
+    Batch,
+    ByteTokenizer,
+    MiniBatch,
+    MiniBatches,
+    Share,
+    assemble,
+    open_corpus,
+)
 from models.errors import UserError
 
 BYTES = ByteTokenizer()
@@ -403,3 +413,86 @@ def test_the_stdlib_fills_every_bucket_within_the_budget() -> None:
         for batch in m.buckets:
             fill = sorted(np.count_nonzero(batch.segment_ids, axis=1).tolist())
             assert len(fill) < 2 or fill[0] + fill[1] > batch.tokens.shape[1]
+
+
+# Several processes reading one stream
+
+
+class Recording(ByteTokenizer):
+    """Bytes, noting the texts it tokenized, in order."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "texts", [])
+
+    def encode(self, text: str) -> list[int]:
+        self.texts.append(text)
+        return super().encode(text)
+
+
+def read_by_processes(path: Path, count: int, steps: int, state: dict | None = None,
+                      **options) -> tuple[list[list[MiniBatch]], list[list[str]], list[dict]]:
+    """`count` streams sharing the reading, run in threads as processes would run; gathers meet
+    at a barrier. Each one's mini-batches, the texts it tokenized, and its final state. The
+    streams read without read-ahead threads, so what each tokenized is exactly its share."""
+    barrier, slots = threading.Barrier(count), [None] * count
+
+    def gather(index: int, vector: np.ndarray) -> list[np.ndarray]:
+        slots[index] = vector
+        barrier.wait()
+        everyone = list(slots)
+        barrier.wait()
+        return everyone
+
+    tokenizers = [Recording() for _ in range(count)]
+    streams = [MiniBatches(open_corpus(str(path)), tokenizers[i], (32, 64, 128, 256),
+                           share=Share(i, count, functools.partial(gather, i)), read_threads=0,
+                           **options)
+               for i in range(count)]
+    for stream in streams:
+        if state is not None:
+            stream.set_state(state)
+    for tokenizer in tokenizers:
+        tokenizer.texts.clear()  # what a restore re-reads is not the stream's reading
+    results: list[list[MiniBatch]] = [[] for _ in range(count)]
+
+    def run(i: int) -> None:
+        results[i] = [next(streams[i]) for _ in range(steps)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, [t.texts for t in tokenizers], [s.get_state() for s in streams]
+
+
+def test_processes_sharing_the_reading_see_one_process_s_mini_batches(mixed_corpus) -> None:
+    """Three processes each tokenize every third document of the stream and each holds exactly
+    the mini-batches one process reads, across an epoch's end; their state resumes in one
+    process, and one process's in three."""
+    path, texts = mixed_corpus
+    options = {"batch_tokens": 1024, "seed": 3}
+    single = batches(path, **options)
+    expected = [next(single) for _ in range(24)]
+    assert expected[17].epoch == 1
+    results, read, states = read_by_processes(path, 3, 18, **options)
+    for minibatches in results:
+        for got, want in zip(minibatches, expected[:18], strict=True):
+            assert_same(got, want)
+    order = [texts[d] for d in document_order(len(texts), 3, epochs=2)]
+    assert len(read[0]) == len(read[1]) == len(read[2]) > len(texts) // 3
+    for i in range(3):
+        assert read[i] == order[i:3 * len(read[i]):3]
+
+    assert states[0] == states[1] == states[2]
+    alone = batches(path, **options)
+    alone.set_state(json.loads(json.dumps(states[0])))
+    for k in range(18, 24):
+        assert_same(next(alone), expected[k])
+    midway = batches(path, **options)
+    for _ in range(7):
+        next(midway)
+    results, _, _ = read_by_processes(path, 3, 10, state=midway.get_state(), **options)
+    for minibatches in results:
+        for got, want in zip(minibatches, expected[7:17], strict=True):
+            assert_same(got, want)

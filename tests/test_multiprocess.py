@@ -1,7 +1,7 @@
 """Several processes, one run: `hotjax launch` runs training as 2 processes x 4 CPU devices
-(gloo collectives between them) with the losses of one process on 8 devices; a checkpoint the
-two processes wrote resumes in one process under another layout; a lost process ends the run
-within seconds."""
+(gloo collectives between them) with the losses of one process on 8 devices; checkpoints pass
+between one process and two under other layouts; a process lost mid-step or mid-save ends the
+run within seconds, and reruns resume from the last complete checkpoint as if never stopped."""
 
 import json
 import os
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hotjax.checkpoint import store
 from hotjax.cli import main
 
 TINY = ["train", "--model", "tiny", "--tokenizer", "bytes", "--compute-dtype", "float32",
@@ -52,16 +53,16 @@ def test_two_processes_train_a_hot_table_as_one_process_does_and_one_resumes_it(
     (tmp_path / "hot.toml").write_text(HOT)
     flags = ["--steps", "5", "--strategies", str(tmp_path / "hot.toml")]
     ck = tmp_path / "ck"
+    saves = ["--save-every", "3", "--keep-every", "3"]
     done = subprocess.run(_launch_argv(*flags, "--metrics-jsonl", str(tmp_path / "two.jsonl"),
-                                       "--ckpt-dir", str(ck), "--save-every", "3",
-                                       "--keep-every", "3"),
+                                       "--ckpt-dir", str(ck), *saves),
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:]
     # Process 0 speaks for the run: its lines alone carry the progress and the summary.
     assert "[0] step     5" in done.stdout and "[1] step" not in done.stdout
     assert "jax.device_put: the run spans 2 processes" in done.stdout
     two = _records(tmp_path / "two.jsonl")
-    one = _one_process(tmp_path, *flags)
+    one = _one_process(tmp_path, *flags, "--ckpt-dir", str(tmp_path / "ck1"), *saves)
     assert [r["tokens"] for r in two] == [r["tokens"] for r in one]
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one],
                                rtol=0, atol=1e-5)
@@ -72,23 +73,58 @@ def test_two_processes_train_a_hot_table_as_one_process_does_and_one_resumes_it(
     assert [r["step"] for r in resumed] == [4, 5]
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in two[3:]],
                                rtol=0, atol=1e-5)
+    # And the other way round: one process's checkpoint resumes in two, under fsdp.
+    done = subprocess.run(_launch_argv("--steps", "5", "--strategy", "fsdp=8", "--resume-from",
+                                       str(tmp_path / "ck1" / "3"), "--metrics-jsonl",
+                                       str(tmp_path / "two-resumed.jsonl")),
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    resumed = _records(tmp_path / "two-resumed.jsonl")
+    assert [r["step"] for r in resumed] == [4, 5]
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in one[3:]],
+                               rtol=0, atol=1e-5)
 
 
-def test_a_lost_process_ends_the_launch_within_seconds(tmp_path):
-    metrics = tmp_path / "m.jsonl"
-    launcher = subprocess.Popen(
-        _launch_argv("--steps", "1000", "--strategy", "fsdp=8", "--metrics-jsonl", str(metrics)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+FAULTS = ["--steps", "14", "--strategy", "fsdp=8"]
+
+
+def _process_1(launcher: subprocess.Popen) -> int:
+    """The launcher's child whose command line ends with "--process-id 1"."""
+    children = subprocess.run(["pgrep", "-P", str(launcher.pid), "-f", "process-id 1$"],
+                              capture_output=True, text=True).stdout.split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def _wait(condition, launcher: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert launcher.poll() is None and time.monotonic() < deadline, "made no progress"
+        time.sleep(0.002)
+
+
+def _saving(ck: Path) -> list[Path]:
+    return [p for p in ck.iterdir() if store.TMP_MARK in p.name] if ck.is_dir() else []
+
+
+def _kill_process_1(launcher: subprocess.Popen, moment: str, ck: Path, metrics: Path
+                    ) -> tuple[str, list[Path]]:
+    """SIGKILLs process 1 at `moment`: once two steps are done ("mid-step"), or while a save is
+    under way ("mid-save": process 1 is stopped as soon as a save appears, and killed if the
+    save is still unfinished, else let go until the next). The launcher's output, and the
+    partial saves the kill left."""
     try:
-        deadline = time.monotonic() + 300
-        while not (metrics.exists() and len(_records(metrics)) >= 2):
-            assert launcher.poll() is None and time.monotonic() < deadline, "never trained"
-            time.sleep(0.5)
-        # Process 1 is the launcher's child whose command line ends with "--process-id 1".
-        children = subprocess.run(["pgrep", "-P", str(launcher.pid), "-f", "process-id 1$"],
-                                  capture_output=True, text=True).stdout.split()
-        assert len(children) == 1, children
-        os.kill(int(children[0]), signal.SIGKILL)
+        _wait(lambda: metrics.exists() and len(_records(metrics)) >= 2, launcher)
+        process_1 = _process_1(launcher)
+        while moment == "mid-save":
+            _wait(lambda: _saving(ck), launcher)
+            os.kill(process_1, signal.SIGSTOP)
+            partial = _saving(ck)
+            if partial:
+                break
+            os.kill(process_1, signal.SIGCONT)
+        left = _saving(ck)
+        os.kill(process_1, signal.SIGKILL)
         killed = time.monotonic()
         output, _ = launcher.communicate(timeout=60)
         assert time.monotonic() - killed < 60
@@ -97,3 +133,40 @@ def test_a_lost_process_ends_the_launch_within_seconds(tmp_path):
             launcher.kill()
     assert launcher.returncode == 128 + signal.SIGKILL
     assert "hotjax launch: process 1 exited with code -9; the others were stopped" in output
+    return output, left
+
+
+def test_a_lost_process_ends_the_launch_and_a_rerun_resumes_as_if_never_stopped(tmp_path):
+    """Process 1 is killed mid-step, then, in the rerun, mid-save; the last rerun trains to the
+    end. Each rerun resumes from the newest complete checkpoint, never a partial one, and every
+    step's loss is the uninterrupted run's."""
+    reference = {r["step"]: r["loss"] for r in _one_process(tmp_path, *FAULTS)}
+    ck = tmp_path / "ck"
+    runs = []
+    for i, moment in enumerate(("mid-step", "mid-save", None)):
+        metrics = tmp_path / f"run-{i}.jsonl"
+        start = max(store.steps(ck), default=0)
+        argv = _launch_argv(*FAULTS, "--ckpt-dir", str(ck), "--save-every", "2", "--keep-last",
+                            "2", "--metrics-jsonl", str(metrics))
+        wide = {**os.environ, "COLUMNS": "400"}  # rich would wrap the checkpoint's path
+        if moment is None:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                                  cwd=tmp_path, env=wide)
+            assert done.returncode == 0, done.stdout[-3000:]
+            output, partial = done.stdout, []
+        else:
+            launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, cwd=tmp_path, env=wide)
+            output, partial = _kill_process_1(launcher, moment, ck, metrics)
+        if start:
+            assert f"resumed from {ck / str(start)} (step {start})" in output, output[-3000:]
+        records = _records(metrics)
+        assert [r["step"] for r in records] == list(range(start + 1, start + 1 + len(records)))
+        np.testing.assert_allclose([r["loss"] for r in records],
+                                   [reference[r["step"]] for r in records], rtol=0, atol=1e-5)
+        runs.append((moment, records, partial, store.steps(ck)))
+    (_, _, _, after_step), (_, _, partial, after_save), (_, last, _, final) = runs
+    assert after_step and len(partial) == 1  # the kill hit a save
+    saving = int(partial[0].name.split(".")[0])
+    assert saving not in after_save and saving > max(after_save)  # the partial one never used
+    assert last[-1]["step"] == 14 and final[-1] == 14

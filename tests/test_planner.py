@@ -1,5 +1,6 @@
 """The hot-switch planner: exact coverage, its lower bound, sender choice, and its speed."""
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -276,3 +277,24 @@ def test_plans_a_llama2_70b_switch_on_4_nodes_of_8_devices_in_under_a_second():
     assert sum(math.prod(a.shape) for a in plan.arrays) == config.num_params()
     assert plan.plan_seconds < 1.0
     assert plan.lower_bound <= plan.max_send <= 1.05 * plan.lower_bound
+
+
+def test_a_job_s_topology_puts_each_process_s_devices_on_one_node() -> None:
+    """Nodes come from the processes that drive the devices, however their ids are numbered:
+    here process p drives the devices with id % 2 == p. Planned on it, a switch between two
+    layouts that each hold everything on both processes crosses no process boundary, while
+    first-owner sends across it."""
+    Device = collections.namedtuple("Device", "id process_index")
+    devices = [Device(i, i % 2) for i in range(8)]
+    topology = Topology.of_processes(devices)
+    assert topology.devices_per_node == 4
+    assert [topology.node(d) for d in range(8)] == [0, 1] * 4
+    evens, odds = [0, 2, 4, 6], [1, 3, 5, 7]
+    # data=2 over (evens, odds) -> fsdp=8 across both: each process holds the whole model before.
+    switches = strategy_switches(param_axes(TINY), abstract_params(TINY), strategy("data=2,fsdp=4"),
+                                 strategy("fsdp=8"), [*evens, *odds], 4)
+    greedy = plan_switch(switches, topology)
+    first = plan_switch(switches, topology, "first-owner")
+    assert greedy.summary()["inter_node_bytes"] == 0
+    assert first.summary()["inter_node_bytes"] > 0
+    assert Topology(4).node(1) == 0  # without processes: node-major ids

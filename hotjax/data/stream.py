@@ -10,11 +10,18 @@ fixed-shape micro-batches is the trainer's business, so no strategy, table, devi
 process count changes which documents a step sees or how they are packed.
 
 The Grain graph is `range(documents) → shuffle(seed) → repeat → read and tokenize` (in
-background threads). The iterator's state is the stream position plus the pieces of a split
-document not yet used: it holds nothing about the layout.
+background threads). The iterator's state is the stream position, the documents read ahead and
+the pieces of a split document not yet used: it holds nothing about the layout.
+
+A run of several processes reads the stream as one: given a `Share`, a process reads and
+tokenizes only the documents at its positions of the stream (every `count`-th), and the token ids
+of each round of `ROUND` documents per process are exchanged (`Share.gather`, a collective that
+every process calls at the same point). So each process holds the whole mini-batch, as one
+process would have read it, having done 1/count of the reading.
 """
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grain
@@ -29,6 +36,17 @@ from models.errors import UserError
 READ_THREADS = 2  # threads reading and tokenizing ahead of the packer
 READ_AHEAD = 256  # documents read ahead
 PACKING = ("ffd", "none")  # first-fit-decreasing, or one sequence per row (padded)
+ROUND = 32  # documents per process read between two exchanges of a run of several processes
+
+
+@dataclass(frozen=True)
+class Share:
+    """This process's part of the reading: the stream positions `i` with `i % count == index`.
+    `gather(vector)` returns every process's vector, process 0's first (a collective)."""
+
+    index: int
+    count: int
+    gather: Callable[[np.ndarray], list[np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,7 @@ class MiniBatches(_Iterator):
         packing: str = "ffd",
         seed: int = 0,
         read_threads: int = READ_THREADS,
+        share: Share | None = None,
     ) -> None:
         self.max_lens = tuple(int(m) for m in max_lens)
         _check(self.max_lens, batch_tokens, batch_sequences, long_documents, packing, seed)
@@ -83,16 +102,19 @@ class MiniBatches(_Iterator):
         self.seed, self.packing = seed, packing
         self.context = self.max_lens[-1]
         self.batch_tokens, self.batch_sequences = batch_tokens, batch_sequences
+        self.share = share
         read = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=READ_AHEAD)
         documents = (grain.MapDataset.range(corpus.num_documents).shuffle(seed=seed).repeat()
-                     .map(self._sequences).to_iter_dataset(read))
+                     .map_with_index(self._read_share).to_iter_dataset(read))
         super().__init__(iter(documents))
-        self._read = 0  # documents taken from the stream, over all epochs
+        self._read = 0  # documents taken from the stream into `_pending`, over all epochs
+        self._ahead: deque[tuple[int, list[np.ndarray]]] = deque()  # read, not yet taken
         self._pending: list[_Piece] = []  # sequences taken but not yet in a mini-batch
 
     def get_state(self) -> dict:
         """A JSON-serialisable position: the next mini-batch starts here."""
         return {"read": self._read,
+                "ahead": [doc for doc, _ in self._ahead],
                 "pending": [[i, doc, piece] for i, doc, piece, _ in self._pending],
                 "documents": self._parent.get_state(), "check": self._identity()}
 
@@ -104,6 +126,8 @@ class MiniBatches(_Iterator):
                             f"tokenizer, seed, context, long-document handling and batch size")
         self._parent.set_state(dict(state["documents"]))
         self._read = int(state["read"])
+        # Documents read ahead are read again here, by every process: at most a round of them.
+        self._ahead = deque(self._sequences(doc) for doc in state.get("ahead", []))
         pieces = {doc: self._sequences(doc)[1] for _, doc, _ in state["pending"]}
         self._pending = [(i, doc, piece, pieces[doc][piece])
                          for i, doc, piece in state["pending"]]
@@ -113,7 +137,9 @@ class MiniBatches(_Iterator):
         tokens, unproductive = 0, 0
         while self.batch_sequences is None or len(chosen) < self.batch_sequences:
             if not self._pending:
-                doc, pieces = next(self._parent)
+                if not self._ahead:
+                    self._read_round()
+                doc, pieces = self._ahead.popleft()
                 self._pending = [(self._read, doc, k, seq) for k, seq in enumerate(pieces)]
                 self._read += 1
                 unproductive = 0 if pieces else unproductive + 1
@@ -135,6 +161,27 @@ class MiniBatches(_Iterator):
                         for bucket_rows, max_len in zip(rows, self.max_lens, strict=True))
         return MiniBatch(batches, epoch=chosen[0][0] // self.corpus.num_documents)
 
+    def _read_round(self) -> None:
+        """The next document (one process), or the next round of documents, each process
+        reading its share and receiving the others'."""
+        if self.share is None or self.share.count == 1:
+            self._ahead.append(next(self._parent))
+            return
+        count = self.share.count
+        first = self._read + len(self._ahead)
+        docs = [next(self._parent) for _ in range(ROUND * count)]
+        mine = [pieces for position, (_, pieces) in enumerate(docs, first)
+                if position % count == self.share.index]
+        theirs = [_unpack(vector) for vector in self.share.gather(_packed(mine))]
+        for position, (doc, _) in enumerate(docs, first):
+            self._ahead.append((doc, theirs[position % count].pop(0)))
+
+    def _read_share(self, position: int, doc: int) -> tuple[int, list[np.ndarray] | None]:
+        """The document at `position` of the stream if it is this process's to read."""
+        if self.share is None or position % self.share.count == self.share.index:
+            return self._sequences(doc)
+        return int(doc), None
+
     def _sequences(self, doc: int) -> tuple[int, list[np.ndarray]]:
         """Document `doc` read, tokenized and cut into sequences (in Grain's reader threads)."""
         doc = int(doc)
@@ -150,6 +197,25 @@ class MiniBatches(_Iterator):
         return {"corpus": self.corpus.fingerprint, "tokenizer": self.tokenizer.identity,
                 "seed": self.seed, "context": self.context,
                 "long_documents": self.long_documents, "batch": batch}
+
+
+def _packed(documents: list[list[np.ndarray]]) -> np.ndarray:
+    """Documents' sequences as one int32 vector: the number of documents, each one's number of
+    sequences, every sequence's length, then the tokens."""
+    sequences = [seq for pieces in documents for seq in pieces]
+    header = [len(documents), *(len(p) for p in documents), *(len(q) for q in sequences)]
+    return np.concatenate([np.array(header, np.int32), *sequences]).astype(np.int32)
+
+
+def _unpack(vector: np.ndarray) -> list[list[np.ndarray]]:
+    """The documents `_packed` wrote (any padding after them ignored)."""
+    count = int(vector[0])
+    pieces = [int(p) for p in vector[1:1 + count]]
+    lengths = [int(n) for n in vector[1 + count:1 + count + sum(pieces)]]
+    ends = np.cumsum([1 + count + len(lengths), *lengths])
+    sequences = [vector[a:b] for a, b in zip(ends[:-1], ends[1:], strict=True)]
+    starts = np.cumsum([0, *pieces])
+    return [sequences[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
 
 def _one_per_row(lengths: Sequence[int], max_lens: Sequence[int]) -> list[list[list[int]]]:

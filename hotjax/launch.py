@@ -47,13 +47,15 @@ def _launch(args: argparse.Namespace) -> int:
     taken = [f for f in ("--coordinator", "--num-processes", "--process-id") if f in command]
     if taken:
         raise UserError(f"{taken[0]}: hotjax launch sets it for each process: drop it")
-    return run(command, args.processes, args.devices_per_process)
+    return run([sys.executable, "-m", "hotjax.cli", *command], args.processes,
+               args.devices_per_process)
 
 
-def run(command: list[str], processes: int, devices_per_process: int | None,
+def run(program: list[str], processes: int, devices_per_process: int | None,
         out: IO[str] | None = None) -> int:
-    """Runs `hotjax <command>` as `processes` processes; 0 when all succeed, else the first
-    failure's exit code (the rest stopped)."""
+    """Runs `program` (an argv that takes hotjax's `--coordinator/--num-processes/--process-id`)
+    as `processes` processes; 0 when all succeed, else the first failure's exit code (the rest
+    stopped)."""
     out = out or sys.stdout
     coordinator = f"127.0.0.1:{_free_port()}"
     gpus = _gpus()
@@ -68,8 +70,8 @@ def run(command: list[str], processes: int, devices_per_process: int | None,
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * per:(i + 1) * per])
         else:
             env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process or 4)
-        argv = [sys.executable, "-m", "hotjax.cli", *command, "--coordinator", coordinator,
-                "--num-processes", str(processes), "--process-id", str(i)]
+        argv = [*program, "--coordinator", coordinator, "--num-processes", str(processes),
+                "--process-id", str(i)]
         process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, bufsize=1,
                                    start_new_session=True)

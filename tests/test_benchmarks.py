@@ -16,10 +16,10 @@ TIMEOUT_S = 600  # each takes well under a minute on 2 idle cores; shared machin
 LOSS_TOLERANCE = 1e-4  # float32 compute: only the summation order differs
 
 
-def run_quick(script: str) -> dict:
+def run_quick(script: str, *flags: str) -> dict:
     """The script's JSON report from `--quick --json`, after checking it exited cleanly."""
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, f"scripts/{script}.py", "--quick", "--json"],
+    done = subprocess.run([sys.executable, f"scripts/{script}.py", "--quick", "--json", *flags],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stderr[-4000:]}"
     return json.loads(done.stdout)
@@ -51,6 +51,22 @@ def test_bench_switch() -> None:
         assert pair["bytes_moved"] > 0 and pair["messages"] > 0
         assert pair["max_send"] >= pair["lower_bound"] > 0
         assert positive(pair["executor_s"]) and positive(pair["device_put_s"])
+
+
+def test_bench_switch_across_two_processes() -> None:
+    report = run_quick("bench_switch", "--processes", "2")
+    assert report["machine"]["processes"] == 2 and len(report["pairs"]) == 2
+    for pair in report["pairs"]:
+        assert pair["equal"], pair  # every process's shards after device_put
+        greedy, first = pair["greedy"], pair["first-owner"]
+        assert greedy["bytes_moved"] == first["bytes_moved"] > 0
+        assert greedy["inter_node_bytes"] <= first["inter_node_bytes"]
+        assert greedy["estimated_s"] <= first["estimated_s"]
+        assert positive(pair["device_put_s"])
+    # data2·tensor4 -> fsdp2·context4: each process holds all it needs, and only same-node
+    # sending finds it there.
+    assert report["pairs"][0]["greedy"]["inter_node_bytes"] == 0
+    assert report["pairs"][0]["first-owner"]["inter_node_bytes"] > 0
 
 
 def test_bench_data() -> None:

@@ -132,7 +132,17 @@ def _train(args: argparse.Namespace) -> None:
     process = ("command", "handler", "coordinator", "num_processes", "process_id",
                "heartbeat_timeout")
     options = {k: v for k, v in vars(args).items() if k not in process}
-    train(RunConfig(**options))
+    import jax
+
+    from hotjax import distributed
+
+    try:
+        train(RunConfig(**options))
+    except jax.errors.JaxRuntimeError as e:
+        lost = distributed.lost_peer(e, jax.process_index(), jax.process_count())
+        if lost is None:
+            raise
+        raise UserError(lost) from None
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -53,6 +53,25 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
                         f"{coordinator} is reachable and every process was started") from None
 
 
+# What a collective with a process that is gone fails with: its connection reset or closed
+# (gloo), or the coordination service's report of a task that stopped.
+_LOST_PEER = ("connection reset", "connection closed", "broken pipe", "heartbeat", "gloo",
+              "coordination service")
+
+
+def lost_peer(error: Exception, process_index: int, process_count: int) -> str | None:
+    """A one-line account of `error` if it is a collective failing because another process of
+    the run is gone (None otherwise). With two processes the lost one is the other."""
+    text = str(error).strip()
+    if process_count < 2 or not any(m in text.lower() for m in _LOST_PEER):
+        return None
+    others = [p for p in range(process_count) if p != process_index]
+    who = f"process {others[0]}" if len(others) == 1 else "another process"
+    first = text.splitlines()[0] if text else type(error).__name__
+    return (f"{who} of the run is gone ({first}): process {process_index} stops too; rerun "
+            f"the command to resume from the last complete checkpoint")
+
+
 def is_main() -> bool:
     """Whether this process prints progress and writes metrics (process 0)."""
     import jax

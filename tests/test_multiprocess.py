@@ -133,6 +133,8 @@ def _kill_process_1(launcher: subprocess.Popen, moment: str, ck: Path, metrics: 
             launcher.kill()
     assert launcher.returncode == 128 + signal.SIGKILL
     assert "hotjax launch: process 1 exited with code -9; the others were stopped" in output
+    # Process 0 stops by the launcher's signal or with a one-line error, never a traceback.
+    assert "Traceback" not in output, output[-3000:]
     return output, left
 
 
@@ -170,3 +172,17 @@ def test_a_lost_process_ends_the_launch_and_a_rerun_resumes_as_if_never_stopped(
     saving = int(partial[0].name.split(".")[0])
     assert saving not in after_save and saving > max(after_save)  # the partial one never used
     assert last[-1]["step"] == 14 and final[-1] == 14
+
+
+def test_a_collective_failing_for_a_lost_peer_is_one_line_naming_it():
+    from hotjax.distributed import lost_peer
+
+    gloo = RuntimeError("UNKNOWN: Gloo AllGather failed: [pair.cc:538] Read error "
+                        "[127.0.0.1]:38078: Connection reset by peer\nmore detail")
+    assert lost_peer(gloo, 0, 2) == (
+        "process 1 of the run is gone (UNKNOWN: Gloo AllGather failed: [pair.cc:538] Read error "
+        "[127.0.0.1]:38078: Connection reset by peer): process 0 stops too; rerun the command "
+        "to resume from the last complete checkpoint")
+    assert lost_peer(gloo, 2, 4).startswith("another process of the run is gone")
+    assert lost_peer(RuntimeError("RESOURCE_EXHAUSTED: out of memory"), 0, 2) is None
+    assert lost_peer(gloo, 0, 1) is None  # one process has no peers to lose

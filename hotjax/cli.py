@@ -18,7 +18,7 @@ from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 
 SIMULATED_CPU_DEVICES = 8
 # Modules with a `register(commands)` function, each adding one command group.
-COMMAND_MODULES: tuple[str, ...] = ("hotjax.strategy_cli", "hotjax.data.cli",
+COMMAND_MODULES: tuple[str, ...] = ("hotjax.strategy_cli", "hotjax.data.cli", "hotjax.plan_cli",
                                     "hotjax.checkpoint.cli", "hotjax.launch")
 _RUN = RunConfig()  # the defaults
 

@@ -16,6 +16,7 @@ from hotjax.data.tokenizer import Tokenizer
 from models.errors import UserError
 
 TOKENIZE_CHUNK = 256  # documents per tokenizer call
+QUANTILES = 1024  # document lengths kept in the report, at evenly spaced quantiles (for plans)
 
 
 def document_lengths(
@@ -72,9 +73,17 @@ def corpus_stats(
         "lengths": {name: int(np.percentile(doc_lengths, q)) for name, q in
                     (("min", 0), ("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))},
         "histogram": _histogram(doc_lengths),
+        "quantiles": quantiles(doc_lengths, min(QUANTILES, len(doc_lengths))),
         "buckets": buckets,
         "layouts": _layouts(lengths_N, context, buckets),
     }
+
+
+def quantiles(lengths: np.ndarray, count: int) -> list[int]:
+    """`count` lengths at evenly spaced quantiles of `lengths`: a distribution `hotjax plan`
+    reads back as that many equally likely documents."""
+    ordered = np.sort(lengths)
+    return ordered[((np.arange(count) + 0.5) / count * len(ordered)).astype(int)].tolist()
 
 
 def _histogram(lengths: np.ndarray) -> list[dict]:

@@ -1,0 +1,446 @@
+"""`hotjax plan`'s search: bucket boundaries and, per bucket, a strategy, micro-batch rows and
+remat policy that minimise a step's predicted time (`sharding.cost`) under a memory budget.
+
+The step it plans for is a typical mini-batch: `batch` sequences at evenly spaced quantiles of
+the corpus's sequence lengths (the same plan for the same corpus). For a set of bucket lengths
+the sequences are packed first-fit-decreasing into each bucket's rows, as the trainer packs
+them; a bucket's cost under a strategy is its micro-steps (rows / micro-batch rows, rounded up)
+times the predicted micro-step, whose attention counts only the (query, key) pairs inside each
+packed document (document masking; `masked=False` counts whole causal rows, as training on
+concatenated sequences without masking does).
+
+The search (after Hydraulis' assignment of length ranges to strategies by dynamic programming):
+1. candidate strategies: every way to factor the devices over stage, data, fsdp, context and
+   tensor that fits the model, with the rule set each combination needs (Megatron tensor
+   parallelism with and without sequence parallelism); pipelines with 2S micro-batches;
+2. per strategy, bucket length and remat policy: the most rows per micro-batch that fit the
+   budget beside the home state (the memory model's peak is affine in the rows) and that
+   micro-step's predicted time — independent of which sequences the bucket holds;
+3. a dynamic program over bucket boundaries (powers of two up to the context) and the strategy
+   of the last bucket: a step's cost is its buckets' micro-steps plus the weight switch between
+   consecutive buckets (bytes each device lacks over the link bandwidth; the planner prices the
+   chosen table's switches exactly in the report), for each home (the table's most sharded
+   strategy holds the fp32 state) whose state leaves room for the buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from hotjax.data.buckets import pack_buckets
+from hotjax.data.stats import quantiles
+from models.errors import UserError
+from models.llama import LlamaConfig, abstract_params, param_axes
+from models.options import REMAT_POLICIES
+from sharding.cost import micro_step_memory, micro_step_time, resident_bytes, visible_pairs
+from sharding.planner import boxes_from_strategy
+from sharding.profile import Profile
+from sharding.strategy import MESH_AXES, Strategy, fit_to_model
+
+MIN_BUCKET = 512  # the shortest bucket boundary considered
+MAX_STAGES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One bucket's plan: sequences of (`low`, `max_len`] tokens under `strategy`, `micro_rows`
+    rows per micro-step recomputing by `remat`, `micro_steps` of them per step."""
+
+    low: int
+    max_len: int
+    strategy: Strategy
+    micro_rows: int
+    remat: str
+    micro_steps: int
+    rows: int  # packed rows in a typical step
+    sequences: int
+    tokens: int
+    seconds: float  # the bucket's micro-steps
+    peak_bytes: int  # per device, home state included
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    buckets: tuple[Choice, ...]
+    home: Strategy
+    switch_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return sum(b.seconds for b in self.buckets) + self.switch_seconds
+
+    def toml(self, header: str = "") -> str:
+        """The plan as a strategy table `hotjax train --strategies` loads."""
+        lines = [f"# {line}" for line in header.splitlines()]
+        for b in self.buckets:
+            mesh = ", ".join(f"{a} = {n}" for a, n in b.strategy.axes.items() if n > 1)
+            lines += ["", "[[bucket]]", f"max_len = {b.max_len}",
+                      f"mesh = {{ {mesh or 'data = 1'} }}", f'rules = "{b.strategy.rules.name}"',
+                      f"micro_rows = {b.micro_rows}", f'remat = "{b.remat}"']
+            if b.strategy.balanced:
+                lines.append("balanced = true")
+            if b.strategy.microbatches:
+                lines.append(f"microbatches = {b.strategy.microbatches}")
+        return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def typical_batch(lengths: np.ndarray, batch: int) -> np.ndarray:
+    """`batch` sequence lengths at evenly spaced quantiles of `lengths`."""
+    if batch < 1:
+        raise UserError(f"--batch-sequences {batch}: plan for at least one sequence")
+    lengths = np.asarray(lengths)
+    if not (lengths > 0).any():
+        raise UserError("no sequence has tokens: plan for a corpus that has some")
+    return np.asarray(quantiles(lengths[lengths > 0], batch))
+
+
+def candidate_strategies(config: LlamaConfig, devices: int) -> list[Strategy]:
+    """Every strategy over `devices` that fits `config`, each mesh with the rule sets it
+    needs (context parallelism with the balanced chunk order)."""
+    found = []
+    for sizes in _factorings(devices, len(MESH_AXES)):
+        mesh = dict(zip(MESH_AXES, sizes, strict=True))
+        if mesh["stage"] > MAX_STAGES:
+            continue
+        if mesh["tensor"] > 1:
+            rule_sets = ("megatron", "megatron-sp")
+        elif mesh["context"] > 1:
+            rule_sets = ("context",)
+        else:
+            rule_sets = ("fsdp",) if mesh["fsdp"] > 1 else ("dp",)
+        for rules in rule_sets:
+            try:
+                strategy = Strategy.create({a: n for a, n in mesh.items() if n > 1} or
+                                           {"data": 1}, rules,
+                                           balanced=mesh["context"] > 1)
+                fitted, notes = fit_to_model(strategy, config)
+            except UserError:
+                continue
+            if not notes:  # no replicated heads or padded widths: they waste the devices
+                found.append(fitted)
+    return found
+
+
+def _factorings(n: int, parts: int) -> list[tuple[int, ...]]:
+    if parts == 1:
+        return [(n,)]
+    return [(d, *rest) for d in range(1, n + 1) if n % d == 0
+            for rest in _factorings(n // d, parts - 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _MicroStep:
+    rows: int
+    remat: str
+    seconds: float
+    attention: float  # of `seconds`: attention over whole causal rows
+    peak_bytes: int  # without the home state
+    steps: int  # micro-steps the bucket's rows take
+
+
+class Search:
+    """The costs the dynamic program combines, each computed once."""
+
+    def __init__(self, config: LlamaConfig, profile: Profile, devices: int,
+                 budget_bytes: int, strategies: Sequence[Strategy] | None = None):
+        if devices > profile.num_devices:
+            raise UserError(f"{devices} devices: profile {profile.name} has "
+                            f"{profile.num_devices}: plan for at most that many")
+        self.config, self.profile, self.budget = config, profile, budget_bytes
+        self.devices = devices
+        self.strategies = list(strategies or candidate_strategies(config, devices))
+        if not self.strategies:
+            raise UserError(f"no strategy over {devices} devices fits the model's shapes: "
+                            f"plan for another device count")
+        self.resident = {s: resident_bytes(config, s) for s in self.strategies}
+        self._lines: dict[tuple[Strategy, int, str], tuple[int, int, int] | None] = {}
+        self._time: dict[tuple[Strategy, int, str, int], tuple[float, float]] = {}
+        self._pairs: dict[int, float] = {}
+        self._switch: dict[tuple[Strategy, Strategy], float] = {}
+
+    def micro_step(self, strategy: Strategy, max_len: int, home_bytes: int, rows: int
+                   ) -> _MicroStep | None:
+        """The quickest way to run `rows` rows of `max_len` under `strategy` beside
+        `home_bytes` of home state: for each remat policy, micro-steps of as many rows as fit
+        (and no more than the rows need), the policy whose micro-steps take least in all."""
+        best = None
+        for remat in REMAT_POLICIES:
+            line = self._memory_line(strategy, max_len, remat)
+            if line is None:
+                continue
+            shards, first, per_shard = line
+            room = self.budget - home_bytes - first
+            if room < 0:
+                continue
+            blocks = min(1 + int(room // max(per_shard, 1)), max(math.ceil(rows / shards), 1))
+            key = (strategy, max_len, remat, blocks * shards)
+            if key not in self._time:
+                config = dataclasses.replace(self.config, remat=remat)
+                time = micro_step_time(config, strategy, (blocks * shards, max_len),
+                                       self.profile)
+                self._time[key] = (time.seconds, time.attention)
+            seconds, attention = self._time[key]
+            found = _MicroStep(blocks * shards, remat, seconds, attention,
+                               first + (blocks - 1) * per_shard,
+                               math.ceil(rows / (blocks * shards)))
+            if best is None or found.steps * seconds < best.steps * best.seconds:
+                best = found
+        return best
+
+    def _memory_line(self, strategy: Strategy, max_len: int, remat: str
+                     ) -> tuple[int, int, int] | None:
+        """(rows a micro-step takes at least, its peak bytes, bytes per such rows more): the
+        memory model is affine in the rows. None where the rows cannot split as needed."""
+        key = (strategy, max_len, remat)
+        if key not in self._lines:
+            config = dataclasses.replace(self.config, remat=remat)
+            shards = _batch_shards(strategy)
+            ring = strategy.seq_ways("context") * (2 if strategy.balanced else 1)
+            if max_len % ring:
+                self._lines[key] = None
+            else:
+                one, two = (micro_step_memory(config, strategy, (k * shards, max_len),
+                                              self.profile.platform).peak for k in (1, 2))
+                self._lines[key] = (shards, one, two - one)
+        return self._lines[key]
+
+    def bucket(self, lengths: np.ndarray, rows: list[list[int]], low: int, max_len: int,
+               strategy: Strategy, home_bytes: int, masked: bool = True) -> Choice | None:
+        """The bucket (`low`, `max_len`] of the typical batch under `strategy`."""
+        micro = self.micro_step(strategy, max_len, home_bytes, len(rows))
+        if micro is None:
+            return None
+        steps = micro.steps
+        whole = len(rows) * self._causal_pairs(max_len)
+        inside = sum(self._causal_pairs(int(lengths[i])) for row in rows for i in row)
+        # Document masking: attention computes only the pairs inside each packed document.
+        share = inside / whole if masked and whole else 1.0
+        seconds = steps * (micro.seconds - micro.attention * (1 - share))
+        return Choice(low, max_len, strategy, micro.rows, micro.remat, steps, len(rows),
+                      sum(len(r) for r in rows), int(sum(lengths[i] for r in rows for i in r)),
+                      seconds, micro.peak_bytes + home_bytes)
+
+    def _causal_pairs(self, length: int) -> float:
+        if length not in self._pairs:
+            block = self.config.attention_block or 512
+            self._pairs[length] = visible_pairs(length, 1, False, min(block, length))
+        return self._pairs[length]
+
+    def switch_seconds(self, source: Strategy, target: Strategy) -> float:
+        """A weight switch's time: the most bytes any device lacks, over the slower link the
+        pair of layouts spans (the planner's exact plan goes in the report)."""
+        if source == target:
+            return 0.0
+        key = (source, target)
+        if key not in self._switch:
+            ids = list(range(self.devices))
+            lacking = np.zeros(self.devices)
+            itemsize = self.config.dtype.itemsize
+            for axes, leaf in zip(jax_leaves(param_axes(self.config)),
+                                  jax_leaves(abstract_params(self.config)), strict=True):
+                before = boxes_from_strategy(source, ids, axes, leaf.shape)
+                after = boxes_from_strategy(target, ids, axes, leaf.shape)
+                for d in ids:
+                    lacking[d] += (_volume(after[d]) - _overlap(before[d], after[d])) * itemsize
+            crosses = self.devices > self.profile.devices_per_node
+            bandwidth = (self.profile.inter_node_bandwidth if crosses
+                         else self.profile.intra_node_bandwidth)
+            self._switch[key] = float(lacking.max()) / bandwidth
+        return self._switch[key]
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _volume(box) -> int:
+    return math.prod(b - a for a, b in box)
+
+
+def _overlap(a, b) -> int:
+    return math.prod(max(0, min(x1, y1) - max(x0, y0))
+                     for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+
+
+def _batch_shards(strategy: Strategy) -> int:
+    axes = strategy.axes
+    return axes["data"] * axes["fsdp"] * (strategy.microbatches or 1)
+
+
+def boundaries(lengths: np.ndarray, context: int) -> list[int]:
+    """Candidate bucket lengths: powers of two from MIN_BUCKET below the context, and it."""
+    found = [1 << k for k in range(MIN_BUCKET.bit_length() - 1, context.bit_length())
+             if (1 << k) < context]
+    return [*found, context]
+
+
+def plan(search: Search, lengths: np.ndarray, context: int, max_buckets: int = 4,
+         masked: bool = True) -> Plan:
+    """The fastest table for the typical batch `lengths`, of at most `max_buckets` buckets."""
+    if lengths.max() > context:
+        raise UserError(f"a sequence of {lengths.max()} tokens exceeds the context {context}: "
+                        f"truncate or split the lengths first")
+    cuts = boundaries(lengths, context)
+    homes = sorted(set(search.resident.values()))
+    best: Plan | None = None
+    for home_bytes in homes:
+        found = _best_for_home(search, lengths, cuts, home_bytes, max_buckets, masked)
+        if found is not None and (best is None or found.seconds < best.seconds):
+            best = found
+    if best is None:
+        raise UserError(f"no strategy over {search.devices} devices fits "
+                        f"{search.budget / 2**30:.1f} GiB per device for rows of {context} "
+                        f"tokens: raise the memory budget, or plan for more devices")
+    return best
+
+
+def _best_for_home(search: Search, lengths: np.ndarray, cuts: list[int], home_bytes: int,
+                   max_buckets: int, masked: bool) -> Plan | None:
+    """The best table whose most sharded strategy holds `home_bytes` of state: every bucket's
+    strategy holds at least that much, and one holds exactly that (the home). The program
+    weighs the buckets' micro-steps; the switches, milliseconds beside a step's seconds at
+    these sizes, are added to the tables it finds."""
+    # reach[e][(buckets used, whether the home is among them)]: the cheapest buckets covering
+    # lengths up to cuts[e - 1] (reach[0]: nothing yet), as (seconds, choices).
+    reach: list[dict[tuple[int, bool], tuple[float, tuple[Choice, ...]]]] = [
+        {(0, False): (0.0, ())}, *({} for _ in cuts)]
+    for end, high in enumerate(cuts, 1):
+        for begin in range(end):
+            low = cuts[begin - 1] if begin else 0
+            members = [n for n in range(len(lengths)) if low < lengths[n] <= high]
+            if not reach[begin] or (not members and end < len(cuts)):
+                continue
+            rows = [[members[n] for n in row]
+                    for row in pack_buckets([int(lengths[n]) for n in members], [high])[0]]
+            choices = [c for s in search.strategies if search.resident[s] >= home_bytes
+                       and (c := search.bucket(lengths, rows, low, high, s, home_bytes, masked))]
+            fastest = min(choices, key=lambda c: c.seconds, default=None)
+            homes = [c for c in choices if search.resident[c.strategy] == home_bytes]
+            at_home = min(homes, key=lambda c: c.seconds, default=None)
+            for (used, has_home), (seconds, chosen) in list(reach[begin].items()):
+                if used == max_buckets:
+                    continue
+                for choice in (fastest, at_home):
+                    if choice is None:
+                        continue
+                    key = (used + 1, has_home or choice is at_home)
+                    total = seconds + choice.seconds
+                    if key not in reach[end] or total < reach[end][key][0]:
+                        reach[end][key] = (total, (*chosen, choice))
+    tables = [chosen for (_, has_home), (_, chosen) in reach[-1].items() if has_home]
+    if not tables:
+        return None
+    return min((_as_plan(search, chosen) for chosen in tables), key=lambda p: p.seconds)
+
+
+def _as_plan(search: Search, chosen: Sequence[Choice]) -> Plan:
+    """Buckets with their switches: the weights from home through each bucket in turn, and
+    each bucket's fp32 gradients home (in the reverse direction, twice the bytes of bf16)."""
+    home = min((c.strategy for c in chosen), key=lambda s: search.resident[s])
+    running = [c.strategy for c in chosen if c.rows]
+    weights = sum(search.switch_seconds(a, b) for a, b in itertools.pairwise([home, *running]))
+    widen = 4 / search.config.dtype.itemsize
+    gradients = sum(widen * search.switch_seconds(s, home) for s in running)
+    return Plan(tuple(chosen), home, weights + gradients)
+
+
+def fixed_table(search: Search, lengths: np.ndarray, table: Sequence[tuple[int, Strategy]],
+                masked: bool = True, packed: bool = True, padded: bool = False) -> Plan | None:
+    """A given table's predicted step (None if a bucket does not fit): (max_len, strategy)
+    pairs by increasing length. Rows are packed first-fit-decreasing, or with `packed=False`
+    filled end to end (sequences concatenated and cut at the row length), or with `padded`
+    one sequence per row."""
+    home_bytes = min(search.resident[s] for _, s in table)
+    choices, low = [], 0
+    for high, strategy in table:
+        members = [n for n in range(len(lengths)) if low < lengths[n] <= high]
+        if padded:
+            rows = [[n] for n in members]
+        elif packed:
+            rows = [[members[n] for n in row]
+                    for row in pack_buckets([int(lengths[n]) for n in members], [high])[0]]
+        else:
+            tokens = sum(int(lengths[n]) for n in members)
+            rows = [[] for _ in range(math.ceil(tokens / high))]
+        choice = search.bucket(lengths, rows, low, high, strategy, home_bytes, masked)
+        if choice is None:
+            return None
+        choices.append(choice)
+        low = high
+    return _as_plan(search, choices)
+
+
+def baselines(search: Search, lengths: np.ndarray, context: int) -> dict[str, Plan | None]:
+    """The best single strategy with document-masked packing (every sequence packed into rows
+    of the context), and the same strategy's step on concatenated sequences without masking
+    (full causal attention over every row), as Megatron-LM trains."""
+    whole = [(context, s) for s in search.strategies]
+    found = [p for t in whole if (p := fixed_table(search, lengths, [t])) is not None]
+    if not found:
+        return {}
+    best = min(found, key=lambda p: p.seconds)
+    table = [(context, best.buckets[0].strategy)]
+    return {"best single strategy, document-masked packing": best,
+            "the same, concatenated without masking (Megatron-LM)": fixed_table(
+                search, lengths, table, masked=False, packed=False)}
+
+
+def report(found: Plan, compared: dict[str, Plan | None], lengths: np.ndarray,
+           setting: dict) -> dict:
+    """The plan and its comparisons as plain data."""
+    tokens = int(lengths.sum())
+
+    def bucket(b: Choice) -> dict:
+        return {"low": b.low, "max_len": b.max_len, "strategy": str(b.strategy),
+                "micro_rows": b.micro_rows, "remat": b.remat, "micro_steps": b.micro_steps,
+                "rows": b.rows, "sequences": b.sequences, "token_share": b.tokens / tokens,
+                "seconds": b.seconds, "peak_gib": b.peak_bytes / 2**30}
+
+    def summary(p: Plan | None) -> dict | None:
+        return None if p is None else {
+            "seconds": p.seconds, "switch_seconds": p.switch_seconds,
+            "speedup_of_plan": p.seconds / found.seconds,
+            "buckets": [bucket(b) for b in p.buckets]}
+
+    return {**setting, "plan": {**summary(found), "home": str(found.home)},
+            "compared": {name: summary(p) for name, p in compared.items()}}
+
+
+def print_report(data: dict, console) -> None:
+    from rich.table import Table
+
+    plan = data["plan"]
+    table = Table(title=f"plan for {data['model']} on {data['devices']} devices of "
+                        f"{data['profile']} ({data['memory_gib']:.0f} GiB each), context "
+                        f"{data['context']:,}, {data['batch_sequences']} sequences of "
+                        f"{data['lengths']} per step")
+    for column in ("lengths", "strategy", "micro-batch", "remat", "micro-steps", "tokens",
+                   "predicted s", "peak GiB"):
+        table.add_column(column, justify="left" if column in ("lengths", "strategy",
+                                                               "remat") else "right")
+    for b in plan["buckets"]:
+        table.add_row(f"({b['low']:,}, {b['max_len']:,}]", b["strategy"],
+                      f"{b['micro_rows']} x {b['max_len']:,}", b["remat"],
+                      str(b["micro_steps"]), f"{b['token_share']:.1%}", f"{b['seconds']:.3f}",
+                      f"{b['peak_gib']:.1f}")
+    console.print(table)
+    steps = Table(title="predicted step time")
+    for column in ("", "seconds", "switches s", "vs the plan"):
+        steps.add_column(column, justify="left" if not column else "right")
+    steps.add_row("the plan (home " + plan["home"] + ")", f"{plan['seconds']:.3f}",
+                  f"{plan['switch_seconds']:.3f}", "1.00x")
+    for name, p in data["compared"].items():
+        if p is None:
+            steps.add_row(name, "does not fit", "", "")
+        else:
+            steps.add_row(f"{name}: " + " | ".join(b["strategy"] for b in p["buckets"]),
+                          f"{p['seconds']:.3f}", f"{p['switch_seconds']:.3f}",
+                          f"{p['speedup_of_plan']:.2f}x")
+    console.print(steps)

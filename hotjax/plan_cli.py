@@ -1,0 +1,156 @@
+"""`hotjax plan`: a strategy table chosen by the cost model for a model, a cluster and a corpus,
+with a report of what each bucket is predicted to cost beside the best single strategy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from hotjax.config import RunConfig
+from models.errors import UserError
+
+_RUN = RunConfig()
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser("plan", help="choose buckets and a strategy per bucket with the "
+                               "cost model, and write them as a strategy table")
+    plan.set_defaults(handler=_plan)
+    plan.add_argument("--model", default="small", help="model preset (default: %(default)s)")
+    profiles = plan.add_mutually_exclusive_group()
+    profiles.add_argument("--profile", help="hardware profile: a shipped one (a800-4x8, "
+                          "h100-1x8) or a .toml file (default: this machine's, measured once "
+                          "and cached)")
+    profiles.add_argument("--measure", action="store_true", help="measure this machine's "
+                          "devices now (matmuls, attention, collectives) and cache the profile")
+    plan.add_argument("--devices", type=int, help="devices to plan for (default: all of the "
+                      "profile's)")
+    plan.add_argument("--memory-gib", type=float, help="memory budget per device (default: the "
+                      "profile's device memory)")
+    source = plan.add_mutually_exclusive_group()
+    source.add_argument("--lengths", metavar="STATS.json", help="the document lengths of a "
+                        "corpus, as `hotjax data stats --json` saves them")
+    source.add_argument("--data", help="a corpus to tokenize (as for `hotjax train`; default: "
+                        "stdlib)")
+    plan.add_argument("--tokenizer", help="with --data: as for `hotjax train`")
+    plan.add_argument("--vocab-size", type=int, default=_RUN.vocab_size,
+                      help="with --data and no --tokenizer: the BPE trained on the corpus")
+    plan.add_argument("--context", type=int, default=_RUN.context,
+                      help="longest sequence in tokens (default: %(default)s)")
+    plan.add_argument("--long-documents", choices=("truncate", "split"), default="truncate",
+                      help="documents over the context: truncate them (as HotSPa does) or "
+                      "split them into context-length pieces (default: %(default)s)")
+    plan.add_argument("--batch-sequences", type=int, default=512,
+                      help="sequences per step (default: %(default)s, the paper's)")
+    plan.add_argument("--max-buckets", type=int, default=4,
+                      help="at most this many buckets (default: %(default)s)")
+    plan.add_argument("--compare", metavar="TABLE.toml", action="append", default=[],
+                      help="also predict this table's step (repeatable)")
+    plan.add_argument("--out", metavar="TABLE.toml", help="write the table here")
+    plan.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _plan(args: argparse.Namespace) -> None:
+    from hotjax.cli import start_jax
+
+    start_jax(None)
+    from rich.console import Console
+
+    from hotjax import plan as planning
+    from hotjax.data.buckets import cut
+    from models.llama import preset
+    from sharding.profile import load_profile
+
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise UserError(f"--out {args.out}: its directory does not exist: create it or choose "
+                        f"another path")
+    for flag, value in (("--context", args.context), ("--max-buckets", args.max_buckets)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: pass a positive number")
+    console = Console(stderr=True)
+    config = preset(args.model)
+    profile = load_profile(args.profile) if args.profile else local_profile(console,
+                                                                            args.measure)
+    devices = args.devices or profile.num_devices
+    budget = int((args.memory_gib * 2**30) if args.memory_gib else profile.memory_bytes)
+    documents, described = _document_lengths(args, console)
+    lengths = planning.typical_batch(cut(documents, args.context, args.long_documents),
+                                     args.batch_sequences)
+    with console.status("searching"):
+        search = planning.Search(config, profile, devices, budget)
+        found = planning.plan(search, lengths, args.context, args.max_buckets)
+        compared = planning.baselines(search, lengths, args.context)
+        for path in args.compare:
+            from sharding.table import load_table
+
+            table = load_table(path)
+            compared[f"table {path}"] = planning.fixed_table(
+                search, lengths, [(b.max_len, b.strategy) for b in table.buckets])
+    report = planning.report(found, compared, lengths, {
+        "model": args.model, "profile": profile.name, "devices": devices,
+        "memory_gib": budget / 2**30, "context": args.context, "lengths": described,
+        "batch_sequences": args.batch_sequences, "long_documents": args.long_documents})
+    if args.out:
+        header = (f"Planned by `hotjax plan` for {args.model} on {devices} devices of "
+                  f"{profile.name} ({budget / 2**30:.0f} GiB each), context {args.context}, "
+                  f"{args.batch_sequences} sequences of {described} per step: predicted "
+                  f"{found.seconds:.3f} s per step.")
+        Path(args.out).write_text(found.toml(header))
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        planning.print_report(report, Console())
+        if args.out:
+            Console().print(f"table written to {args.out}")
+
+
+def local_profile(console, measure: bool = False):
+    """This machine's profile: measured once per kind and count of devices, then read from the
+    cache (`$HOTJAX_CACHE/profiles`); `measure` measures again."""
+    import re
+
+    import jax
+
+    from hotjax import cache_root
+    from hotjax.measure import measure_profile, profile_toml
+    from sharding.profile import load_profile
+
+    devices = jax.devices()
+    kind = re.sub(r"[^A-Za-z0-9]+", "-", devices[0].device_kind).strip("-").lower()
+    path = cache_root() / "profiles" / f"{kind}-{len(devices)}x{jax.process_count()}.toml"
+    if path.exists() and not measure:
+        return load_profile(path)
+    console.print(f"measuring {len(devices)} {devices[0].device_kind} devices "
+                  f"(saved to {path})")
+    profile = measure_profile(devices, progress=console)
+    if jax.process_index() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_suffix(".tmp")
+        scratch.write_text(profile_toml(profile))
+        scratch.replace(path)
+    return profile
+
+
+def _document_lengths(args: argparse.Namespace, console):
+    """Document lengths in tokens (BOS and EOS included), and where they came from."""
+    import numpy as np
+
+    if args.lengths:
+        try:
+            stats = json.loads(Path(args.lengths).read_text())
+            found = np.asarray(stats["quantiles"], np.int64)
+        except FileNotFoundError:
+            raise UserError(f"--lengths {args.lengths}: no such file") from None
+        except (OSError, ValueError, KeyError, TypeError):
+            raise UserError(f"--lengths {args.lengths}: not a report of `hotjax data stats "
+                            f"--json`: save one with it") from None
+        return found, f"{stats.get('corpus', {}).get('source', args.lengths)}"
+    from hotjax.data import load_tokenizer, open_corpus
+    from hotjax.data.stats import document_lengths
+
+    corpus = open_corpus(args.data)
+    tokenizer = load_tokenizer(args.tokenizer, corpus, vocab_size=args.vocab_size)
+    with console.status(f"tokenizing {corpus.num_documents} documents"):
+        found = document_lengths(corpus, tokenizer)
+    return found[found > 0], corpus.source

@@ -1,0 +1,381 @@
+"""The analytic cost model: the time of one bucket's micro-step and its per-device memory, for a
+model, a strategy and a micro-batch shape (rows, tokens per row), on a hardware profile.
+
+Letters as in `models.llama`, plus t tensor ways, c context ring size, S stages, M pipeline
+micro-batches. Each row is one causal document (a bucket's worst case); counts are per device.
+
+Time (seconds per micro-step; `MicroStepTime` keeps each term):
+- Matmuls: 2 FLOPs per weight per token forward, 4 backward (Kaplan et al. 2020, "Scaling laws",
+  §2.1: C = 6N per token); a rematerialised forward (remat "full", and a pipeline stage's
+  checkpoint) adds 2 more. The LM head runs on every stage; the layers' work divides by S.
+- Attention: 4·N·H FLOPs per visible (query, key) pair forward, 2.5x that backward
+  (FlashAttention-2's five matmuls against two: Dao 2023, arXiv:2307.08691), counted over the
+  kernel's visible blocks only (the causal triangle at block granularity); a context ring waits
+  for its busiest rank (rank c-1 in row order; every rank alike with `balanced` chunks).
+- Matmuls and attention at the profile's peak x its efficiencies.
+- A collective moving a tensor of `bytes` over a group of n devices takes factor·bytes / bus
+  bandwidth, with factor 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter,
+  1 for a send (nccl-tests' bus-bandwidth convention); the bandwidth is the profile's for that
+  collective, group size, and whether the group spans nodes.
+- Tensor parallelism (Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053, §3): per layer two
+  all-reduces of the [rows, T, D] activations forward and two backward, plus one at the
+  embedding and one at the LM head; with sequence parallelism (Korthikanti et al. 2022,
+  arXiv:2205.05198, §4.2.2) each all-reduce becomes an all-gather and a reduce-scatter of the same
+  tensor. A rematerialised forward repeats its collectives.
+- Context parallelism (ring attention): each forward sends the local K/V chunk c-1 times round
+  the ring; the backward sends K/V c-1 times and their fp32 gradients c times. The kernel sends a
+  chunk before computing the one it holds, so the ring hides behind attention: only what
+  exceeds the attention time is exposed.
+- FSDP (ZeRO-3): the weights are all-gathered over the fsdp axes layer by layer in the forward
+  pass, and again in the backward under remat (with remat "none" XLA keeps the gathered layers).
+- Gradient reduction: the micro-step adds its gradients to an accumulator kept in the bucket's
+  gradient layout, so each micro-step reduces them over the axes that split its tokens (data,
+  fsdp, context): a reduce-scatter over those the accumulator is split on, an all-reduce over the
+  rest. (Megatron and DeepSpeed reduce once per optimizer step instead; here the home's update
+  needs no further reduction.)
+- Pipeline (GPipe, `models.pipeline`): M + S - 1 iterations, each sending a micro-batch's
+  activations to the next stage forward, again in the stage's recomputed forward, and their
+  gradient backward; the S - 1 iterations beyond M are the bubble, priced at the layers' work
+  per iteration.
+
+Memory (bytes per device at the micro-step's peak; `MicroStepMemory` keeps each term):
+- Arguments, exactly: the compute-dtype weights in the parameter layout, the fp32 accumulator in
+  the gradient layout, the micro-batch's four int32 arrays.
+- The weights as the matmuls read them, beyond the arguments: gathered over fsdp and, where XLA
+  widens the compute dtype (XLA:CPU runs bf16 dots in fp32: `HELD_BYTES`), widened. With remat
+  "none" XLA keeps every layer's so from the forward pass for the backward; under remat, one
+  layer's at a time.
+- Weight gradients: the layer loop stacks them (reduce-scattered first under fsdp); a pipeline
+  carries its stage's gradient sum through the iterations, in and out of each.
+- Activations saved for the backward pass: per layer and token, `SAVED` arrays of each width by
+  remat policy; a pipeline keeps each iteration's stage input and recomputes one micro-batch's
+  layers at a time.
+- The backward pass's working set (`WORKING`): logits-sized fp32 arrays, activation gradients,
+  a layer's gradients or its recomputed activations.
+Which arrays exist and how many was read off XLA's buffer assignment of the compiled micro-step,
+and the counts calibrated against its memory analysis on LLaMA2-7B widths (XLA:CPU, 8
+devices; tests/test_cost.py checks six strategies): with remat "none", data, fsdp, tensor and
+context strategies within 7 % at 2, 4 and 32 layers, pipelines within 1 % at 32 layers and 14 %
+at 2 layers per stage (one layer per stage XLA plans 15-30 % leaner); remat "dots" and "full"
+within 10 % at 2 and 4 layers and 2 % at 32, outside pipelines (a pipeline under remat is not
+calibrated: over-predicted by 25-50 % at 32 layers). `resident_bytes` is what stays besides: the
+home's fp32 weights, AdamW moments and gradient sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Iterable
+
+import jax
+from jax.sharding import PartitionSpec
+
+from models.attention import DEFAULT_BLOCK, block_edge
+from models.errors import UserError
+from models.llama import LlamaConfig, abstract_params, param_axes
+from sharding.planner import SwitchPlan
+from sharding.profile import Profile
+from sharding.strategy import MESH_AXES, Strategy, fit_to_model, ways
+
+FP32, INT32 = 4, 4
+BATCH_ARRAYS = 4  # tokens, segment ids, positions, targets
+ADAM_MOMENTS = 2
+# Bytes per element XLA holds matmul operands and activations in, where it widens the compute
+# dtype: XLA:CPU runs bf16 and fp16 dots in fp32. Elsewhere: the compute dtype's size.
+HELD_BYTES = {"cpu": 4}
+# Per token of one layer, the arrays of each width kept for the backward pass, by remat policy:
+# (residual stream D, MLP hidden F, query-wide N·H, K/V-wide K·H).
+SAVED = {"none": (6, 6, 3, 2), "dots": (2, 2, 1, 2), "full": (1, 0, 0, 0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Working:
+    """The backward pass's working set at its peak: copies of one layer's (and the embedding's
+    and head's) gradients in the compute dtype (outside a pipeline), fp32 logits-sized arrays,
+    activation gradients per token (widths as in `SAVED`), and layers recomputed at once."""
+
+    gradients: int
+    logits: int
+    widths: tuple[int, int, int, int]
+    recomputed: int
+
+
+WORKING = {"none": Working(1, 3, (4, 2, 1, 0), 0),
+           "dots": Working(0, 2, (0, 1, 1, 0), 1),
+           "full": Working(0, 2, (0, 1, 1, 0), 1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shares:
+    """One device's part of a micro-step under a strategy: tokens it computes, ways each width
+    is split, and parameter elements in each layout."""
+
+    rows: float  # micro-batch rows per device
+    tokens: float  # residual-stream tokens per device
+    inner_tokens: float  # tokens inside attention and the MLP (more under sequence parallelism)
+    head_ways: int
+    kv_ways: int
+    mlp_ways: int
+    vocab_ways: int
+    stages: int
+    microbatches: int
+    layers: int  # layers on this device's stage
+    weights: int  # parameter layout
+    grad_sum: int  # gradient layout
+    moments: int  # optimizer layout, one moment
+    layer_weights: int  # this stage's layers as the matmuls read them (compute layout)
+    layer_shards: int  # the same layers in the parameter layout
+    layer_grad_sum: int  # the same layers in the gradient layout
+    other_weights: int  # embedding, head and final norm, compute layout
+    other_shards: int  # the same in the parameter layout
+    token_axes: tuple[str, ...]  # mesh axes splitting the tokens (gradients reduce over them)
+    scatter_axes: tuple[str, ...]  # those the gradient layout is split on (reduce-scattered)
+    gather_axes: tuple[str, ...]  # mesh axes the weights are gathered over (FSDP)
+
+
+def shares(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int]) -> Shares:
+    """One device's part of a micro-step on micro-batches of `shape` (rows, tokens per row)."""
+    strategy, count, token_axes, scatter_axes, gather_axes = _layout(config, strategy)
+    sizes, act = strategy.axes, strategy.activation_spec
+    rows, seq_len = shape
+
+    def split(axes: tuple[str | None, ...]) -> int:
+        return ways(act(axes), sizes)[-1] if len(act(axes)) == len(axes) else 1
+
+    return Shares(
+        rows=rows / split(("batch",)), tokens=rows * seq_len / math.prod(
+            ways(act(("batch", "seq")), sizes)),
+        inner_tokens=rows * seq_len / math.prod(ways(act(("batch", "inner_seq")), sizes)),
+        head_ways=split((None, "heads")), kv_ways=split((None, "kv_heads")),
+        mlp_ways=split((None, "mlp")), vocab_ways=split((None, "vocab")),
+        stages=strategy.stages, microbatches=strategy.microbatches or 1,
+        layers=config.n_layers // strategy.stages, **count,
+        token_axes=token_axes, scatter_axes=scatter_axes, gather_axes=gather_axes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(config: LlamaConfig, strategy: Strategy) -> tuple[Strategy, dict[str, int],
+                                                              tuple[str, ...], tuple[str, ...],
+                                                              tuple[str, ...]]:
+    """What `shares` needs of a strategy whatever the shape: the strategy fitted to the model,
+    parameter elements per device in each layout, and the mesh axes that split the tokens,
+    that the gradients are scattered over and that the weights are gathered over."""
+    strategy, _ = fit_to_model(strategy, config)
+    sizes, act = strategy.axes, strategy.activation_spec
+    count = dict.fromkeys(("weights", "grad_sum", "moments", "layer_weights", "layer_shards",
+                           "layer_grad_sum", "other_weights", "other_shards"), 0)
+    param_mesh_axes, compute_mesh_axes, grad_mesh_axes = set(), set(), set()
+    for axes, leaf in zip(jax.tree.leaves(param_axes(config), is_leaf=lambda x: isinstance(
+            x, tuple)), jax.tree.leaves(abstract_params(config)), strict=True):
+        n = math.prod(leaf.shape)
+        layer = axes[0] == "layers"
+        compute = act(axes[1:] if layer else axes)
+        placed = {"weights": strategy.param_spec(axes), "grad_sum": strategy.grad_spec(axes),
+                  "moments": strategy.optimizer_spec(axes)}
+        for key, spec in placed.items():
+            count[key] += n // math.prod(ways(spec, sizes))
+        prefix = "layer" if layer else "other"
+        count[f"{prefix}_weights"] += n // math.prod(ways(compute, sizes)) // (
+            strategy.stages if layer else 1)
+        count[f"{prefix}_shards"] += n // math.prod(ways(placed["weights"], sizes))
+        if layer:
+            count["layer_grad_sum"] += n // math.prod(ways(placed["grad_sum"], sizes))
+        param_mesh_axes |= _mesh_axes(placed["weights"])
+        grad_mesh_axes |= _mesh_axes(placed["grad_sum"])
+        compute_mesh_axes |= _mesh_axes(compute)
+    token_axes = _mesh_axes(act(("batch", "inner_seq")))
+    return (strategy, count, _ordered(token_axes), _ordered(token_axes & grad_mesh_axes),
+            _ordered(param_mesh_axes - compute_mesh_axes - {"stage"}))
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroStepMemory:
+    """Per-device bytes of one micro-step at its peak, as XLA plans it."""
+
+    weights: int  # compute-dtype weights, parameter layout (argument)
+    grad_sum: int  # fp32 gradient accumulator, its loss sum and count (argument, donated)
+    batch: int  # the micro-batch's int32 arrays and the loss scale (argument)
+    read_weights: int  # weights as the matmuls read them, beyond the arguments
+    gradients: int  # weight gradients before they reach the accumulator
+    activations: int  # kept for the backward pass, every pipeline micro-batch in flight
+    working: int  # the backward pass's working set at its peak
+
+    @property
+    def peak(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+
+def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int],
+                      platform: str = "gpu") -> MicroStepMemory:
+    """The per-device peak of a bucket's gradient micro-step on micro-batches of `shape`, as
+    XLA on `platform` ("cpu", "gpu", "tpu") plans it."""
+    s = shares(config, strategy, shape)
+    compute = config.dtype.itemsize
+    held = HELD_BYTES.get(platform, compute)
+    D, F, V = config.dim, config.ffn_dim, config.vocab_size
+    query, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+
+    def per_token(widths: tuple[int, int, int, int], tokens: float, inner: float) -> float:
+        residual, mlp, q, k = widths
+        return held * (tokens * residual * D + inner * (
+            mlp * F / s.mlp_ways + q * query / s.head_ways + k * kv / s.kv_ways))
+
+    # With remat "none" XLA keeps every layer's gathered (and widened) weights from the forward
+    # pass for the backward; under remat it gathers one layer at a time.
+    kept = config.remat == "none"
+    layers_read = s.layer_weights if kept else (
+        s.layer_shards + (s.layer_weights - s.layer_shards) / s.layers)
+    read = layers_read + s.other_weights
+    owned = s.layer_shards + s.other_shards
+    read_bytes = read * held if held != compute else (read - owned) * compute
+    M, S = s.microbatches, s.stages
+    tokens, inner = s.tokens / M, s.inner_tokens / M  # one pipeline micro-batch (M = 1: all)
+    activations = s.layers * per_token(SAVED[config.remat], tokens, inner)
+    if S > 1:  # each iteration keeps its stage's input; the stage recomputes its layers
+        activations += (M + S - 1) * tokens * D * held
+    # A pipeline carries its stage's gradient sum through the iterations at the matmuls' width,
+    # into and out of each one; otherwise the layer loop stacks them in the accumulator's layout.
+    gradients = 2 * s.layer_weights * held if S > 1 else s.layer_grad_sum * compute
+    work = WORKING[config.remat]
+    working = (work.gradients * (S == 1) * (s.layer_weights / s.layers + s.other_weights) * compute
+               + work.logits * s.inner_tokens * V / s.vocab_ways * FP32
+               + per_token(work.widths, tokens, inner)
+               + work.recomputed * per_token(SAVED["none"], tokens, inner))
+    return MicroStepMemory(
+        weights=s.weights * compute, grad_sum=s.grad_sum * FP32 + 2 * FP32,
+        batch=round(s.tokens * BATCH_ARRAYS * INT32) + FP32, read_weights=round(read_bytes),
+        gradients=round(gradients), activations=round(activations), working=round(working))
+
+
+def resident_bytes(config: LlamaConfig, strategy: Strategy) -> int:
+    """Per-device bytes that stay while buckets run, under the home `strategy`: fp32 weights,
+    AdamW's two moments and the fp32 gradient sum (step counters left out)."""
+    s = shares(config, strategy, (1, 1))  # the layouts alone: any shape
+    return FP32 * (s.weights + ADAM_MOMENTS * s.moments + s.grad_sum)
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroStepTime:
+    """Seconds of one micro-step, per term; `seconds` is their sum (overlap already taken)."""
+
+    matmuls: float
+    attention: float
+    tensor: float  # tensor/sequence-parallel collectives
+    context: float  # ring K/V traffic not hidden behind attention
+    fsdp: float  # weight all-gathers
+    gradients: float  # gradient reduce-scatter / all-reduce
+    stages: float  # pipeline stage transfers
+    bubble: float
+
+    @property
+    def seconds(self) -> float:
+        return sum(dataclasses.astuple(self))
+
+
+def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int],
+                    profile: Profile) -> MicroStepTime:
+    """Seconds of a bucket's gradient micro-step on micro-batches of `shape` on `profile`."""
+    if strategy.num_devices > profile.num_devices:
+        raise UserError(f"{strategy} uses {strategy.num_devices} devices but profile "
+                        f"{profile.name} has {profile.num_devices}: choose a smaller strategy "
+                        f"or a larger profile")
+    s = shares(config, strategy, shape)
+    fitted = _layout(config, strategy)[0]
+    compute = config.dtype.itemsize
+    D, H, N, K, F, V = (config.dim, config.head_dim, config.n_heads, config.n_kv_heads,
+                        config.ffn_dim, config.vocab_size)
+    S, M = s.stages, s.microbatches
+    forwards = 1 + (config.remat == "full") + (S > 1)  # of each layer's matmuls
+    attention_forwards = 1 + (config.remat != "none") + (S > 1)
+    flop_time = 1 / (profile.peak_flops * profile.matmul_efficiency)
+
+    layer_params = (D * H * 2 * N / s.head_ways + D * H * 2 * K / s.kv_ways
+                    + 3 * D * F / s.mlp_ways)
+    layer_matmuls = (2 * forwards + 4) * s.inner_tokens * layer_params * s.layers * flop_time
+    head_matmuls = 6 * s.inner_tokens * D * V / s.vocab_ways * flop_time
+    context = fitted.seq_ways("context")
+    pairs = s.rows * visible_pairs(shape[1], context, fitted.balanced,
+                                   config.attention_block or DEFAULT_BLOCK.get(
+                                       profile.platform, DEFAULT_BLOCK["gpu"]))
+    attention = ((attention_forwards + 2.5) * 4 * H * N / s.head_ways * pairs * s.layers
+                 / (profile.peak_flops * profile.attention_efficiency))
+
+    def collective(name: str, nbytes: float, axes: tuple[str, ...]) -> float:
+        n = math.prod(fitted.axes[a] for a in axes)
+        if n == 1:
+            return 0.0
+        factor = {"all-reduce": 2 * (n - 1) / n, "send": 1.0}.get(name, (n - 1) / n)
+        return factor * nbytes / profile.bandwidth(name, n, _crosses_nodes(
+            fitted, axes, profile.devices_per_node))
+
+    activation = s.inner_tokens * D * compute
+    per_layer = (forwards + 1) * 2  # two per forward, two per backward
+    if fitted.seq_ways("tensor") > 1:
+        per_collective = (collective("all-gather", activation, ("tensor",))
+                          + collective("reduce-scatter", activation, ("tensor",)))
+    else:
+        per_collective = collective("all-reduce", activation, ("tensor",))
+    layer_tensor = per_layer * s.layers * per_collective
+    tensor = layer_tensor + 2 * per_collective  # embedding and LM head
+
+    chunk_kv = 2 * s.rows * shape[1] / context * K * H / s.kv_ways
+    ring = ((attention_forwards + 1) * (context - 1) * collective(
+        "send", chunk_kv * compute, ("context",)) + context * collective(
+        "send", chunk_kv * FP32, ("context",)))
+
+    weights = (s.layer_weights + s.other_weights) * compute
+    gathers = 1 if config.remat == "none" else 2
+    fsdp = gathers * collective("all-gather", weights, s.gather_axes)
+    rest = tuple(a for a in s.token_axes if a not in s.scatter_axes)
+    scattered = weights / math.prod(fitted.axes[a] for a in s.scatter_axes)
+    gradients = (collective("reduce-scatter", weights, s.scatter_axes)
+                 + collective("all-reduce", scattered, rest))
+
+    stage_send = collective("send", s.tokens / M * D * compute, ("stage",))
+    stages = (forwards + 1) * M * stage_send if S > 1 else 0.0
+    per_iteration = (layer_matmuls + attention + layer_tensor) / M + (forwards + 1) * stage_send
+    return MicroStepTime(
+        matmuls=layer_matmuls + head_matmuls, attention=attention, tensor=tensor,
+        context=max(0.0, ring - attention), fsdp=fsdp, gradients=gradients, stages=stages,
+        bubble=(S - 1) * per_iteration if S > 1 else 0.0)
+
+
+def visible_pairs(seq_len: int, context: int, balanced: bool, block: int) -> float:
+    """(query, key) pairs the attention kernel computes for one causal row on the busiest rank
+    of a context ring of `context` devices: whole blocks below the diagonal, every block on it."""
+    def diagonal(length: int) -> float:
+        edge = block_edge(length, block)
+        blocks = length // edge
+        return edge * edge * blocks * (blocks + 1) / 2
+
+    if balanced:  # chunks i and 2c-1-i: 2c-1 whole half-chunks and two diagonals per rank
+        half = seq_len // (2 * context)
+        return (2 * context - 1) * half * half + 2 * diagonal(half)
+    chunk = seq_len // context  # the last rank sees every earlier chunk
+    return (context - 1) * chunk * chunk + diagonal(chunk)
+
+
+def step_seconds(micro_steps: Iterable[tuple[MicroStepTime, int]],
+                 switches: Iterable[SwitchPlan] = ()) -> float:
+    """One optimizer step: each bucket's micro-step times its number of micro-steps, plus each
+    hot switch as the switch planner estimates it (plan it on `Profile.topology()`)."""
+    return (sum(time.seconds * count for time, count in micro_steps)
+            + sum(plan.estimated_seconds for plan in switches))
+
+
+def _crosses_nodes(strategy: Strategy, axes: tuple[str, ...], devices_per_node: int) -> bool:
+    """Whether a group along `axes` spans nodes: devices number node-major over the mesh, so
+    the group holding device 0 reaches id sum((size-1)·stride)."""
+    sizes = strategy.axes
+    stride = {a: math.prod(sizes[b] for b in MESH_AXES[i + 1:]) for i, a in enumerate(MESH_AXES)}
+    return sum((sizes[a] - 1) * stride[a] for a in axes) >= devices_per_node
+
+
+def _mesh_axes(spec: PartitionSpec) -> set[str]:
+    return {a for part in spec if part for a in ((part,) if isinstance(part, str) else part)}
+
+
+def _ordered(axes: set[str]) -> tuple[str, ...]:
+    return tuple(a for a in MESH_AXES if a in axes)

@@ -1,0 +1,226 @@
+"""The cost model: per-device memory against XLA's plan of compiled micro-steps, micro-step time
+against hand-computed figures, and the hardware profiles it reads."""
+
+import dataclasses
+import math
+
+import pytest
+
+from hotjax.optim import OptimConfig
+from hotjax.step import Home, bucket_step, step_memory
+from models.errors import UserError
+from models.llama import preset
+from models.pipeline import bubble
+from sharding.cost import (
+    micro_step_memory,
+    micro_step_time,
+    resident_bytes,
+    shares,
+    step_seconds,
+    visible_pairs,
+)
+from sharding.planner import ArraySwitch, plan_switch
+from sharding.profile import load_profile, parse_profile
+from sharding.strategy import Strategy
+
+LLAMA2_7B = preset("llama2-7b")
+# LLaMA2-7B's widths (hidden 4096, MLP 11008, 32 heads, vocabulary 32000) with 4 of its 32
+# layers, so that compiling a strategy takes seconds. A fair check of the full model: every
+# per-layer array is stacked along the layer axis (the weights, their gradients, the activations
+# the layer scan saves), so XLA's plan grows by a fixed amount per layer, and the model adds its
+# per-layer terms once per layer (at all 32 layers it stays as close: see `sharding.cost`). Two
+# layers per pipeline stage, as a real model has more than one.
+SEVEN_B_WIDTHS = dataclasses.replace(LLAMA2_7B, n_layers=4)
+MICRO_BATCH = (8, 1024)  # rows, tokens per row
+# Data, FSDP, Megatron tensor parallelism with and without sequence parallelism, a context ring
+# with tensor parallelism, and a pipeline.
+CHECKED = ("data=8,rules=dp", "fsdp=8,rules=fsdp", "data=2,tensor=4,rules=megatron",
+           "data=2,tensor=4,rules=megatron-sp", "context=4,tensor=2,rules=megatron",
+           "stage=2,tensor=4,microbatches=2,rules=megatron")
+H100 = load_profile("h100-1x8")
+A800 = load_profile("a800-4x8")
+GB = 1e9
+
+
+@pytest.mark.parametrize("text", CHECKED)
+def test_predicted_peak_is_within_a_tenth_of_xla_for_llama2_7b_widths(devices, text):
+    strategy = Strategy.parse(text)
+    compiled = bucket_step(SEVEN_B_WIDTHS, strategy, tuple(devices)).compiled(MICRO_BATCH)
+    xla = step_memory(compiled)
+    predicted = micro_step_memory(SEVEN_B_WIDTHS, strategy, MICRO_BATCH, platform="cpu")
+    # The arguments (weights, accumulator, micro-batch) are exact; the temporaries within 10 %.
+    assert predicted.weights + predicted.grad_sum + predicted.batch == xla["state"]
+    assert abs(predicted.peak - xla["peak"]) / xla["peak"] <= 0.10
+
+
+@pytest.mark.parametrize("text", ["data=8,rules=dp", "fsdp=8,rules=fsdp", "data=8,rules=zero1",
+                                  "stage=2,data=2,tensor=2,rules=megatron"])
+def test_resident_bytes_equal_the_home_state_and_gradient_sum(devices, text):
+    home = Home(SEVEN_B_WIDTHS, OptimConfig(), Strategy.parse(text), devices)
+    # Left out by the model: the step and AdamW's two counts, the gradient sum's loss and count.
+    scalars = 5 * 4
+    assert resident_bytes(SEVEN_B_WIDTHS, Strategy.parse(text)) + scalars == \
+        home.resident_bytes()
+
+
+def test_data_parallel_time_is_six_flops_per_weight_and_token_plus_causal_attention():
+    time = micro_step_time(LLAMA2_7B, Strategy.parse("data=8"), (8, 4096), H100)
+    D, F, V, L = 4096, 11008, 32000, 32
+    tokens = 4096  # one row per device
+    matmul_weights = L * (4 * D * D + 3 * D * F) + D * V  # the layers and the LM head
+    assert time.matmuls == pytest.approx(6 * matmul_weights * tokens / (989e12 * 0.52))
+    # Blocks of 512: 8 along the row, 36 on or below the diagonal; 4·H FLOPs per pair and head
+    # forward, 2.5 times that backward.
+    pairs = 36 * 512 * 512
+    assert time.attention == pytest.approx(3.5 * 4 * 128 * 32 * pairs * L / (989e12 * 0.35))
+    # The bf16 gradients all-reduced over 8 devices at 450 GB/s.
+    assert time.gradients == pytest.approx(2 * 7 / 8 * LLAMA2_7B.num_params() * 2 / (450 * GB))
+    assert time.tensor == time.context == time.fsdp == time.stages == time.bubble == 0
+    assert time.seconds == pytest.approx(time.matmuls + time.attention + time.gradients)
+
+
+def test_doubling_tensor_ways_halves_compute_and_adds_the_megatron_all_reduces():
+    two, four = (micro_step_time(LLAMA2_7B, Strategy.parse(f"data=2,tensor={t}"), (8, 4096),
+                                 H100) for t in (2, 4))
+    assert four.matmuls == pytest.approx(two.matmuls / 2)
+    assert four.attention == pytest.approx(two.attention / 2)
+    # Per layer two all-reduces forward and two backward, plus the embedding's and the head's,
+    # each of the [4 rows, 4096, D] bf16 activations, moving 2(t-1)/t of it at 450 GB/s.
+    activation = 4 * 4096 * 4096 * 2
+    for t, time in ((2, two), (4, four)):
+        assert time.tensor == pytest.approx((4 * 32 + 2) * 2 * (t - 1) / t * activation
+                                            / (450 * GB))
+
+
+def test_sequence_parallelism_moves_the_same_bytes_as_an_all_gather_and_a_reduce_scatter():
+    shape = (8, 4096)
+    plain = micro_step_time(LLAMA2_7B, Strategy.parse("data=2,tensor=4,rules=megatron"), shape,
+                            H100)
+    sp = micro_step_time(LLAMA2_7B, Strategy.parse("data=2,tensor=4,rules=megatron-sp"), shape,
+                         H100)
+    assert sp.tensor == pytest.approx(plain.tensor)  # equal bandwidth for all three here
+    assert sp.matmuls == pytest.approx(plain.matmuls)
+
+
+def test_a_context_ring_waits_for_its_busiest_rank_unless_balanced():
+    chunk, diagonal = 2048, 10 * 512 * 512  # a 2048-token chunk: 4 blocks, 10 on or below
+    assert visible_pairs(8192, 4, False, 512) == 3 * chunk * chunk + diagonal
+    assert visible_pairs(8192, 4, True, 512) == 7 * 1024 * 1024 + 2 * 3 * 512 * 512
+    assert visible_pairs(8192, 1, False, 512) == 16 * 17 / 2 * 512 * 512
+    time = micro_step_time(LLAMA2_7B, Strategy.parse("context=4,rules=context"), (1, 8192), H100)
+    # K/V of a 2048-token chunk, sent 3 times forward and 3 backward in bf16, their gradients
+    # 4 times in fp32; all hidden while attention takes longer.
+    kv = 2 * 2048 * 4096
+    ring = (6 * kv * 2 + 4 * kv * 4) / (450 * GB)
+    assert time.context == max(0.0, ring - time.attention) == 0.0
+    assert time.attention == pytest.approx(3.5 * 4 * 4096 * visible_pairs(8192, 4, False, 512)
+                                           * 32 / (989e12 * 0.35))
+
+
+def test_fsdp_gathers_weights_and_reduce_scatters_gradients():
+    shape = (8, 4096)
+    weights = LLAMA2_7B.num_params() * 2  # bf16, gathered whole
+    none = micro_step_time(LLAMA2_7B, Strategy.parse("fsdp=8,rules=fsdp"), shape, H100)
+    assert none.fsdp == pytest.approx(7 / 8 * weights / (450 * GB))  # gathered once
+    assert none.gradients == pytest.approx(7 / 8 * weights / (450 * GB))
+    full = micro_step_time(dataclasses.replace(LLAMA2_7B, remat="full"),
+                           Strategy.parse("fsdp=8,rules=fsdp"), shape, H100)
+    assert full.fsdp == pytest.approx(2 * none.fsdp)  # and again in the backward pass
+
+
+def test_groups_spanning_nodes_take_the_inter_node_bandwidth():
+    strategy = Strategy.parse("data=4,tensor=8")
+    time = micro_step_time(LLAMA2_7B, strategy, (8, 2048), A800)
+    activation = 2 * 2048 * 4096 * 2
+    assert time.tensor == pytest.approx((4 * 32 + 2) * 2 * 7 / 8 * activation / (200 * GB))
+    s = shares(LLAMA2_7B, strategy, (8, 2048))
+    gradients = (s.layer_weights + s.other_weights) * 2
+    assert time.gradients == pytest.approx(2 * 3 / 4 * gradients / (25 * GB))
+
+
+def test_the_pipeline_bubble_is_the_gpipe_share_of_the_stage_work():
+    shape = (8, 4096)
+    times = {m: micro_step_time(LLAMA2_7B, Strategy.parse(
+        f"stage=2,tensor=4,microbatches={m},rules=megatron"), shape, H100) for m in (2, 4)}
+    assert times[2].bubble == pytest.approx(2 * times[4].bubble)
+    # The bubble's share of all iterations is models.pipeline.bubble's.
+    time = times[4]
+    head = 6 * 8 * 4096 * 4096 * 32000 / 4 / (989e12 * 0.52)
+    head_tensor = 2 * 2 * 3 / 4 * 8 * 4096 * 4096 * 2 / (450 * GB)
+    useful = time.matmuls - head + time.attention + time.tensor - head_tensor + time.stages
+    share = bubble(2, 4)
+    assert time.bubble == pytest.approx(share / (1 - share) * useful)
+
+
+def test_a_step_adds_its_micro_steps_and_the_planned_switches():
+    time = micro_step_time(LLAMA2_7B, Strategy.parse("data=8"), (8, 4096), H100)
+    array = ArraySwitch("w", (1024, 1024), 4, {0: ((0, 1024), (0, 1024))},
+                        {1: ((0, 1024), (0, 1024))})
+    plan = plan_switch([array], H100.topology())
+    assert plan.estimated_seconds == pytest.approx(4 * 2**20 / (450 * GB))
+    assert step_seconds([(time, 3)], [plan]) == pytest.approx(3 * time.seconds
+                                                               + plan.estimated_seconds)
+
+
+def test_shipped_profiles_hold_the_papers_cluster_and_an_h100_node():
+    assert (A800.nodes, A800.devices_per_node, A800.peak_flops) == (4, 8, 312e12)
+    assert A800.memory_bytes == 80 * 2**30
+    assert A800.topology().intra_node_bandwidth == 200 * GB
+    assert A800.bandwidth("all-reduce", 16, crosses_nodes=True) == 25 * GB
+    assert (H100.num_devices, H100.peak_flops) == (8, 989e12)
+    # A group size not listed takes the nearest listed one.
+    assert H100.bandwidth("send", 3, crosses_nodes=False) == 450 * GB
+
+
+DELETE = object()
+
+
+def _profile(path: tuple[str, ...] = (), value: object = DELETE) -> dict:
+    """A valid profile's TOML form, with the entry at `path` set to `value` (or deleted)."""
+    sizes = {"intra": {"2": 100, "8": 80}, "inter": {"16": 10}}
+    data = {"name": "test", "platform": "gpu", "nodes": 2, "devices_per_node": 8,
+            "device": {"peak_tflops": 100, "memory_gib": 16},
+            "efficiency": {"matmul": 0.5, "attention": 0.4},
+            "links": {"intra_node_gbps": 100, "inter_node_gbps": 10},
+            "collectives": {name: dict(sizes) for name in ("all-reduce", "all-gather",
+                                                           "reduce-scatter", "send")}}
+    if path:
+        *outer, key = path
+        node = data
+        for part in outer:
+            node = node[part]
+        if value is DELETE:
+            del node[key]
+        else:
+            node[key] = value
+    return data
+
+
+@pytest.mark.parametrize(("path", "value", "message"), [
+    (("device", "peak_tflops"), -1, "test.toml: device.peak_tflops = -1: give a positive number"),
+    (("device", "memory_gib"), DELETE, "test.toml: device.memory_gib = None: give a positive"),
+    (("efficiency", "matmul"), 1.5, "test.toml: efficiency.matmul = 1.5 is a share of peak"),
+    (("nodes",), 0, "test.toml: nodes = 0: give a positive integer"),
+    (("platform",), "cuda", "test.toml: platform = 'cuda': give the JAX platform"),
+    (("flops",), 1, "test.toml: unknown key 'flops': use name, platform"),
+    (("collectives", "all-reduce", "intra"), {"one": 5},
+     "test.toml: collectives.all-reduce.intra: group size 'one' must be an integer"),
+    (("collectives", "send"), DELETE,
+     "test.toml: collectives.send: missing: add [collectives.send]"),
+])
+def test_a_bad_profile_is_one_line_naming_the_file_the_field_and_the_fix(path, value, message):
+    with pytest.raises(UserError) as error:
+        parse_profile(_profile(path, value), "test.toml")
+    assert str(error.value).startswith(message)
+    assert "\n" not in str(error.value)
+
+
+def test_a_profile_file_is_found_by_name_or_path(tmp_path):
+    assert parse_profile(_profile(), "test.toml").peak_flops == 100e12
+    with pytest.raises(UserError, match="hardware profile not found: .*a800-4x8, h100-1x8"):
+        load_profile("b200-1x8")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("nodes = [")
+    with pytest.raises(UserError, match=f"{bad}: not valid TOML"):
+        load_profile(bad)
+    assert math.isclose(load_profile(A800.source).peak_flops, 312e12)

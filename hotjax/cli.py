@@ -51,7 +51,9 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
     layout = train.add_mutually_exclusive_group()
     layout.add_argument("--strategy", help='mesh and rules, e.g. "data=2,fsdp=4" or '
                         '"fsdp=8,rules=fsdp" (default: data parallel over all devices)')
-    layout.add_argument("--strategies", metavar="TABLE.toml", help="a strategy table")
+    layout.add_argument("--strategies", metavar="TABLE.toml", help="a strategy table, or "
+                        "'auto': planned for this machine's devices by `hotjax plan`'s cost "
+                        "model (measured once, cached)")
     train.add_argument("--devices", type=int, help="use N devices; on CPU, N simulated ones "
                        f"(default: all accelerators, or {SIMULATED_CPU_DEVICES} simulated CPUs)")
     train.add_argument("--data", help="a directory of text files, a .jsonl with a 'text' field, "

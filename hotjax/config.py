@@ -17,7 +17,7 @@ DEFAULT_MODEL = "small"
 class RunConfig:
     model: str | None = None  # a preset; None: the checkpoint's model when resuming, else small
     strategy: str | None = None  # "data=2,fsdp=4"; default: data parallel over all devices
-    strategies: str | None = None  # a TOML strategy table
+    strategies: str | None = None  # a TOML strategy table, or "auto" (planned)
     devices: int | None = None
     data: str | None = None  # default: the Python standard library
     tokenizer: str | None = None  # default: a byte-level BPE trained on the corpus, cached

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import tomllib
 from pathlib import Path
 
 import jax
@@ -33,12 +34,13 @@ from hotjax.train import Trainer
 from models.errors import UserError
 from models.llama import LlamaConfig, padded_vocab, preset
 from sharding.strategy import Strategy
-from sharding.table import StrategyTable, load_table
+from sharding.table import StrategyTable, load_table, parse_table
 
 # With no --strategy, 8 devices (8 simulated ones on a CPU-only machine) train under this
 # hot-switched bucket table; other device counts use data parallelism at --context.
 DEFAULT_TABLE = Path(__file__).parent.parent / "sharding" / "tables" / "default.toml"
 DEFAULT_TABLE_DEVICES = 8
+AUTO = "auto"  # --strategies auto: a table planned by the cost model
 
 
 def strategy_table(run: RunConfig, num_devices: int) -> StrategyTable:
@@ -53,6 +55,28 @@ def strategy_table(run: RunConfig, num_devices: int) -> StrategyTable:
         table = StrategyTable.single(Strategy.parse(spec), run.context, f"--strategy {spec!r}")
     table.check_devices(num_devices)
     return table
+
+
+def planned_table(run: RunConfig, config: LlamaConfig, num_devices: int, lengths: np.ndarray,
+                  console: Console) -> StrategyTable:
+    """`--strategies auto`: the table `hotjax plan` chooses for this machine's devices (its
+    profile measured once and cached), the corpus's estimated lengths and the batch size."""
+    from hotjax import plan
+    from hotjax.plan_cli import local_profile
+
+    if run.strategy:
+        raise UserError("--strategy and --strategies both given: pass one of them")
+    profile = local_profile(console)
+    budget = (run.device_memory * 2**20 if run.device_memory is not None
+              else profile.memory_bytes)
+    sequences = cut(lengths, run.context, run.long_documents)
+    count = run.batch.get("batch_sequences") or max(
+        round(run.batch["batch_tokens"] / sequences.mean()), 1)
+    search = plan.Search(config, profile, num_devices, int(budget))
+    found = plan.plan(search, plan.typical_batch(sequences, count), run.context)
+    console.print(f"--strategies auto: planned on profile {profile.name}, predicted "
+                  f"{found.seconds * 1e3:,.1f} ms per step")
+    return parse_table(tomllib.loads(found.toml()), "--strategies auto")
 
 
 def _model(run: RunConfig, resume: str | Path | None) -> tuple[str, LlamaConfig]:
@@ -92,7 +116,7 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
     console.print(f"[bold]hotjax[/] on {len(devices)} {platform} device(s)"
                   + (" (simulated: no accelerator found)" if platform == "cpu" else ""))
 
-    table = strategy_table(run, len(devices))
+    table = None if run.strategies == AUTO else strategy_table(run, len(devices))
     resume = run.resume_from or (run.ckpt_dir and store.latest(run.ckpt_dir))
     model_name, model = _model(run, resume)
     scaling, scale = run.loss_scaling  # checked before the slow set-up
@@ -101,6 +125,9 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
     config = dataclasses.replace(model, vocab_size=padded_vocab(tokenizer.vocab_size),
                                  compute_dtype=run.compute_dtype, attention=run.attention,
                                  attention_block=run.attention_block)
+    lengths = estimated_lengths(corpus, tokenizer)
+    if table is None:
+        table = planned_table(run, config, len(devices), lengths, console)
     optim = OptimConfig(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps,
                         loss_scaling=scaling, loss_scale=scale,
                         loss_scale_period=run.loss_scale_period)
@@ -109,7 +136,6 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
              if jax.process_count() > 1 else None)
     batches = MiniBatches(corpus, tokenizer, [b.max_len for b in table.buckets], **run.batch,
                           long_documents=run.long_documents, seed=run.seed, share=share)
-    lengths = estimated_lengths(corpus, tokenizer)
     typical = typical_rows(cut(lengths, table.max_len, run.long_documents),
                            [b.max_len for b in table.buckets], **run.batch)
     trainer = Trainer(config, optim, table, devices, device_memory=run.device_memory,

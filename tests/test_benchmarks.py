@@ -166,3 +166,18 @@ def test_bench_attention() -> None:
     causal = ring["causal"]
     assert causal["balanced_ratio"] < causal["unbalanced_ratio"]
     assert causal["balanced_ratio"] <= 1.2
+
+
+def test_simulate_hotspa() -> None:
+    report = run_quick("simulate_hotspa")
+    [row] = report["rows"]
+    seconds = row["seconds"]
+    assert (row["model"], row["devices"], row["context"]) == ("llama2-7b", 8, 16384)
+    assert row["sequences"] == 512 and row["tokens"] > 0
+    # The plan is the fastest of the tables the search could choose; masking and packing
+    # never cost more than concatenating without masking, or padding one sequence per row.
+    for name in ("paper c1", "paper c2", "static, masked"):
+        assert seconds[name] >= seconds["plan"] * (1 - 1e-3), name
+    assert seconds["static, masked"] <= seconds["static, no masking"] <= seconds["static, padded"]
+    assert row["tables"]["paper c1"] == [
+        "(0, 4096]: data8 [dp]", "(4096, 16384]: stage2·data2·tensor2 [megatron, 4 micro-batches]"]

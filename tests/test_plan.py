@@ -111,3 +111,24 @@ def test_bad_input_is_one_line(flags, message, tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("hotjax: error: ")
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_strategies_auto_plans_for_this_machine_and_trains_like_one_device(tmp_path,
+                                                                           monkeypatch, capsys):
+    """`--strategies auto` plans with this machine's cached profile (here the A800 numbers for
+    one node of the 8 simulated devices) and trains the same losses as one device."""
+    profiles = tmp_path / "cache" / "profiles"
+    profiles.mkdir(parents=True)
+    text = (ROOT / "sharding" / "profiles" / "a800-4x8.toml").read_text()
+    text = text.replace('platform = "gpu"', 'platform = "cpu"').replace("nodes = 4", "nodes = 1")
+    (profiles / "cpu-8x1.toml").write_text(text)
+    monkeypatch.setenv("HOTJAX_CACHE", str(tmp_path / "cache"))
+    run = ["train", "--model", "tiny", "--tokenizer", "bytes", "--compute-dtype", "float32",
+           "--context", "512", "--batch-tokens", "2048", "--steps", "2"]
+    losses = {}
+    for name, flags in (("auto", ["--strategies", "auto"]), ("one device", ["--devices", "1"])):
+        metrics = tmp_path / f"{name}.jsonl"
+        assert main([*run, *flags, "--metrics-jsonl", str(metrics)]) == 0
+        losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert "--strategies auto: planned on profile a800-4x8" in capsys.readouterr().err
+    np.testing.assert_allclose(losses["auto"], losses["one device"], rtol=0, atol=1e-5)

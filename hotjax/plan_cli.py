@@ -121,9 +121,10 @@ def local_profile(console, measure: bool = False):
     path = cache_root() / "profiles" / f"{kind}-{len(devices)}x{jax.process_count()}.toml"
     if path.exists() and not measure:
         return load_profile(path)
-    console.print(f"measuring {len(devices)} {devices[0].device_kind} devices "
+    console.print(f"measuring {len(devices)} {devices[0].device_kind} devices once "
                   f"(saved to {path})")
-    profile = measure_profile(devices, progress=console)
+    with console.status("measuring") as status:
+        profile = measure_profile(devices, progress=status.update)
     if jax.process_index() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_suffix(".tmp")

@@ -1,0 +1,400 @@
+"""Measures the devices this run sees into a hardware profile (`sharding.profile`): matmul and
+attention throughput, and the bus bandwidth of each collective by group size, inside a node and
+across nodes (a node is one process: its devices share a host, or an NVLink domain).
+
+- Peak: the FLOP/s of a plain matmul in the model's compute dtype (or of any faster rate below).
+- Matmul efficiency: fitted on a real micro-step. A data-parallel gradient micro-step of the
+  model is timed, and the matmul rate chosen at which `sharding.cost.micro_step_time` gives that
+  time. The cost model prices matmuls, attention and collectives and nothing else, so what the
+  step also does in proportion to its tokens (norms, the loss, the accumulator, XLA's copies)
+  is folded into the matmul rate: on XLA:CPU it comes out at about half the plain matmul's.
+- Attention efficiency: the model's attention kernel, forward and backward, on causal rows,
+  counting its work as the cost model does, over the peak.
+- Collectives: all-reduce, all-gather, reduce-scatter and a ring `ppermute` (send) on groups of
+  2, 4, ... devices, every group at once; bus bandwidth as nccl-tests and `sharding.cost` count
+  it. Groups of consecutive devices lie inside a node, strided ones span nodes. With one process
+  no group spans nodes: the inter tables repeat the intra ones.
+- Memory: what the runtime lets a device allocate, or on XLA:CPU (which says nothing) the
+  host's memory shared by its devices.
+
+Everything runs on all the given devices at once, as a training step does: on simulated CPU
+devices that share a few cores, each device's rate is its share of the machine. Each figure is
+the median of a few timed runs after one that compiles and warms up; the attention kernel and
+the micro-step are timed in alternating rounds, so that load which drifts shifts them alike.
+Under several processes each times its own runs and all take process 0's figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hotjax.data import Batch
+from hotjax.step import bucket_step, micro_batches
+from models.attention import DEFAULT_BLOCK, AttentionSharding, attention
+from models.errors import UserError
+from models.llama import LlamaConfig, init_params, padded_vocab, preset
+from sharding.cost import micro_step_time, visible_pairs
+from sharding.profile import COLLECTIVES, GIGA, TERA, GiB, Profile, parse_profile
+from sharding.strategy import Strategy, canonical_devices
+
+# Of each collective's tensor, the bytes moved per device (the busbw convention of nccl-tests
+# and `sharding.cost`): time = factor · bytes / bus bandwidth.
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0}
+SIGNIFICANT = 4  # digits kept of each measured figure: the repeats scatter more than that
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What is timed, per device: a matmul [tokens, width] x [width, out]; attention forward
+    and backward over causal rows of (rows, tokens, query heads, K/V heads, head dim); a
+    data-parallel micro-step on (rows, tokens) of the model; each collective on a tensor of
+    `message_bytes`; `repeats` timed runs of each."""
+
+    matmul: tuple[int, int, int]
+    attention: tuple[int, int, int, int, int]
+    step: tuple[int, int]
+    message_bytes: int
+    repeats: int
+
+
+# Sizes of the models each platform trains: the `small` preset's on CPU, LLaMA2-7B's on
+# accelerators; under `quick` (a smoke test of seconds) smaller ones.
+WORKLOADS = {
+    ("cpu", False): Workload((4096, 256, 688), (1, 1024, 8, 4, 32), (1, 512), 4 * 2**20, 5),
+    ("cpu", True): Workload((1024, 256, 688), (1, 256, 8, 4, 32), (1, 128), 2**20, 2),
+    ("accelerator", False): Workload((8192, 4096, 11008), (1, 4096, 32, 8, 128), (1, 4096),
+                                     64 * 2**20, 10),
+    ("accelerator", True): Workload((2048, 4096, 4096), (1, 2048, 32, 8, 128), (1, 1024),
+                                    16 * 2**20, 3),
+}
+# The model whose micro-step fits the matmul efficiency, when the caller names none: what the
+# platform trains (4 of LLaMA2-7B's layers: its widths, compiled in seconds).
+REFERENCE_MODELS = {("cpu", False): ("small", 0), ("cpu", True): ("tiny", 0),
+                    ("accelerator", False): ("llama2-7b", 4), ("accelerator", True): ("tiny", 0)}
+
+
+def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None = None,
+                    quick: bool = False, progress: Callable[[str], None] | None = None
+                    ) -> Profile:
+    """The profile of `devices` (every process's, under `hotjax launch`), measured in
+    `model`'s compute dtype, its matmul efficiency fitted on `model`'s micro-step (None: a
+    model of the platform's, in the trainer's default dtype). `quick`: small sizes and few
+    repeats (seconds; for tests). `progress` is told what is measured next (a rich
+    `Status.update`, say)."""
+    devices = canonical_devices(devices)
+    if len(devices) < 2:
+        raise UserError(f"measuring a profile needs at least 2 devices to time collectives "
+                        f"between, and {len(devices)} is in use: use more devices")
+    platform = devices[0].platform
+    nodes = len({d.process_index for d in devices})
+    per_node = len(devices) // nodes
+    if per_node * nodes != len(devices):
+        raise UserError(f"{len(devices)} devices over {nodes} processes: give every process "
+                        f"the same number of devices")
+    kind = ("cpu" if platform == "cpu" else "accelerator", quick)
+    work = WORKLOADS[kind]
+    model = model or reference_model(*REFERENCE_MODELS[kind])
+    intra_sizes = _group_sizes(per_node)
+    inter_sizes = _group_sizes(len(devices)) if nodes > 1 else ()
+    total = 1 + len(COLLECTIVES) * (len(intra_sizes) + len(inter_sizes))
+    done = 0
+
+    def announce(what: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(f"[{done}/{total}] {what}")
+
+    dtype = model.dtype
+    announce(f"compute: {dtype.name} matmul, attention, a micro-step of {model.n_layers} layers x "
+         f"{model.dim} on {len(devices)} devices")
+    strategy = Strategy.parse(f"data={len(devices)},rules=dp")
+    shape = (work.step[0] * len(devices), work.step[1])
+    reference = MicroStepRun(model, strategy, tuple(devices), shape)
+    # The fit below prices the step's attention at the kernel's rate: time the two alike.
+    (matmul_s,) = timed_in_rounds([matmul_runner(devices, dtype, work.matmul)], work.repeats)
+    attention_s, step_s = timed_in_rounds(
+        [attention_runner(devices, dtype, work.attention), reference.run], work.repeats)
+    tokens, width, out = work.matmul
+    figures = {"matmul": 2 * tokens * width * out / matmul_s,
+               "attention": attention_flops(work.attention, platform) / attention_s,
+               "step": step_s, "memory": device_memory_bytes(devices)}
+    for name in COLLECTIVES:
+        for side, sizes in (("intra", intra_sizes), ("inter", inter_sizes)):
+            for group in sizes:
+                announce(f"{name} over groups of {group} "
+                     f"({'across' if side == 'inter' else 'inside'} nodes)")
+                figures[f"{name} {side} {group}"] = bus_bandwidth(
+                    devices, name, group, side == "inter", work)
+    figures = _agreed(figures)
+
+    bandwidths: dict[str, dict[str, dict[str, float]]] = {}
+    for name in COLLECTIVES:
+        tables = {side: {str(group): _rounded(figures[f"{name} {side} {group}"] / GIGA)
+                         for group in sizes}
+                  for side, sizes in (("intra", intra_sizes), ("inter", inter_sizes))}
+        if not inter_sizes:  # one node: no group spans nodes, the cost model asks for none
+            tables["inter"] = tables["intra"]
+        if not intra_sizes:  # one device per node: every group spans nodes
+            tables["intra"] = tables["inter"]
+        bandwidths[name] = tables
+    send = bandwidths["send"]
+    source = (f"measured on {len(devices)} {platform} devices ({devices[0].device_kind}) in "
+              f"{nodes} process(es), {dtype.name}, jax {jax.__version__}"
+              + (", quick" if quick else "") + f"; matmul efficiency fitted on a data-parallel "
+              f"micro-step of {work.step[0]} x {work.step[1]} tokens per device of a "
+              f"{model.n_layers}-layer, {model.dim}-wide model")
+
+    def profile(matmul_flops: float) -> Profile:
+        """The profile with the model's matmuls at `matmul_flops`: the fastest rate measured is
+        the peak, each efficiency a share of it."""
+        peak = max(figures["matmul"], figures["attention"], matmul_flops)
+        return parse_profile({
+            "name": f"measured-{platform}-{nodes}x{per_node}", "platform": platform,
+            "nodes": nodes, "devices_per_node": per_node,
+            "device": {"peak_tflops": _rounded(peak / TERA),
+                       "memory_gib": _rounded(figures["memory"] / GiB)},
+            "efficiency": {"matmul": _rounded(matmul_flops / peak),
+                           "attention": _rounded(figures["attention"] / peak)},
+            # The links as the switch planner sees them: what a device sends while every
+            # device of the largest group sends too.
+            "links": {"intra_node_gbps": send["intra"][str(max(intra_sizes or inter_sizes))],
+                      "inter_node_gbps": send["inter"][str(max(inter_sizes or intra_sizes))]},
+            "collectives": bandwidths}, source)
+
+    # Where attention and collectives alone would outlast the reference step, the plain matmul.
+    return profile(fitted_matmul_flops(profile(figures["matmul"]), model, strategy, shape,
+                                       figures["step"]) or figures["matmul"])
+
+
+def reference_model(name: str, layers: int = 0) -> LlamaConfig:
+    """A preset as training builds it (its vocabulary padded), cut to `layers` (0: all)."""
+    config = preset(name)
+    return dataclasses.replace(config, vocab_size=padded_vocab(config.vocab_size),
+                               n_layers=layers or config.n_layers)
+
+
+def fitted_matmul_flops(profile: Profile, model: LlamaConfig, strategy: Strategy,
+                        shape: tuple[int, int], seconds: float) -> float | None:
+    """The FLOP/s at which `sharding.cost` prices `model`'s micro-step of `shape` under
+    `strategy` at `seconds`, with everything but the matmuls as `profile` prices it (None where
+    that alone takes `seconds` or more)."""
+    at_peak = micro_step_time(model, strategy, shape,
+                              dataclasses.replace(profile, matmul_efficiency=1.0))
+    left = seconds - (at_peak.seconds - at_peak.matmuls)
+    return at_peak.matmuls * profile.peak_flops / left if left > 0 else None
+
+
+def causal_batch(rows: int, seq_len: int, vocab_size: int, seed: int = 0) -> Batch:
+    """Random tokens, each row one document filling it (the worst case the cost model
+    prices)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, vocab_size, size=(rows, seq_len), dtype=np.int32)
+    positions = np.tile(np.arange(seq_len, dtype=np.int32), (rows, 1))
+    return Batch(tokens, np.ones((rows, seq_len), np.int32), positions)
+
+
+class MicroStepRun:
+    """A bucket's gradient micro-step compiled for micro-batches of `shape` (rows, tokens),
+    its weights and one micro-batch in place, ready to time."""
+
+    def __init__(self, config: LlamaConfig, strategy: Strategy,
+                 devices: tuple[jax.Device, ...], shape: tuple[int, int]):
+        step = bucket_step(config, strategy, devices)
+        self.notes = step.notes
+        self.compiled = step.compiled(shape)
+        self.params = jax.jit(lambda: jax.tree.map(lambda p: p.astype(config.dtype),
+                                                   init_params(config, 0)),
+                              out_shardings=step.param_shardings)()
+        (arrays,) = micro_batches(step.layout, causal_batch(*shape, config.vocab_size), shape[0])
+        self.batch, self.scale = step.place(arrays), step.place_scale(jnp.ones((), jnp.float32))
+        self.acc = step.zeros()
+
+    def run(self) -> None:
+        """One micro-step, waited for (the accumulator is donated and replaced)."""
+        self.acc = jax.block_until_ready(self.compiled(self.params, self.acc, self.batch,
+                                                       self.scale))
+
+
+def timed_in_rounds(runs: Sequence[Callable[[], None]], repeats: int) -> list[float]:
+    """Each run's median seconds over `repeats` rounds, each round calling every run once in
+    turn, after a round that compiles and warms them: load that drifts slows all of them alike."""
+    for run in runs:
+        run()
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, seconds in zip(runs, times, strict=True):
+            started = time.perf_counter()
+            run()
+            seconds.append(time.perf_counter() - started)
+    return [statistics.median(seconds) for seconds in times]
+
+
+def matmul_runner(devices: Sequence[jax.Device], dtype: jnp.dtype,
+                  shape: tuple[int, int, int]) -> Callable[[], None]:
+    """A [tokens, width] x [width, out] matmul in `dtype` on every device at once."""
+    tokens, width, out = shape
+    split = NamedSharding(Mesh(np.asarray(devices, dtype=object), ("devices",)),
+                          PartitionSpec("devices"))
+    count = len(devices)
+    x, w = _filled(((count, tokens, width), (count, width, out)), dtype, split)
+    product = jax.jit(lambda x, w: jnp.einsum("btd,bdf->btf", x, w), out_shardings=split)
+    return lambda: jax.block_until_ready(product(x, w))
+
+
+def attention_runner(devices: Sequence[jax.Device], dtype: jnp.dtype,
+                     shape: tuple[int, int, int, int, int]) -> Callable[[], None]:
+    """The model's attention kernel, forward and backward, on `shape`'s causal rows per device,
+    every device at once."""
+    rows, tokens, heads, kv_heads, head_dim = shape
+    count = len(devices)
+    mesh = Mesh(np.asarray(devices, dtype=object), ("devices",))
+    by_row = PartitionSpec("devices")
+    split = NamedSharding(mesh, by_row)
+    layout = AttentionSharding(mesh, by_row, by_row)
+    B = count * rows
+    q, k, v, cotangent = _filled(((B, tokens, heads, head_dim), (B, tokens, kv_heads, head_dim),
+                                  (B, tokens, kv_heads, head_dim), (B, tokens, heads, head_dim)),
+                                 dtype, split)
+    segment_ids, positions = jax.jit(lambda: (
+        jnp.ones((B, tokens), jnp.int32),
+        jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (B, tokens))),
+        out_shardings=(split, split))()
+
+    def loss(q, k, v, cotangent, segment_ids, positions):
+        out = attention(q, k, v, segment_ids, positions, sharding=layout)
+        return jnp.sum((out * cotangent).astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return lambda: jax.block_until_ready(grads(q, k, v, cotangent, segment_ids, positions))
+
+
+def attention_flops(shape: tuple[int, int, int, int, int], platform: str) -> float:
+    """The work of `attention_runner` per device as `sharding.cost` counts it: 4·N·H FLOPs per
+    visible (query, key) pair forward and 2.5 times that backward, over the kernel's blocks."""
+    rows, tokens, heads, _, head_dim = shape
+    block = DEFAULT_BLOCK.get(platform, DEFAULT_BLOCK["gpu"])
+    return 3.5 * 4 * head_dim * heads * rows * visible_pairs(tokens, 1, False, block)
+
+
+def bus_bandwidth(devices: Sequence[jax.Device], collective: str, group: int,
+                  across_nodes: bool, work: Workload) -> float:
+    """Bytes/s per device of `collective` over groups of `group` devices, every group at once:
+    consecutive devices (inside a node) or strided ones (each group spanning nodes)."""
+    count = len(devices)
+    grid = np.asarray(devices, dtype=object)
+    grid = (grid.reshape(group, count // group).T if across_nodes
+            else grid.reshape(count // group, group))
+    mesh = Mesh(grid, ("groups", "group"))
+    spec = PartitionSpec(("groups", "group"))
+    elements = work.message_bytes // 4 // group * group  # fp32, a multiple of the group
+    # The tensor as the cost model sizes it: the whole one, before a reduce-scatter and after
+    # an all-gather.
+    local = elements // group if collective == "all-gather" else elements
+    ring = [(i, (i + 1) % group) for i in range(group)]
+    body = {"all-reduce": lambda x: jax.lax.psum(x, "group"),
+            "all-gather": lambda x: jax.lax.all_gather(x, "group", tiled=True),
+            "reduce-scatter": lambda x: jax.lax.psum_scatter(x, "group", tiled=True),
+            "send": lambda x: jax.lax.ppermute(x, "group", ring)}[collective]
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
+                                check_vma=False))
+    (x,) = _filled(((count * local,),), jnp.float32, NamedSharding(mesh, spec))
+    (seconds,) = timed_in_rounds([lambda: jax.block_until_ready(run(x))], work.repeats)
+    return BUS_FACTOR[collective](group) * elements * 4 / seconds
+
+
+def device_memory_bytes(devices: Sequence[jax.Device]) -> int:
+    """Bytes per device: what the runtime lets one allocate (`memory_stats`' bytes_limit), or
+    where it says nothing (XLA:CPU) this host's memory shared by its devices."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    try:
+        stats = local[0].memory_stats()
+    except (NotImplementedError, RuntimeError):
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(local)
+
+
+def profile_toml(profile: Profile) -> str:
+    """`profile` in the TOML form `sharding.profile.parse_profile` reads, every number written
+    so that it reads back to the same value."""
+    def table(entries: tuple[tuple[int, float], ...]) -> str:
+        return "{ " + ", ".join(f"{size} = {_in_units(bw, GIGA)}" for size, bw in entries) + " }"
+
+    lines = [f"# {profile.source}",
+             "# Units: TFLOP/s, GiB, GB/s (1e9 bytes/s) per device and direction.",
+             f"name = {_string(profile.name)}", f"platform = {_string(profile.platform)}",
+             f"nodes = {profile.nodes}", f"devices_per_node = {profile.devices_per_node}", "",
+             "[device]", f"peak_tflops = {_in_units(profile.peak_flops, TERA)}",
+             f"memory_gib = {_in_units(profile.memory_bytes, GiB)}", "",
+             "[efficiency]", f"matmul = {_in_units(profile.matmul_efficiency, 1)}",
+             f"attention = {_in_units(profile.attention_efficiency, 1)}", "",
+             "[links]", f"intra_node_gbps = {_in_units(profile.intra_node_bandwidth, GIGA)}",
+             f"inter_node_gbps = {_in_units(profile.inter_node_bandwidth, GIGA)}", "",
+             "# Bus bandwidth of each collective (nccl-tests' busbw) by group size, for groups "
+             "inside one node", "# (intra) and groups spanning nodes (inter)."]
+    if profile.nodes == 1 and all(b.intra == b.inter for _, b in profile.collectives):
+        lines.append("# One node: no group spans nodes, so inter repeats intra.")
+    for name, bandwidths in profile.collectives:
+        lines += [f"[collectives.{name}]", f"intra = {table(bandwidths.intra)}",
+                  f"inter = {table(bandwidths.inter)}", ""]
+    return "\n".join(lines)
+
+
+def _filled(shapes: tuple[tuple[int, ...], ...], dtype: jnp.dtype, sharding: NamedSharding
+            ) -> tuple[jax.Array, ...]:
+    """Random arrays made where they live (every process makes its own shards)."""
+    def make() -> tuple[jax.Array, ...]:
+        keys = jax.random.split(jax.random.key(0), len(shapes))
+        return tuple(jax.random.normal(key, shape, jnp.float32).astype(dtype)
+                     for key, shape in zip(keys, shapes, strict=True))
+
+    return jax.jit(make, out_shardings=(sharding,) * len(shapes))()
+
+
+def _agreed(figures: dict[str, float]) -> dict[str, float]:
+    """Process 0's figures, on every process: each times its own runs, and all must plan
+    alike."""
+    if jax.process_count() == 1:
+        return figures
+    from jax.experimental import multihost_utils
+
+    values = multihost_utils.broadcast_one_to_all(np.asarray(list(figures.values()), np.float32))
+    return dict(zip(figures, map(float, values), strict=True))
+
+
+def _group_sizes(count: int) -> tuple[int, ...]:
+    """Powers of two from 2 up to `count` that divide it, and `count` itself."""
+    sizes = {2**i for i in range(1, count.bit_length()) if count % 2**i == 0}
+    return tuple(sorted(sizes | {count})) if count > 1 else ()
+
+
+def _rounded(x: float) -> float:
+    return float(f"{x:.{SIGNIFICANT}g}")
+
+
+def _in_units(value: float | int, unit: float) -> str:
+    """The shortest decimal that, times `unit`, reads back as `value` (TOML float syntax)."""
+    for digits in range(1, 18):
+        text = f"{value / unit:.{digits}g}"
+        if type(value)(float(text) * unit) == value:  # as parse_profile reads it
+            break
+    else:
+        text = repr(value / unit)
+    return f"{text}.0" if text.lstrip("-").isdecimal() else text
+
+
+def _string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,314 @@
+"""Does the cost model know this machine? The devices are measured into a hardware profile
+(`hotjax.measure`); then, side by side in the same run, each strategy's micro-step is timed and
+its time predicted from that profile (`sharding.cost.micro_step_time`); and LLaMA2-7B's
+micro-step is compiled, not run, under each strategy and XLA's per-device peak set beside the
+predicted one (`sharding.cost.micro_step_memory`).
+
+    python scripts/bench_plan.py [--json] [--quick] [--model small] [--seq-lens 256,1024]
+                                 [--tokens 8192] [--repeats 3] [--strategies "A; B"]
+                                 [--memory-model llama2-7b] [--memory-layers 32]
+                                 [--memory-shape 8x1024]
+
+Time: each (strategy, row length) runs the bucket's gradient micro-step (`hotjax.step`) on one
+micro-batch of `--tokens` tokens, each row one causal document (the worst case the cost model
+prices). After a warm-up round, `--repeats` rounds run every micro-step once in turn, so that a
+machine whose load drifts slows them alike; each is the median of its runs. Over all of them:
+the Spearman rank correlation of predicted against measured, and the median relative error
+|predicted - measured| / measured; the targets are >= 0.8 and <= 25 %. The profile's matmul
+efficiency is fitted on a data-parallel micro-step of the same model on a micro-batch of another
+shape (see `hotjax.measure`). On simulated CPU devices the devices share the machine's cores,
+in the measurements and in the steps alike. Memory: the same strategies, `--memory-model` cut to
+`--memory-layers` layers (default: all), on micro-batches of `--memory-shape` (rows x tokens).
+`--quick`: the `tiny` model, short rows, two strategies, a quick profile and a 2-layer
+LLaMA2-7B (a smoke test: its timings are too small and noisy to judge the model by).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quick_option import console, parse_args  # noqa: E402  (beside this script)
+
+from hotjax.cli import start_jax  # noqa: E402  (imports no JAX: the device count comes first)
+from models.errors import UserError  # noqa: E402
+
+if TYPE_CHECKING:
+    import jax
+    from rich.console import Console
+
+    from models.llama import LlamaConfig
+    from sharding.profile import Profile
+    from sharding.strategy import Strategy
+
+DEFAULT_STRATEGIES = "; ".join((
+    "data=8,rules=dp", "fsdp=8,rules=fsdp", "data=2,tensor=4,rules=megatron",
+    "data=2,tensor=4,rules=megatron-sp", "data=2,context=4,rules=context",
+    "stage=2,data=4,microbatches=2"))
+TARGETS = {"spearman": 0.8, "median_relative_error": 0.25}
+QUICK = {"model": "tiny", "seq_lens": "64,256", "tokens": 2048, "repeats": 2,
+         "strategies": "data=2,tensor=4,rules=megatron-sp; stage=2,data=4,microbatches=2",
+         "memory_layers": 2, "memory_shape": "8x256"}
+MiB, GiB = 2**20, 2**30
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's of the ranks (ties share their mean rank)."""
+    return float(np.corrcoef(_ranks(a), _ranks(b))[0, 1])
+
+
+def _ranks(values: list[float]) -> np.ndarray:
+    x = np.asarray(values, dtype=float)
+    ranks = np.empty(len(x))
+    ranks[np.argsort(x, kind="stable")] = np.arange(1, len(x) + 1)
+    for value in np.unique(x):
+        ranks[x == value] = ranks[x == value].mean()
+    return ranks
+
+
+def run(args: argparse.Namespace, progress: Console) -> dict:
+    import jax
+
+    from hotjax.measure import measure_profile, profile_toml
+    from models.llama import padded_vocab, preset
+    from sharding.strategy import Strategy
+
+    strategies = [Strategy.parse(text) for text in _split(args.strategies, ";")]
+    seq_lens = [_positive(text, "--seq-lens") for text in _split(args.seq_lens, ",")]
+    memory_shape = tuple(_positive(text, "--memory-shape") for text in
+                         args.memory_shape.split("x"))
+    if len(memory_shape) != 2:
+        raise UserError(f"--memory-shape {args.memory_shape!r}: give ROWSxTOKENS, like 8x1024")
+    if args.repeats < 1 or not strategies or not seq_lens:
+        raise UserError("give at least one strategy, one row length and one repeat")
+    devices = tuple(jax.devices())
+    model = preset(args.model)
+    config = dataclasses.replace(model, vocab_size=padded_vocab(model.vocab_size),
+                                 compute_dtype=args.compute_dtype or model.compute_dtype)
+    big = preset(args.memory_model)
+    big = dataclasses.replace(big, vocab_size=padded_vocab(big.vocab_size),
+                              n_layers=args.memory_layers or big.n_layers)
+
+    started = time.perf_counter()
+    with progress.status("measuring the devices...") as status:
+        profile = measure_profile(devices, model=config, quick=args.quick,
+                                  progress=status.update)
+    measure_s = time.perf_counter() - started
+    progress.print(f"profile measured in {measure_s:.1f} s: {profile.peak_flops / 1e9:.1f} "
+                   f"GFLOP/s per device; the model's matmuls at "
+                   f"{profile.matmul_efficiency:.2f} of it, attention at "
+                   f"{profile.attention_efficiency:.2f}; all-reduce over {len(devices)} at "
+                   f"{profile.bandwidth('all-reduce', len(devices), False) / 1e9:.2f} GB/s",
+                   highlight=False)
+    timed = time_section(config, strategies, seq_lens, devices, profile, args, progress)
+    predicted_s, measured_s = ([r[k] for r in timed] for k in ("predicted_s", "measured_s"))
+    accuracy = {"spearman": spearman(predicted_s, measured_s),
+                "median_relative_error": statistics.median(r["relative_error"] for r in timed)}
+    accuracy["meets_targets"] = (accuracy["spearman"] >= TARGETS["spearman"]
+                                 and accuracy["median_relative_error"]
+                                 <= TARGETS["median_relative_error"])
+    memory = memory_section(big, strategies, memory_shape, devices, progress)
+    return {
+        "machine": {"platform": devices[0].platform, "device_kind": devices[0].device_kind,
+                    "devices": len(devices), "cpus": os.cpu_count(),
+                    "processor": platform.processor() or platform.machine(),
+                    "python": platform.python_version(), "jax": jax.__version__},
+        "profile": {"measure_s": measure_s, "quick": args.quick, "toml": profile_toml(profile),
+                    "peak_flops": profile.peak_flops,
+                    "matmul_efficiency": profile.matmul_efficiency,
+                    "attention_efficiency": profile.attention_efficiency},
+        "time": {"model": {"preset": args.model, "params": config.num_params(),
+                           "compute_dtype": config.compute_dtype},
+                 "tokens": args.tokens, "repeats": args.repeats, "results": timed,
+                 **accuracy, "targets": TARGETS},
+        "memory": {"model": {"preset": args.memory_model, "layers": big.n_layers,
+                             "params": big.num_params(), "compute_dtype": big.compute_dtype},
+                   "shape": list(memory_shape), "compile_only": True, "results": memory},
+    }
+
+
+def time_section(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[int],
+                 devices: tuple[jax.Device, ...], profile: Profile, args: argparse.Namespace,
+                 progress: Console) -> list[dict]:
+    """Each (strategy, row length): predicted and measured seconds of one micro-step."""
+    from hotjax.measure import MicroStepRun, timed_in_rounds
+    from hotjax.step import bucket_step
+    from sharding.cost import micro_step_time
+
+    jobs = []
+    for seq_len in seq_lens:
+        for strategy in strategies:
+            shards = bucket_step(config, strategy, devices).layout.batch_shards
+            jobs.append((strategy, (-(-max(1, args.tokens // seq_len) // shards) * shards,
+                                    seq_len)))
+    progress.print(f"compiling {len(jobs)} micro-steps of {args.model}...", highlight=False)
+    compile_s = compile_in_parallel([(config, *job) for job in jobs], devices)
+    steps = [MicroStepRun(config, strategy, devices, shape) for strategy, shape in jobs]
+    progress.print(f"compiled in {compile_s:.1f} s; timing them in {args.repeats} rounds after "
+                   f"a warm-up...", highlight=False)
+    seconds = timed_in_rounds([step.run for step in steps], args.repeats)
+    results = []
+    for (strategy, shape), step, measured in zip(jobs, steps, seconds, strict=True):
+        predicted = micro_step_time(config, strategy, shape, profile)
+        results.append({"strategy": str(strategy), "seq_len": shape[1], "rows": shape[0],
+                        "notes": list(step.notes), "predicted_s": predicted.seconds,
+                        "terms_s": dataclasses.asdict(predicted), "measured_s": measured,
+                        "relative_error": abs(predicted.seconds - measured) / measured})
+    return results
+
+
+def memory_section(config: LlamaConfig, strategies: list[Strategy], shape: tuple[int, int],
+                   devices: tuple[jax.Device, ...], progress: Console) -> list[dict]:
+    """Each strategy: predicted and XLA's per-device peak of one micro-step, compiled."""
+    from hotjax.step import bucket_step
+    from sharding.cost import micro_step_memory
+
+    progress.print(f"compiling {len(strategies)} micro-steps of {config.n_layers} layers x "
+                   f"{config.dim} ({shape[0]} x {shape[1]} tokens)...", highlight=False)
+    compile_in_parallel([(config, strategy, shape) for strategy in strategies], devices)
+    results = []
+    for strategy in strategies:
+        xla = bucket_step(config, strategy, devices).peak_bytes(shape)
+        predicted = micro_step_memory(config, strategy, shape, devices[0].platform)
+        results.append({"strategy": str(strategy), "xla_bytes": xla,
+                        "predicted_bytes": predicted.peak,
+                        "terms_bytes": dataclasses.asdict(predicted),
+                        "relative_error": abs(predicted.peak - xla) / xla})
+    return results
+
+
+def compile_in_parallel(jobs: list[tuple[LlamaConfig, Strategy, tuple[int, int]]],
+                        devices: tuple[jax.Device, ...]) -> float:
+    """Compiles each (config, strategy, shape) micro-step, a few at once (compiling releases
+    the GIL); the seconds it took."""
+    from hotjax.step import bucket_step
+
+    started = time.perf_counter()
+    steps = [bucket_step(config, strategy, devices) for config, strategy, _ in jobs]
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(lambda step, job: step.compiled(job[2]), steps, jobs))
+    return time.perf_counter() - started
+
+
+def print_table(report: dict, console: Console) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    m, t, mem = report["machine"], report["time"], report["memory"]
+    table = Table(title=f"micro-step time of {t['model']['preset']} "
+                        f"({t['model']['params'] / 1e6:.1f}M params, "
+                        f"{t['model']['compute_dtype']}), {t['tokens']:,} tokens: predicted from "
+                        f"the measured profile vs measured", title_justify="left")
+    for column in ("strategy", "rows x seq", "predicted s", "measured s", "error", "largest term"):
+        table.add_column(column, justify="left" if column in ("strategy", "largest term")
+                         else "right", no_wrap=column == "strategy")
+    for seq_len in sorted({r["seq_len"] for r in t["results"]}):
+        for r in (r for r in t["results"] if r["seq_len"] == seq_len):
+            term = max(r["terms_s"], key=r["terms_s"].get)
+            table.add_row(escape(r["strategy"]), f"{r['rows']} x {seq_len}",
+                          f"{r['predicted_s']:.3f}", f"{r['measured_s']:.3f}",
+                          f"{100 * (r['predicted_s'] / r['measured_s'] - 1):+.0f} %",
+                          f"{term} {r['terms_s'][term] / r['predicted_s']:.0%}")
+        table.add_section()
+    console.print(table)
+
+    def verdict(ok: bool) -> str:
+        return "[green]meets[/]" if ok else "[red]misses[/]"
+
+    console.print(f"Spearman rank correlation {t['spearman']:.3f} "
+                  f"({verdict(t['spearman'] >= t['targets']['spearman'])} >= "
+                  f"{t['targets']['spearman']}); median relative error "
+                  f"{100 * t['median_relative_error']:.1f} % "
+                  f"({verdict(t['median_relative_error'] <= t['targets']['median_relative_error'])}"
+                  f" <= {100 * t['targets']['median_relative_error']:.0f} %). Measured: median "
+                  f"of {t['repeats']} runs after a warm-up; the profile measured in "
+                  f"{report['profile']['measure_s']:.1f} s in the same run.")
+
+    unit, scale = ("GiB", GiB) if max(r["xla_bytes"] for r in mem["results"]) >= GiB else (
+        "MiB", MiB)
+    table = Table(title=f"per-device peak of one micro-step of {mem['model']['preset']} "
+                        f"({mem['model']['layers']} layers, {mem['model']['compute_dtype']}), "
+                        f"{mem['shape'][0]} x {mem['shape'][1]} tokens, compiled not run",
+                  title_justify="left")
+    for column in ("strategy", f"predicted {unit}", f"XLA {unit}", "error"):
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for r in mem["results"]:
+        table.add_row(escape(r["strategy"]), f"{r['predicted_bytes'] / scale:.2f}",
+                      f"{r['xla_bytes'] / scale:.2f}",
+                      f"{100 * (r['predicted_bytes'] / r['xla_bytes'] - 1):+.1f} %")
+    console.print(table)
+    console.print(f"memory: XLA's planned per-device peak of the compiled micro-step (weights, "
+                  f"fp32 gradient accumulator, micro-batch, temporaries) beside the cost model's; "
+                  f"median relative error "
+                  f"{100 * statistics.median(r['relative_error'] for r in mem['results']):.1f} %, "
+                  f"largest {100 * max(r['relative_error'] for r in mem['results']):.1f} %.",
+                  highlight=False)
+    console.print(f"hardware: {m['devices']} {m['platform']} device(s) ({m['device_kind']}), "
+                  f"{m['cpus']} CPUs, {m['processor']}, python {m['python']}, jax {m['jax']}",
+                  markup=False, highlight=False)
+    if m["platform"] == "cpu":
+        console.print("[yellow]simulated CPU devices:[/] they share the machine's cores; the "
+                      "profile is measured the same way, so the two agree on this machine only.")
+
+
+def _split(text: str, sep: str) -> list[str]:
+    return [part.strip() for part in text.split(sep) if part.strip()]
+
+
+def _positive(text: str, flag: str) -> int:
+    if not text.strip().isdecimal() or int(text) < 1:
+        raise UserError(f"{flag}: {text!r} is not a positive integer")
+    return int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", help="model preset timed (default: "
+                        "%(default)s); its vocabulary is padded to a multiple of 128")
+    parser.add_argument("--seq-lens", default="256,1024", help="row lengths, comma-separated")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch: rows "
+                        "= tokens / row length, rounded up to split over the strategy's batch "
+                        "shards (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
+    parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"),
+                        help="default: the model's (the trainer's default)")
+    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+                        help="strategies separated by ';' (default: %(default)s)")
+    parser.add_argument("--memory-model", default="llama2-7b", help="model preset compiled for "
+                        "the memory comparison (default: %(default)s)")
+    parser.add_argument("--memory-layers", type=int, default=0, help="its layers (default: all)")
+    parser.add_argument("--memory-shape", default="8x1024", help="its micro-batch, ROWSxTOKENS "
+                        "(default: %(default)s)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document to stdout (the tables go to stderr)")
+    args = parse_args(parser, argv, QUICK)
+
+    progress = console(stderr=True)
+    try:
+        start_jax(None)
+        report = run(args, progress)
+    except UserError as e:
+        print(f"bench_plan: error: {e}", file=sys.stderr)
+        return 2
+    print_table(report, progress if args.json else console(stderr=False))
+    if args.json:
+        print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,9 +7,12 @@ import math
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+
+from sharding.profile import parse_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600  # each takes well under a minute on 2 idle cores; shared machines are slower
@@ -123,6 +126,28 @@ def test_bench_mixed() -> None:
 @pytest.mark.parametrize("script", sorted(p.stem for p in (ROOT / "scripts").glob("bench_*.py")))
 def test_every_benchmark_is_tested(script: str) -> None:
     assert f"test_{script}" in globals(), f"scripts/{script}.py has no test here: add one"
+
+
+def test_bench_plan() -> None:
+    report = run_quick("bench_plan")
+    assert report["machine"]["devices"] == 8
+    profile = parse_profile(tomllib.loads(report["profile"]["toml"]), "bench_plan")
+    assert positive(profile.peak_flops) and positive(report["profile"]["measure_s"])
+    timed = report["time"]
+    assert len(timed["results"]) == 2 * 2  # strategies x row lengths
+    for r in timed["results"]:
+        assert positive(r["predicted_s"]) and positive(r["measured_s"]), r
+        assert r["predicted_s"] == pytest.approx(sum(r["terms_s"].values()))
+        assert r["relative_error"] == pytest.approx(
+            abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"])
+    assert -1 <= timed["spearman"] <= 1 and math.isfinite(timed["median_relative_error"])
+    assert isinstance(timed["meets_targets"], bool)
+    memory = report["memory"]
+    assert memory["model"]["layers"] == 2 and len(memory["results"]) == 2
+    for r in memory["results"]:
+        assert r["xla_bytes"] > 0 and r["predicted_bytes"] > 0
+        # The cost model's own tolerance on LLaMA2-7B widths (tests/test_cost.py).
+        assert r["relative_error"] <= 0.15, r
 
 
 def test_bench_memory() -> None:

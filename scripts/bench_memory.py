@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import sys
@@ -32,9 +31,8 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import console, parse_args  # noqa: E402  (beside this script)
+from quick_option import parse_args, report  # noqa: E402  (beside this script)
 
-from hotjax.cli import start_jax  # noqa: E402  (imports no JAX: the device count comes first)
 from models.errors import UserError  # noqa: E402
 
 if TYPE_CHECKING:
@@ -177,17 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="print one JSON document to stdout (the table goes to stderr)")
     args = parse_args(parser, argv, QUICK)
 
-    progress = console(stderr=True)
-    try:
-        start_jax(None)
-        report = run(args, progress)
-    except UserError as e:
-        print(f"bench_memory: error: {e}", file=sys.stderr)
-        return 2
-    print_table(report, progress if args.json else console(stderr=False))
-    if args.json:
-        print(json.dumps(report, indent=1))
-    return 0
+    return report("bench_memory", args, run, print_table)
 
 
 if __name__ == "__main__":

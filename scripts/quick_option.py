@@ -32,3 +32,25 @@ def console(stderr: bool, width: int = 120) -> Console:
 
     stream = sys.stderr if stderr else sys.stdout
     return Console(stderr=stderr, width=None if stream.isatty() else width)
+
+
+def report(name: str, args: argparse.Namespace, run, print_table) -> int:
+    """A benchmark's end: start JAX, `run(args, progress)` for its report, print the table (to
+    stderr under `--json`, which prints the report's JSON), and exit 2 with one line on a
+    `UserError`."""
+    import json
+
+    from hotjax.cli import start_jax
+    from models.errors import UserError
+
+    progress = console(stderr=True)
+    try:
+        start_jax(None)
+        found = run(args, progress)
+    except UserError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 2
+    print_table(found, progress if args.json else console(stderr=False))
+    if args.json:
+        print(json.dumps(found, indent=1))
+    return 0

@@ -9,6 +9,7 @@ over gloo.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -51,6 +52,9 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"joining the run's processes failed ({first}): check --coordinator "
                         f"{coordinator} is reachable and every process was started") from None
+    # Orbax's background save threads log a failed collective with its traceback; the main
+    # thread's own failure is the one reported, as one line (`lost_peer`).
+    logging.getLogger("absl").addFilter(_without_lost_peers)
 
 
 # What a collective with a process that is gone fails with: its connection reset or closed
@@ -59,11 +63,21 @@ _LOST_PEER = ("connection reset", "connection closed", "broken pipe", "heartbeat
               "coordination service")
 
 
+def _is_lost_peer(error: BaseException) -> bool:
+    return any(m in str(error).lower() for m in _LOST_PEER)
+
+
+def _without_lost_peers(record: logging.LogRecord) -> bool:
+    """A log filter dropping the records of a lost peer's failed collective."""
+    error = record.exc_info[1] if record.exc_info else None
+    return error is None or not _is_lost_peer(error)
+
+
 def lost_peer(error: Exception, process_index: int, process_count: int) -> str | None:
     """A one-line account of `error` if it is a collective failing because another process of
     the run is gone (None otherwise). With two processes the lost one is the other."""
     text = str(error).strip()
-    if process_count < 2 or not any(m in text.lower() for m in _LOST_PEER):
+    if process_count < 2 or not _is_lost_peer(error):
         return None
     others = [p for p in range(process_count) if p != process_index]
     who = f"process {others[0]}" if len(others) == 1 else "another process"

@@ -186,3 +186,27 @@ def test_a_collective_failing_for_a_lost_peer_is_one_line_naming_it():
     assert lost_peer(gloo, 2, 4).startswith("another process of the run is gone")
     assert lost_peer(RuntimeError("RESOURCE_EXHAUSTED: out of memory"), 0, 2) is None
     assert lost_peer(gloo, 0, 1) is None  # one process has no peers to lose
+
+
+def test_background_logs_of_a_lost_peer_leave_the_report_to_the_one_line(caplog):
+    """Orbax's save threads log a failed collective with its traceback; in a run of several
+    processes those records are dropped (the main thread's one line reports the lost peer),
+    and every other error still logs in full."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    from hotjax.distributed import _without_lost_peers
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(_without_lost_peers)
+    try:
+        for cause in ("Gloo AllGather failed: Connection closed by peer [127.0.0.1]:36757",
+                      "disk full"):
+            try:
+                raise RuntimeError(cause)
+            except RuntimeError:
+                absl_logging.exception("_SignalingThread.run() raised an exception")
+    finally:
+        logger.removeFilter(_without_lost_peers)
+    assert [str(r.exc_info[1]) for r in caplog.records] == ["disk full"]

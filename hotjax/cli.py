@@ -42,6 +42,25 @@ def start_jax(devices: int | None,
     enable_compilation_cache()
 
 
+def add_process_options(command: argparse.ArgumentParser) -> None:
+    """The options that make a command one of several processes (`hotjax launch` passes them;
+    `processes(args)` reads them back for `start_jax`)."""
+    group = command.add_argument_group("several processes (hotjax launch passes these)")
+    group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    group.add_argument("--num-processes", type=int, metavar="N")
+    group.add_argument("--process-id", type=int, metavar="I")
+    group.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
+                       help="stop when another process has been silent this long "
+                       "(default: %(default)s s)")
+
+
+PROCESS_OPTIONS = ("coordinator", "num_processes", "process_id", "heartbeat_timeout")
+
+
+def processes(args: argparse.Namespace) -> tuple[str | None, int | None, int | None, int]:
+    return tuple(getattr(args, k) for k in PROCESS_OPTIONS)
+
+
 def _register_train(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser(
         "train", help="train a LLaMA model (default: the small preset on the Python stdlib)")
@@ -106,13 +125,7 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
                        "sized to it")
     train.add_argument("--bucket-timings", action="store_true", help="time each bucket's "
                        "compute and switches (waits for the devices after each bucket)")
-    processes = train.add_argument_group("several processes (hotjax launch passes these)")
-    processes.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
-    processes.add_argument("--num-processes", type=int, metavar="N")
-    processes.add_argument("--process-id", type=int, metavar="I")
-    processes.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
-                           help="stop when another process has been silent this long "
-                           "(default: %(default)s s)")
+    add_process_options(train)
     ckpt = train.add_argument_group("checkpoints")
     ckpt.add_argument("--ckpt-dir", metavar="DIR", help="save checkpoints here; resume from "
                       "the latest complete one in it")
@@ -127,13 +140,11 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
-    start_jax(args.devices, (args.coordinator, args.num_processes, args.process_id,
-                             args.heartbeat_timeout))
+    start_jax(args.devices, processes(args))
     from hotjax.run import train
 
-    process = ("command", "handler", "coordinator", "num_processes", "process_id",
-               "heartbeat_timeout")
-    options = {k: v for k, v in vars(args).items() if k not in process}
+    options = {k: v for k, v in vars(args).items()
+               if k not in ("command", "handler", *PROCESS_OPTIONS)}
     import jax
 
     from hotjax import distributed

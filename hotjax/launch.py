@@ -26,22 +26,25 @@ STOP_GRACE_S = 10  # after SIGTERM, before SIGKILL
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    launch = commands.add_parser("launch", help="run `hotjax train` as several processes on "
-                                 "this machine (JAX's multi-process runtime)")
+    launch = commands.add_parser("launch", help="run `hotjax train` (or `hotjax plan "
+                                 "--measure`) as several processes on this machine (JAX's "
+                                 "multi-process runtime)")
     launch.add_argument("--processes", type=int, default=2, help="how many (default: "
                         "%(default)s)")
     launch.add_argument("--devices-per-process", type=int, help="CPU: simulated devices per "
                         "process (default 4); GPU: GPUs per process (default: all, split "
                         "evenly)")
     launch.add_argument("command", nargs=argparse.REMAINDER,
-                        help="-- train ... (the command every process runs)")
+                        help="-- train ... or -- plan --measure ... (the command every "
+                        "process runs)")
     launch.set_defaults(handler=_launch)
 
 
 def _launch(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if command[:1] != ["train"]:
-        raise UserError("hotjax launch runs training: hotjax launch --processes 2 -- train ...")
+    if command[:1] not in (["train"], ["plan"]):
+        raise UserError("hotjax launch runs training or planning: hotjax launch --processes 2 "
+                        "-- train ... (or -- plan --measure ...)")
     if args.processes < 1:
         raise UserError(f"--processes {args.processes}: pass a positive number")
     taken = [f for f in ("--coordinator", "--num-processes", "--process-id") if f in command]

@@ -40,7 +40,7 @@ from models.options import REMAT_POLICIES
 from sharding.cost import micro_step_memory, micro_step_time, resident_bytes, visible_pairs
 from sharding.planner import boxes_from_strategy
 from sharding.profile import Profile
-from sharding.strategy import MESH_AXES, Strategy, fit_to_model
+from sharding.strategy import MESH_AXES, Strategy, fit_to_model, ways
 
 MIN_BUCKET = 512  # the shortest bucket boundary considered
 MAX_STAGES = 8
@@ -121,9 +121,25 @@ def candidate_strategies(config: LlamaConfig, devices: int) -> list[Strategy]:
                 fitted, notes = fit_to_model(strategy, config)
             except UserError:
                 continue
-            if not notes:  # no replicated heads or padded widths: they waste the devices
+            # No replicated heads or padded widths (they waste the devices), and every weight
+            # splits evenly, as the trainer places it.
+            if not notes and _splits_weights(fitted, config):
                 found.append(fitted)
     return found
+
+
+def _splits_weights(strategy: Strategy, config: LlamaConfig) -> bool:
+    """Whether every weight, its gradient and its optimizer state split evenly under
+    `strategy` (a vocabulary of 259 rows does not split over tensor=2)."""
+    for names, leaf in zip(jax_leaves(param_axes(config)), jax_leaves(abstract_params(config)),
+                           strict=True):
+        shape = leaf.shape
+        for spec in (strategy.param_spec(names), strategy.grad_spec(names),
+                     strategy.optimizer_spec(names)):
+            if any(n % pieces for n, pieces in zip(shape, ways(spec, strategy.axes),
+                                                   strict=False)):
+                return False
+    return True
 
 
 def _factorings(n: int, parts: int) -> list[tuple[int, ...]]:
@@ -414,6 +430,7 @@ def report(found: Plan, compared: dict[str, Plan | None], lengths: np.ndarray,
 
 
 def print_report(data: dict, console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     plan = data["plan"]
@@ -426,7 +443,7 @@ def print_report(data: dict, console) -> None:
         table.add_column(column, justify="left" if column in ("lengths", "strategy",
                                                                "remat") else "right")
     for b in plan["buckets"]:
-        table.add_row(f"({b['low']:,}, {b['max_len']:,}]", b["strategy"],
+        table.add_row(f"({b['low']:,}, {b['max_len']:,}]", escape(b["strategy"]),
                       f"{b['micro_rows']} x {b['max_len']:,}", b["remat"],
                       str(b["micro_steps"]), f"{b['token_share']:.1%}", f"{b['seconds']:.3f}",
                       f"{b['peak_gib']:.1f}")
@@ -434,13 +451,13 @@ def print_report(data: dict, console) -> None:
     steps = Table(title="predicted step time")
     for column in ("", "seconds", "switches s", "vs the plan"):
         steps.add_column(column, justify="left" if not column else "right")
-    steps.add_row("the plan (home " + plan["home"] + ")", f"{plan['seconds']:.3f}",
+    steps.add_row(escape(f"the plan (home {plan['home']})"), f"{plan['seconds']:.3f}",
                   f"{plan['switch_seconds']:.3f}", "1.00x")
     for name, p in data["compared"].items():
         if p is None:
-            steps.add_row(name, "does not fit", "", "")
+            steps.add_row(escape(name), "does not fit", "", "")
         else:
-            steps.add_row(f"{name}: " + " | ".join(b["strategy"] for b in p["buckets"]),
+            steps.add_row(escape(f"{name}: " + " | ".join(b["strategy"] for b in p["buckets"])),
                           f"{p['seconds']:.3f}", f"{p['switch_seconds']:.3f}",
                           f"{p['speedup_of_plan']:.2f}x")
     console.print(steps)

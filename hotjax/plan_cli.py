@@ -4,7 +4,9 @@ with a report of what each bucket is predicted to cost beside the best single st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from hotjax.config import RunConfig
@@ -49,17 +51,21 @@ def register(commands: argparse._SubParsersAction) -> None:
                       help="also predict this table's step (repeatable)")
     plan.add_argument("--out", metavar="TABLE.toml", help="write the table here")
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
+    from hotjax.cli import add_process_options
+
+    add_process_options(plan)  # --measure across processes, under `hotjax launch`
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from hotjax.cli import start_jax
+    from hotjax.cli import processes, start_jax
 
-    start_jax(None)
+    start_jax(None, processes(args))
     from rich.console import Console
 
+    from hotjax import distributed
     from hotjax import plan as planning
     from hotjax.data.buckets import cut
-    from models.llama import preset
+    from models.llama import padded_vocab, preset
     from sharding.profile import load_profile
 
     if args.out and not Path(args.out).resolve().parent.is_dir():
@@ -68,13 +74,16 @@ def _plan(args: argparse.Namespace) -> None:
     for flag, value in (("--context", args.context), ("--max-buckets", args.max_buckets)):
         if value < 1:
             raise UserError(f"{flag} {value}: pass a positive number")
-    console = Console(stderr=True)
-    config = preset(args.model)
+    main = distributed.is_main()  # under `hotjax launch`, process 0 reports and writes
+    console = Console(stderr=True, quiet=not main)
     profile = load_profile(args.profile) if args.profile else local_profile(console,
                                                                             args.measure)
     devices = args.devices or profile.num_devices
     budget = int((args.memory_gib * 2**30) if args.memory_gib else profile.memory_bytes)
-    documents, described = _document_lengths(args, console)
+    documents, described, vocab = _document_lengths(args, console)
+    # The model as training builds it: the tokenizer's vocabulary, padded to split evenly.
+    config = preset(args.model)
+    config = dataclasses.replace(config, vocab_size=padded_vocab(vocab or config.vocab_size))
     lengths = planning.typical_batch(cut(documents, args.context, args.long_documents),
                                      args.batch_sequences)
     with console.status("searching"):
@@ -91,6 +100,8 @@ def _plan(args: argparse.Namespace) -> None:
         "model": args.model, "profile": profile.name, "devices": devices,
         "memory_gib": budget / 2**30, "context": args.context, "lengths": described,
         "batch_sequences": args.batch_sequences, "long_documents": args.long_documents})
+    if not main:
+        return
     if args.out:
         header = (f"Planned by `hotjax plan` for {args.model} on {devices} devices of "
                   f"{profile.name} ({budget / 2**30:.0f} GiB each), context {args.context}, "
@@ -100,9 +111,10 @@ def _plan(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        planning.print_report(report, Console())
+        out = Console(width=None if sys.stdout.isatty() else 120)  # piped: tables unwrapped
+        planning.print_report(report, out)
         if args.out:
-            Console().print(f"table written to {args.out}")
+            out.print(f"table written to {args.out}", markup=False)
 
 
 def local_profile(console, measure: bool = False):
@@ -134,7 +146,8 @@ def local_profile(console, measure: bool = False):
 
 
 def _document_lengths(args: argparse.Namespace, console):
-    """Document lengths in tokens (BOS and EOS included), and where they came from."""
+    """Document lengths in tokens (BOS and EOS included), where they came from, and the
+    tokenizer's vocabulary (None if the report does not say)."""
     import numpy as np
 
     if args.lengths:
@@ -146,7 +159,8 @@ def _document_lengths(args: argparse.Namespace, console):
         except (OSError, ValueError, KeyError, TypeError):
             raise UserError(f"--lengths {args.lengths}: not a report of `hotjax data stats "
                             f"--json`: save one with it") from None
-        return found, f"{stats.get('corpus', {}).get('source', args.lengths)}"
+        vocab = stats.get("tokenizer", {}).get("vocab_size")
+        return found, f"{stats.get('corpus', {}).get('source', args.lengths)}", vocab
     from hotjax.data import load_tokenizer, open_corpus
     from hotjax.data.stats import document_lengths
 
@@ -154,4 +168,4 @@ def _document_lengths(args: argparse.Namespace, console):
     tokenizer = load_tokenizer(args.tokenizer, corpus, vocab_size=args.vocab_size)
     with console.status(f"tokenizing {corpus.num_documents} documents"):
         found = document_lengths(corpus, tokenizer)
-    return found[found > 0], corpus.source
+    return found[found > 0], corpus.source, tokenizer.vocab_size

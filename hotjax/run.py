@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hotjax import distributed
+from hotjax import plan as plan_lib
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint import store
 from hotjax.checkpoint.training import restore_state, run_record
@@ -61,22 +62,37 @@ def planned_table(run: RunConfig, config: LlamaConfig, num_devices: int, lengths
                   console: Console) -> StrategyTable:
     """`--strategies auto`: the table `hotjax plan` chooses for this machine's devices (its
     profile measured once and cached), the corpus's estimated lengths and the batch size."""
-    from hotjax import plan
-    from hotjax.plan_cli import local_profile
-
     if run.strategy:
         raise UserError("--strategy and --strategies both given: pass one of them")
+    search, typical = auto_search(run, config, num_devices, lengths, console)
+    found = plan_lib.plan(search, typical, run.context)
+    console.print(f"--strategies auto: planned on profile {search.profile.name}, predicted "
+                  f"{found.seconds * 1e3:,.1f} ms per step")
+    return parse_table(tomllib.loads(found.toml()), "--strategies auto")
+
+
+def auto_search(run: RunConfig, config: LlamaConfig, num_devices: int, lengths: np.ndarray,
+                console: Console) -> tuple[plan_lib.Search, np.ndarray]:
+    """What `--strategies auto` plans with: the search over this machine's devices under its
+    cached profile and the memory budget, and the typical step's sequence lengths."""
+    from hotjax.plan_cli import local_profile
+
     profile = local_profile(console)
     budget = (run.device_memory * 2**20 if run.device_memory is not None
               else profile.memory_bytes)
     sequences = cut(lengths, run.context, run.long_documents)
     count = run.batch.get("batch_sequences") or max(
         round(run.batch["batch_tokens"] / sequences.mean()), 1)
-    search = plan.Search(config, profile, num_devices, int(budget))
-    found = plan.plan(search, plan.typical_batch(sequences, count), run.context)
-    console.print(f"--strategies auto: planned on profile {profile.name}, predicted "
-                  f"{found.seconds * 1e3:,.1f} ms per step")
-    return parse_table(tomllib.loads(found.toml()), "--strategies auto")
+    search = plan_lib.Search(config, profile, num_devices, int(budget))
+    return search, plan_lib.typical_batch(sequences, count)
+
+
+def model_config(run: RunConfig, model: LlamaConfig, vocab_size: int) -> LlamaConfig:
+    """The model as `run` trains it: its vocabulary the tokenizer's (padded), its compute dtype
+    and attention kernel the run's."""
+    return dataclasses.replace(model, vocab_size=padded_vocab(vocab_size),
+                               compute_dtype=run.compute_dtype, attention=run.attention,
+                               attention_block=run.attention_block)
 
 
 def _model(run: RunConfig, resume: str | Path | None) -> tuple[str, LlamaConfig]:
@@ -122,9 +138,7 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
     scaling, scale = run.loss_scaling  # checked before the slow set-up
     corpus = open_corpus(run.data)
     tokenizer = load_tokenizer(run.tokenizer, corpus, vocab_size=run.vocab_size)
-    config = dataclasses.replace(model, vocab_size=padded_vocab(tokenizer.vocab_size),
-                                 compute_dtype=run.compute_dtype, attention=run.attention,
-                                 attention_block=run.attention_block)
+    config = model_config(run, model, tokenizer.vocab_size)
     lengths = estimated_lengths(corpus, tokenizer)
     if table is None:
         table = planned_table(run, config, len(devices), lengths, console)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import parse_args, report  # noqa: E402  (beside this script)
+from quick_option import machine, parse_args, report  # noqa: E402  (beside this script)
 
 from models.errors import UserError  # noqa: E402
 
@@ -103,10 +102,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
                            f"{_size(entry['total_bytes'])} per device", markup=False,
                            highlight=False)
     return {
-        "machine": {"platform": devices[0].platform, "device_kind": devices[0].device_kind,
-                    "devices": len(devices), "cpus": os.cpu_count(),
-                    "processor": platform.processor() or platform.machine(),
-                    "python": platform.python_version(), "jax": jax.__version__},
+        "machine": machine(devices),
         "compile_only": True,
         "model": {"preset": args.model, "params": config.num_params(),
                   "vocab_size": config.vocab_size, "compute_dtype": config.compute_dtype,

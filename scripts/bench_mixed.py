@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -38,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import console, parse_args  # noqa: E402  (beside this script)
+from quick_option import console, machine, parse_args, print_machine  # noqa: E402  (beside this script)
 
 from hotjax.cli import start_jax  # noqa: E402  (imports no JAX: the device count comes first)
 from models.errors import UserError  # noqa: E402
@@ -142,7 +140,6 @@ def choose(candidates: list[Strategy], data: list[MiniBatch], args: argparse.Nam
 
 
 def run(args: argparse.Namespace, console: Console) -> dict:
-    import jax
 
     from hotjax.data import MiniBatches, load_tokenizer, open_corpus
     from hotjax.optim import OptimConfig
@@ -206,11 +203,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
             console.print(f"step {step + 1}/{total}{warm} {m}: {seconds:.2f} s ({cpu:.1f} CPU-s),"
                           f" loss {metrics['loss']:.5f}", markup=False)
     return {
-        "machine": {"platform": devices[0].platform, "device_kind": devices[0].device_kind,
-                    "devices": len(devices), "cpus": os.cpu_count(),
-                    "processor": platform.processor() or platform.machine(),
-                    "python": platform.python_version(), "jax": jax.__version__,
-                    "load_average": os.getloadavg()},
+        "machine": machine(devices),
         "model": {"preset": args.model, "params": config.num_params(),
                   "vocab_size": config.vocab_size, "compute_dtype": dtype},
         "corpus": corpus.source, "tokenizer": tokenizer.identity,
@@ -290,9 +283,7 @@ def print_report(report: dict, console: Console) -> None:
                   f"pad %: padding share of the token slots computed. switched MiB: weights "
                   f"into buckets and gradients home, summed over devices (switch method "
                   f"{report['switch_method']}).", markup=False, highlight=False)
-    console.print(f"hardware: {m['devices']} {m['platform']} device(s) ({m['device_kind']}), "
-                  f"{m['cpus']} CPUs, {m['processor']}, jax {m['jax']}, load average "
-                  f"{' '.join(f'{x:.1f}' for x in m['load_average'])}", highlight=False)
+    print_machine(m, console)
     if m["platform"] == "cpu":
         console.print("[yellow]simulated CPU devices:[/] they share the machine's cores, so "
                       "these timings compare methods on this machine only and do not model a "

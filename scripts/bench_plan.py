@@ -29,7 +29,6 @@ import argparse
 import concurrent.futures
 import dataclasses
 import os
-import platform
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ import numpy as np
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import parse_args, report  # noqa: E402  (beside this script)
+from quick_option import machine, parse_args, print_machine, report  # noqa: E402  (beside this script)
 
 from models.errors import UserError  # noqa: E402
 
@@ -121,10 +120,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
                                  <= TARGETS["median_relative_error"])
     memory = memory_section(big, strategies, memory_shape, devices, progress)
     return {
-        "machine": {"platform": devices[0].platform, "device_kind": devices[0].device_kind,
-                    "devices": len(devices), "cpus": os.cpu_count(),
-                    "processor": platform.processor() or platform.machine(),
-                    "python": platform.python_version(), "jax": jax.__version__},
+        "machine": machine(devices),
         "profile": {"measure_s": measure_s, "quick": args.quick, "toml": profile_toml(profile),
                     "peak_flops": profile.peak_flops,
                     "matmul_efficiency": profile.matmul_efficiency,
@@ -255,9 +251,7 @@ def print_table(report: dict, console: Console) -> None:
                   f"{100 * statistics.median(r['relative_error'] for r in mem['results']):.1f} %, "
                   f"largest {100 * max(r['relative_error'] for r in mem['results']):.1f} %.",
                   highlight=False)
-    console.print(f"hardware: {m['devices']} {m['platform']} device(s) ({m['device_kind']}), "
-                  f"{m['cpus']} CPUs, {m['processor']}, python {m['python']}, jax {m['jax']}",
-                  markup=False, highlight=False)
+    print_machine(m, console)
     if m["platform"] == "cpu":
         console.print("[yellow]simulated CPU devices:[/] they share the machine's cores; the "
                       "profile is measured the same way, so the two agree on this machine only.")

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -30,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import console, parse_args  # noqa: E402  (beside this script)
+from quick_option import console, machine, parse_args, print_machine  # noqa: E402  (beside this script)
 
 from hotjax.cli import start_jax  # noqa: E402  (imports no JAX: the device count comes first)
 from models.errors import UserError  # noqa: E402
@@ -185,10 +183,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
             console.print(f"[{len(results)}/{total}] {_progress(entry)}", markup=False,
                           highlight=False)
     return {
-        "machine": {"platform": devices[0].platform, "device_kind": devices[0].device_kind,
-                    "devices": len(devices), "cpus": os.cpu_count(),
-                    "processor": platform.processor() or platform.machine(),
-                    "python": platform.python_version(), "jax": jax.__version__},
+        "machine": machine(devices),
         "model": {"preset": args.model, "params": config.num_params(),
                   "vocab_size": config.vocab_size, "compute_dtype": dtype},
         "batch_tokens": args.batch_tokens, "steps": args.steps,
@@ -242,8 +237,7 @@ def print_table(report: dict, console: Console) -> None:
             table.add_row(escape(r["strategy"]), str(seq_len), rows, *cells)
         table.add_section()
     console.print(table)
-    console.print(f"hardware: {m['devices']} {m['platform']} device(s) ({m['device_kind']}), "
-                  f"{m['cpus']} CPUs, {m['processor']}, jax {m['jax']}", highlight=False)
+    print_machine(m, console)
     console.print(f"memory: per device (XLA's memory analysis). resident: the home strategy's "
                   f"fp32 params, Adam moments and gradient sum; step: the compiled micro-step's "
                   f"peak (compute weights, accumulator, batch, temporaries); peak: both. step s: "

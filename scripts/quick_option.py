@@ -54,3 +54,25 @@ def report(name: str, args: argparse.Namespace, run, print_table) -> int:
     if args.json:
         print(json.dumps(found, indent=1))
     return 0
+
+
+def machine(devices: Sequence[Any]) -> dict:
+    """What a benchmark ran on: its devices, this host's CPUs, Python and JAX, and its load."""
+    import os
+    import platform
+
+    import jax
+
+    return {"platform": devices[0].platform, "device_kind": devices[0].device_kind,
+            "devices": len(devices), "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "jax": jax.__version__,
+            "load_average": os.getloadavg()}
+
+
+def print_machine(m: dict, console: Console) -> None:
+    """The `hardware:` line under a benchmark's table."""
+    console.print(f"hardware: {m['devices']} {m['platform']} device(s) ({m['device_kind']}), "
+                  f"{m['cpus']} CPUs, {m['processor']}, python {m['python']}, jax {m['jax']}, "
+                  f"load average {' '.join(f'{x:.1f}' for x in m['load_average'])}",
+                  markup=False, highlight=False)

@@ -128,6 +128,24 @@ def test_every_benchmark_is_tested(script: str) -> None:
     assert f"test_{script}" in globals(), f"scripts/{script}.py has no test here: add one"
 
 
+def test_bench_auto() -> None:
+    """`hotjax train` under the default table and under `--strategies auto` trains the same
+    mini-batches to the same losses; both are timed and priced by the cost model."""
+    report = run_quick("bench_auto")
+    default, auto = report["methods"]["default"], report["methods"]["auto"]
+    assert report["same_tokens"] and len(auto["losses"]) == report["steps"] == 3
+    assert report["max_loss_difference"] < LOSS_TOLERANCE
+    assert report["auto_over_default"] == pytest.approx(auto["step_s"] / default["step_s"])
+    assert report["no_worse"] == (report["auto_over_default"] <= 1)
+    assert len(default["buckets"]) == 3  # the default table's
+    for r in (default, auto):
+        assert positive(r["step_s"]) and positive(r["tokens_per_s"]) and positive(r["predicted_s"])
+        buckets = sum(b["predicted_s"] for b in r["buckets"])
+        assert r["predicted_s"] >= buckets * (1 - 1e-9)  # the buckets' micro-steps + switches
+    assert report["planned_line"].startswith("--strategies auto: planned on profile")
+    assert report["trainers"]["auto"].startswith("home ")
+
+
 def test_bench_plan() -> None:
     report = run_quick("bench_plan")
     assert report["machine"]["devices"] == 8

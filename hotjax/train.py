@@ -84,6 +84,12 @@ class Trainer:
                         f"{processes} processes, and the planner's executor works within one",)
         self.switch = functools.partial(switch, method=switch_method, topology=self.topology)
         self.home = home(config, optim, home_strategy or most_sharded(table, config), devices)
+        state = self.home.state_bytes()
+        if device_memory is not None and state > device_memory * MiB:
+            # Before any bucket is compiled: no micro-batch fits beside this state.
+            raise UserError(f"--device-memory {device_memory:g}: the home state needs "
+                            f"{state / MiB:,.1f} MiB per device: use a more sharded strategy "
+                            f"for it, or a larger budget")
         fitted = [self._fit(i, devices, remat, device_memory, typical_rows)
                   for i in range(len(table.buckets))]
         self.buckets = [bucket for bucket, _ in fitted]

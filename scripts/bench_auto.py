@@ -14,8 +14,8 @@ round. Reported per method: its buckets as the cost model prices them (strategy,
 rows, predicted seconds) on the typical step `--strategies auto` plans for, the measured median
 step time, real tokens/s, padding and losses; and auto/default of the measured and of the
 predicted step time (<= 1: auto is no worse). `--quick`: one round of 3 steps on 2,048-token
-mini-batches in float32 (a smoke test). On simulated CPU devices the timings compare the two on
-this machine only: its 8 fake devices share its cores.
+mini-batches of byte tokens in float32 (a smoke test). On simulated CPU devices the timings
+compare the two on this machine only: its 8 fake devices share its cores.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 
     from hotjax.plan import Plan
 
-QUICK = {"steps": 3, "rounds": 1, "batch_tokens": 2048, "compute_dtype": "float32"}
+QUICK = {"steps": 3, "rounds": 1, "batch_tokens": 2048, "compute_dtype": "float32",
+         "tokenizer": "bytes"}
 METHODS = ("default", "auto")
 
 

@@ -93,13 +93,19 @@ def is_main() -> bool:
     return jax.process_index() == 0
 
 
+def from_process_0(text: str) -> str:
+    """Process 0's `text`, on every process (a collective, as `gather`)."""
+    data = np.frombuffer(text.encode(), np.uint8).astype(np.int32)
+    return gather(data)[0].astype(np.uint8).tobytes().decode()
+
+
 def gather(vector: np.ndarray) -> list[np.ndarray]:
     """Every process's int32 `vector` (lengths may differ), process 0's first. A collective:
     every process calls it at the same point of the run."""
     from jax.experimental import multihost_utils
 
     sizes = multihost_utils.process_allgather(np.array(len(vector), np.int32))
-    padded = np.zeros(int(sizes.max()), np.int32)
+    padded = np.zeros(max(int(sizes.max()), 1), np.int32)  # none empty: XLA takes no 0-size
     padded[:len(vector)] = vector
     rows = multihost_utils.process_allgather(padded)
     return [row[:size] for row, size in zip(rows, sizes, strict=True)]

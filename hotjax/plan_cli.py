@@ -119,20 +119,29 @@ def _plan(args: argparse.Namespace) -> None:
 
 def local_profile(console, measure: bool = False):
     """This machine's profile: measured once per kind and count of devices, then read from the
-    cache (`$HOTJAX_CACHE/profiles`); `measure` measures again."""
+    cache (`$HOTJAX_CACHE/profiles`); `measure` measures again. In a run of several processes,
+    process 0's cache decides for all (their hosts' caches may differ), so that all measure
+    together or all plan with process 0's profile."""
     import re
+    import tomllib
 
     import jax
 
-    from hotjax import cache_root
+    from hotjax import cache_root, distributed
     from hotjax.measure import measure_profile, profile_toml
-    from sharding.profile import load_profile
+    from sharding.profile import parse_profile
 
     devices = jax.devices()
     kind = re.sub(r"[^A-Za-z0-9]+", "-", devices[0].device_kind).strip("-").lower()
     path = cache_root() / "profiles" / f"{kind}-{len(devices)}x{jax.process_count()}.toml"
-    if path.exists() and not measure:
-        return load_profile(path)
+    cached = path.read_text() if path.exists() and not measure and distributed.is_main() else ""
+    if jax.process_count() > 1:
+        cached = distributed.from_process_0(cached)
+    if cached:
+        try:
+            return parse_profile(tomllib.loads(cached), str(path))
+        except tomllib.TOMLDecodeError as e:
+            raise UserError(f"{path}: not valid TOML ({e}): delete it to measure again") from None
     console.print(f"measuring {len(devices)} {devices[0].device_kind} devices once "
                   f"(saved to {path})")
     with console.status("measuring") as status:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -28,9 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import console, machine, parse_args, print_machine  # noqa: E402  (beside this script)
+from quick_option import machine, parse_args, print_machine, report  # noqa: E402  (beside this script)
 
-from hotjax.cli import start_jax  # noqa: E402  (imports no JAX: the device count comes first)
 from models.errors import UserError  # noqa: E402
 
 if TYPE_CHECKING:
@@ -287,18 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="print one JSON document to stdout (the table goes to stderr)")
     args = parse_args(parser, argv, QUICK)
 
-    progress = console(stderr=True)
-    try:
-        start_jax(args.devices)
-        report = run(args, progress)
-    except UserError as e:
-        print(f"bench_strategies: error: {e}", file=sys.stderr)
-        return 2
-    print_table(report, progress if args.json else console(stderr=False))
-    if args.json:
-        print(json.dumps(report, indent=1))
-    return 1 if any(r["status"] == "failed" for r in report["results"]) else 0
-
+    return report("bench_strategies", args, run, print_table, args.devices,
+                  lambda found: 1 if any(r["status"] == "failed" for r in found["results"])
+                  else 0)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,10 +34,11 @@ def console(stderr: bool, width: int = 120) -> Console:
     return Console(stderr=stderr, width=None if stream.isatty() else width)
 
 
-def report(name: str, args: argparse.Namespace, run, print_table) -> int:
-    """A benchmark's end: start JAX, `run(args, progress)` for its report, print the table (to
-    stderr under `--json`, which prints the report's JSON), and exit 2 with one line on a
-    `UserError`."""
+def report(name: str, args: argparse.Namespace, run, print_table, devices: int | None = None,
+           exit_code=lambda found: 0) -> int:
+    """A benchmark's end: start JAX (`devices`: see `start_jax`), `run(args, progress)` for its
+    report, print the table (to stderr under `--json`, which prints the report's JSON), and
+    exit with `exit_code(report)`, or 2 with one line on a `UserError`."""
     import json
 
     from hotjax.cli import start_jax
@@ -45,7 +46,7 @@ def report(name: str, args: argparse.Namespace, run, print_table) -> int:
 
     progress = console(stderr=True)
     try:
-        start_jax(None)
+        start_jax(devices)
         found = run(args, progress)
     except UserError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
@@ -53,7 +54,7 @@ def report(name: str, args: argparse.Namespace, run, print_table) -> int:
     print_table(found, progress if args.json else console(stderr=False))
     if args.json:
         print(json.dumps(found, indent=1))
-    return 0
+    return exit_code(found)
 
 
 def machine(devices: Sequence[Any]) -> dict:

@@ -17,6 +17,7 @@ import pytest
 from hotjax.data import Batch, ByteTokenizer, MiniBatch, MiniBatches, open_corpus
 from hotjax.optim import OptimConfig
 from hotjax.train import BucketMetrics, Trainer, best_order, most_sharded
+from models.errors import UserError
 from models.llama import PRESETS
 from sharding.strategy import Strategy
 from sharding.table import Bucket, StrategyTable, parse_table
@@ -226,9 +227,13 @@ def test_micro_batches_sized_to_a_budget_are_the_most_that_fit(devices):
     # would mostly compute empty rows.
     assert Trainer(CONFIG, OPTIM, table, devices, device_memory=budget,
                    typical_rows=[12.0]).micro_rows == [8]
-    # Too small a budget still gives the smallest micro-batch (the run's memory check refuses
-    # it with a one-line error).
-    assert Trainer(CONFIG, OPTIM, table, devices, device_memory=0.01).micro_rows == [8]
+    # A budget the home state fits but no micro-step beside it still gives the smallest
+    # micro-batch (the run's memory check refuses it with a one-line error)...
+    tight = (resident + peaks[8] // 2) / 2**20
+    assert Trainer(CONFIG, OPTIM, table, devices, device_memory=tight).micro_rows == [8]
+    # ...and one the home state does not fit is refused before any bucket compiles.
+    with pytest.raises(UserError, match=r"--device-memory 0.01: the home state needs 0\.2 MiB"):
+        Trainer(CONFIG, OPTIM, table, devices, device_memory=0.01)
 
 
 def test_bfloat16_hot_table_stays_within_bf16_rounding_of_one_device(devices, minibatches,

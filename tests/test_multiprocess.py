@@ -221,13 +221,17 @@ def test_plan_measures_the_devices_of_every_process_as_nodes(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "HOTJAX_CACHE": str(tmp_path / "cache")}
-    done = subprocess.run(
-        [sys.executable, "-m", "hotjax.cli", "launch", "--processes", "2",
-         "--devices-per-process", "2", "--", "plan", "--measure", "--model", "tiny",
-         "--lengths", str(root / "docs" / "stdlib-lengths.json"), "--context", "1024",
-         "--out", str(tmp_path / "planned.toml")],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    def plan(*flags: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "hotjax.cli", "launch", "--processes", "2",
+             "--devices-per-process", "2", "--", "plan", "--model", "tiny", "--lengths",
+             str(root / "docs" / "stdlib-lengths.json"), "--context", "1024", *flags],
+            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout + done.stderr
+
+    output = plan("--measure", "--out", str(tmp_path / "planned.toml"))
     profile = load_profile(tmp_path / "cache" / "profiles" / "cpu-4x2.toml")
     assert (profile.name, profile.nodes, profile.devices_per_node) == ("measured-cpu-2x2", 2, 2)
     for name, bandwidths in profile.collectives:
@@ -235,8 +239,10 @@ def test_plan_measures_the_devices_of_every_process_as_nodes(tmp_path):
         assert [g for g, _ in bandwidths.inter] == [2, 4], name
         assert all(b > 0 for _, b in (*bandwidths.intra, *bandwidths.inter))
     assert profile.inter_node_bandwidth > 0 and profile.intra_node_bandwidth > 0
-    output = done.stdout + done.stderr
     assert "[0] table written to" in output and "[1] table written to" not in output
     table = load_table(tmp_path / "planned.toml")
     table.check_devices(4)
     assert table.max_len == 1024
+    # Planning again reads the cached profile (process 0's, for both): nothing is measured.
+    again = plan("--json")
+    assert "measuring" not in again and '"profile": "measured-cpu-2x2"' in again

@@ -63,14 +63,20 @@ _LOST_PEER = ("connection reset", "connection closed", "broken pipe", "heartbeat
               "coordination service")
 
 
-def _is_lost_peer(error: BaseException) -> bool:
-    return any(m in str(error).lower() for m in _LOST_PEER)
+def _is_lost_peer(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it was raised from or during, is a lost peer's."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if any(m in str(error).lower() for m in _LOST_PEER):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _without_lost_peers(record: logging.LogRecord) -> bool:
     """A log filter dropping the records of a lost peer's failed collective."""
-    error = record.exc_info[1] if record.exc_info else None
-    return error is None or not _is_lost_peer(error)
+    return not (record.exc_info and _is_lost_peer(record.exc_info[1]))
 
 
 def lost_peer(error: Exception, process_index: int, process_count: int) -> str | None:

@@ -207,9 +207,17 @@ def test_background_logs_of_a_lost_peer_leave_the_report_to_the_one_line(caplog)
                 raise RuntimeError(cause)
             except RuntimeError:
                 absl_logging.exception("_SignalingThread.run() raised an exception")
+            try:  # the same, wrapped by a caller
+                try:
+                    raise RuntimeError(cause)
+                except RuntimeError as e:
+                    raise ValueError("Failed to run the Commit operations") from e
+            except ValueError:
+                absl_logging.exception("background save thread failed")
     finally:
         logger.removeFilter(_without_lost_peers)
-    assert [str(r.exc_info[1]) for r in caplog.records] == ["disk full"]
+    assert [str(r.exc_info[1]) for r in caplog.records] == [
+        "disk full", "Failed to run the Commit operations"]
 
 
 def test_plan_measures_the_devices_of_every_process_as_nodes(tmp_path):

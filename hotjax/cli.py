@@ -139,18 +139,25 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
                       help="also keep every checkpoint whose step is a multiple of K")
 
 
+def run_config(argv: Sequence[str]) -> RunConfig:
+    """The run `hotjax train` with these arguments (starting with "train") makes."""
+    return _run_config(_parser().parse_args(argv))
+
+
+def _run_config(args: argparse.Namespace) -> RunConfig:
+    return RunConfig(**{k: v for k, v in vars(args).items()
+                        if k not in ("command", "handler", *PROCESS_OPTIONS)})
+
+
 def _train(args: argparse.Namespace) -> None:
     start_jax(args.devices, processes(args))
-    from hotjax.run import train
-
-    options = {k: v for k, v in vars(args).items()
-               if k not in ("command", "handler", *PROCESS_OPTIONS)}
     import jax
 
     from hotjax import distributed
+    from hotjax.run import train
 
     try:
-        train(RunConfig(**options))
+        train(_run_config(args))
     except jax.errors.JaxRuntimeError as e:
         lost = distributed.lost_peer(e, jax.process_index(), jax.process_count())
         if lost is None:

@@ -50,6 +50,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
 
     from hotjax import plan
     from hotjax.cli import main as hotjax
+    from hotjax.cli import run_config as run_config_of
     from hotjax.config import RunConfig
     from hotjax.data import estimated_lengths, load_tokenizer, open_corpus
     from hotjax.run import auto_search, model_config, strategy_table
@@ -71,13 +72,10 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
 
     # What the runs train on and what `--strategies auto` plans with (measuring the profile
     # now, if this machine has none cached, so that no timed run does).
-    run_config = RunConfig(model=args.model, context=context, steps=args.steps,
-                           batch_tokens=args.batch_tokens, tokenizer=args.tokenizer,
-                           **({"compute_dtype": args.compute_dtype} if args.compute_dtype
-                              else {}))
-    corpus = open_corpus(None)
-    tokenizer = load_tokenizer(run_config.tokenizer, corpus)
-    config = model_config(run_config, preset(args.model), tokenizer.vocab_size)
+    run_config = run_config_of(argv["auto"])
+    corpus = open_corpus(run_config.data)
+    tokenizer = load_tokenizer(run_config.tokenizer, corpus, vocab_size=run_config.vocab_size)
+    config = model_config(run_config, preset(run_config.model), tokenizer.vocab_size)
     search, typical = auto_search(run_config, config, len(devices),
                                   estimated_lengths(corpus, tokenizer), progress)
     predicted = {"auto": plan.plan(search, typical, context),

@@ -76,9 +76,12 @@ def balanced_order(seq_len: int, ways: int) -> np.ndarray:
     return np.concatenate([chunks[j] for i in range(ways) for j in (i, 2 * ways - 1 - i)])
 
 
-def micro_batches(layout: Layout, batch: Batch, micro_rows: int) -> list[dict[str, np.ndarray]]:
+def micro_batches(layout: Layout, batch: Batch, micro_rows: int,
+                  order: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:
     """A bucket's rows as host arrays of `micro_rows` rows each, ready to place under `layout`:
-    targets made, columns in the strategy's order; only the last carries empty rows."""
+    targets made, columns in the strategy's order. Rows run in `order` (a multiple of
+    `micro_rows` row indices, -1 for an empty row: `hotjax.balance.place`), else as they come
+    with empty rows at the end of the last."""
     strategy = layout.strategy
     rows, seq_len = batch.tokens.shape
     chunks = layout.seq_shards * (2 if strategy.balanced else 1)
@@ -93,11 +96,13 @@ def micro_batches(layout: Layout, batch: Batch, micro_rows: int) -> list[dict[st
         # Attention masks by document positions, so any column order computes the same.
         order = balanced_order(seq_len, strategy.seq_ways("context"))
         arrays = {k: v[:, order] for k, v in arrays.items()}
-    pad = -rows % micro_rows
-    arrays = {k: np.pad(v, ((0, pad), (0, 0)), constant_values=NO_TARGET if k == "targets"
-                        else 0) for k, v in arrays.items()}
+    if order is None:
+        order = np.concatenate([np.arange(rows), np.full(-rows % micro_rows, -1)])
+    # One empty row after the last: index -1 takes it.
+    arrays = {k: np.pad(v, ((0, 1), (0, 0)), constant_values=NO_TARGET if k == "targets"
+                        else 0)[order] for k, v in arrays.items()}
     return [{k: v[start:start + micro_rows] for k, v in arrays.items()}
-            for start in range(0, rows + pad, micro_rows)]
+            for start in range(0, len(order), micro_rows)]
 
 
 def step_memory(compiled: jax.stages.Compiled) -> dict[str, int]:

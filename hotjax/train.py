@@ -20,8 +20,10 @@ import time
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
-from hotjax.data import MiniBatch
+from hotjax.balance import Placement, place, row_work
+from hotjax.data import Batch, MiniBatch
 from hotjax.optim import OptimConfig
 from hotjax.step import Accumulator, BucketStep, TrainState, bucket_step, home, micro_batches
 from models.errors import UserError
@@ -48,6 +50,9 @@ class BucketMetrics:
     tokens: int
     slots: int  # token slots computed: micro_steps x micro_rows x max_len
     switched_bytes: int
+    imbalance_before: float  # busiest over mean data shard's estimated work, rows in order
+    imbalance: float  # the same, rows where they ran (`hotjax.balance`)
+    shard_flops: float  # the mean data shard's estimated FLOPs
     compute_s: float | None = None
     switch_s: float | None = None
 
@@ -60,16 +65,19 @@ class Trainer:
                  device_memory: float | None = None,
                  typical_rows: Sequence[float] | None = None, remat: str | None = None,
                  switch_method: str = "auto", topology: Topology | None = None,
-                 timings: bool = False):
+                 balance: bool = True, timings: bool = False):
         """`device_memory`: MiB per device that micro-batches are sized to (None: one row per
         batch shard); `typical_rows`, the rows a typical mini-batch puts in each bucket
         (`hotjax.data.typical_rows`), bounds them, so that a sparse bucket does not compute
         mostly empty rows. `remat`: the policy of buckets whose table entry names none (None:
         the cheapest that fits `device_memory`, or none without a budget). `switch_method`:
         "plan" (the planner's fused transfers), "device_put" (JAX's own resharding) or "auto"
-        (whichever measures faster, per pair of layouts). `timings`: wait for each bucket to
-        report its compute and switch seconds (a host synchronisation per bucket)."""
+        (whichever measures faster, per pair of layouts). `balance`: place each bucket's rows
+        so that its data shards have equal estimated work (`hotjax.balance`; off: in order).
+        `timings`: wait for each bucket to report its compute and switch seconds (a host
+        synchronisation per bucket)."""
         self.config, self.table, self.timings = config, table, timings
+        self.balance = balance
         self.topology = topology or job_topology()
         devices = tuple(devices)
         processes = len({d.process_index for d in devices})
@@ -214,7 +222,9 @@ class Trainer:
             batch, bucket, rows = minibatch.buckets[i], self.buckets[i], self.micro_rows[i]
             if not batch.tokens.shape[0]:
                 continue  # nothing of this length this step: no switch, no compute
-            micro = micro_batches(bucket.layout, batch, rows)
+            placement = self._place(bucket, batch, rows)
+            micro = micro_batches(bucket.layout, batch, rows,
+                                  placement.order if self.balance else None)
             started = time.perf_counter()
             moved = 0
             if not already_laid_out(compute, bucket.param_shardings):
@@ -237,11 +247,22 @@ class Trainer:
             report.append(BucketMetrics(
                 batch.tokens.shape[1], batch.tokens.shape[0], len(micro), rows,
                 bucket.config.remat, batch.real_tokens,
-                len(micro) * rows * batch.tokens.shape[1], moved,
+                len(micro) * rows * batch.tokens.shape[1], moved, placement.before,
+                placement.after if self.balance else placement.before, placement.mean_work,
                 computed - switched if timed else None,
                 (switched - started) + (timed - computed) if timed else None))
         state, metrics = self.home.apply(state, total)
         return state, metrics, report
+
+    def _place(self, bucket: BucketStep, batch: Batch, micro_rows: int) -> Placement:
+        """Where `batch`'s rows run on `bucket`'s data shards: equal estimated work."""
+        layout = bucket.layout
+        work_R = row_work(batch.segment_ids, batch.positions, bucket.config,
+                          layout.mesh.devices.flat[0].platform, layout.seq_shards)
+        empty = row_work(np.zeros_like(batch.segment_ids[:1]),
+                         np.zeros_like(batch.positions[:1]), bucket.config,
+                         layout.mesh.devices.flat[0].platform, layout.seq_shards)[0]
+        return place(work_R, micro_rows, layout.data_shards, empty)
 
     def _wait(self, tree) -> float:
         """With timings on, wait for `tree` to be computed; the time now either way."""
@@ -253,6 +274,7 @@ class Trainer:
         """`step`, with its metrics as plain numbers (this waits for the step)."""
         state, metrics, buckets = self.step(state, minibatch)
         slots = sum(b.slots for b in buckets)
+        weights = [b.shard_flops for b in buckets]  # each bucket's imbalance by its work
         scaling = {"loss_scale": float(metrics["loss_scale"]),
                    "skipped": bool(metrics["skipped"]),
                    "skipped_steps": int(metrics["skipped_steps"])} if "skipped" in metrics else {}
@@ -262,6 +284,10 @@ class Trainer:
                        "sequences": minibatch.sequences, "slots": slots,
                        "padding": 1 - minibatch.real_tokens / slots,
                        "switched_bytes": sum(b.switched_bytes for b in buckets),
+                       "imbalance_before": float(np.average(
+                           [b.imbalance_before for b in buckets], weights=weights)),
+                       "imbalance": float(np.average([b.imbalance for b in buckets],
+                                                     weights=weights)),
                        "buckets": [dataclasses.asdict(b) for b in buckets]}
 
 

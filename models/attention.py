@@ -236,16 +236,19 @@ def block_edge(length: int, block: int) -> int:
 def visible_blocks(q: Tokens, k: Tokens, q_block: int, k_block: int) -> Array:
     """[B, T/q_block, S/k_block]: whether any query of a block may see any key of another.
     Conservative (a block that shows nothing may be listed, never the reverse): it compares
-    each block's range of segments, positions and columns over its non-padding tokens."""
+    each block's range of segments, positions and columns over its non-padding tokens. NumPy
+    tokens give a NumPy answer (the host's estimate of the kernel's work)."""
+    xp = np if isinstance(q.segment, np.ndarray) else jnp
+
     def bounds(t: Tokens, block: int) -> tuple[Array, ...]:
         B, T = t.segment.shape
         real = (t.segment > 0).reshape(B, T // block, block)
 
         def lo(x: Array) -> Array:
-            return jnp.min(jnp.where(real, x.reshape(real.shape), _NONE), axis=-1)
+            return xp.min(xp.where(real, x.reshape(real.shape), _NONE), axis=-1)
 
         def hi(x: Array) -> Array:
-            return jnp.max(jnp.where(real, x.reshape(real.shape), -1), axis=-1)
+            return xp.max(xp.where(real, x.reshape(real.shape), -1), axis=-1)
 
         return lo(t.segment), hi(t.segment), lo(t.position), hi(t.position), lo(t.column), \
             hi(t.column)

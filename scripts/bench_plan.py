@@ -40,7 +40,13 @@ import numpy as np
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import machine, parse_args, print_machine, report  # noqa: E402  (beside this script)
+from quick_option import (  # noqa: E402  (beside this script)
+    add_processes_option,
+    machine,
+    parse_args,
+    print_machine,
+    report,
+)
 
 from models.errors import UserError  # noqa: E402
 
@@ -287,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: %(default)s)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document to stdout (the tables go to stderr)")
+    add_processes_option(parser)
     args = parse_args(parser, argv, QUICK)
 
     return report("bench_plan", args, run, print_table)

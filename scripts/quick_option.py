@@ -1,6 +1,8 @@
 """What every benchmark's command line shares: `--quick`, a smoke-test setting of seconds that
-`tests/test_benchmarks.py` runs, so that a benchmark which breaks fails the tests; and the
-console its tables print to."""
+`tests/test_benchmarks.py` runs, so that a benchmark which breaks fails the tests; the console
+its tables print to; and `--processes N`, which runs the benchmark as N processes of one CPU
+device each, pinned to their own cores (`hotjax launch`): a real N-device cluster on a CPU
+machine, where simulated devices in one process would share its cores."""
 
 from __future__ import annotations
 
@@ -22,7 +24,49 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
     if args.quick:
         parser.set_defaults(**quick)
         args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
+
+
+def add_processes_option(parser: argparse.ArgumentParser) -> None:
+    """`--processes N` (see the module), and the options `hotjax launch` gives each process."""
+    from hotjax.cli import add_process_options
+
+    parser.add_argument("--processes", type=int, metavar="N", help="run as N processes of one "
+                        "CPU device each, pinned to their own cores (hotjax launch): a real "
+                        "N-device cluster")
+    add_process_options(parser)
+    parser.add_argument("--report-file", help=argparse.SUPPRESS)  # process 0 writes it
+
+
+def _process_args(args: argparse.Namespace) -> tuple[str | None, int | None, int | None, int]:
+    return (getattr(args, "coordinator", None), getattr(args, "num_processes", None),
+            getattr(args, "process_id", None), getattr(args, "heartbeat_timeout", 30))
+
+
+def _launched(script: str, args: argparse.Namespace) -> dict | int:
+    """The report of this benchmark run as `args.processes` pinned processes of one device
+    each (their progress on stderr), or the failing process's exit code."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from hotjax import launch
+    from models.errors import UserError
+
+    if args.processes < 1:
+        raise UserError(f"--processes {args.processes}: pass a positive number")
+    argv, skip = [], False
+    for a in args.argv:  # the same command, less --processes
+        if skip or a == "--processes" or a.startswith("--processes="):
+            skip = not skip and a == "--processes"
+            continue
+        argv.append(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "report.json"
+        code = launch.run([sys.executable, script, *argv, "--report-file", str(path)],
+                          args.processes, 1, out=sys.stderr)
+        return code or json.loads(path.read_text())
 
 
 def console(stderr: bool, width: int = 120) -> Console:
@@ -35,23 +79,40 @@ def console(stderr: bool, width: int = 120) -> Console:
 
 
 def report(name: str, args: argparse.Namespace, run, print_table, devices: int | None = None,
-           exit_code=lambda found: 0) -> int:
+           exit_code=lambda found: 0, width: int = 120) -> int:
     """A benchmark's end: start JAX (`devices`: see `start_jax`), `run(args, progress)` for its
     report, print the table (to stderr under `--json`, which prints the report's JSON), and
-    exit with `exit_code(report)`, or 2 with one line on a `UserError`."""
+    exit with `exit_code(report)`, or 2 with one line on a `UserError`. Under `--processes N`
+    the run is N launched processes (see the module); process 0 hands its report back."""
+    import io
     import json
+    from pathlib import Path
 
     from hotjax.cli import start_jax
     from models.errors import UserError
 
-    progress = console(stderr=True)
+    progress = console(stderr=True, width=width)
+    processes = _process_args(args)
     try:
-        start_jax(devices)
-        found = run(args, progress)
+        if getattr(args, "processes", None) and processes[2] is None:
+            found = _launched(sys.modules[run.__module__].__file__, args)
+            if isinstance(found, int):
+                return found
+        else:
+            start_jax(devices, processes)
+            if processes[2]:  # one voice: process 0's
+                from rich.console import Console
+
+                progress = Console(file=io.StringIO())
+            found = run(args, progress)
+            if processes[2] is not None:
+                if processes[2] == 0 and args.report_file:
+                    Path(args.report_file).write_text(json.dumps(found))
+                return 0
     except UserError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return 2
-    print_table(found, progress if args.json else console(stderr=False))
+    print_table(found, progress if args.json else console(stderr=False, width=width))
     if args.json:
         print(json.dumps(found, indent=1))
     return exit_code(found)

@@ -416,6 +416,12 @@ class Layout:
             self.strategy.microbatches or 1)
 
     @property
+    def data_shards(self) -> int:
+        """How many devices' groups split a batch's rows between them, each a contiguous block
+        of rows (pipeline micro-batches are cut within each)."""
+        return math.prod(ways(self.strategy.activation_spec(("batch",)), self.mesh.shape))
+
+    @property
     def seq_shards(self) -> int:
         """How many ways each row is split along the sequence; row lengths must divide by it."""
         return math.prod(ways(self.strategy.activation_spec((None, "seq")), self.mesh.shape))

@@ -163,8 +163,9 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
         return parse_profile({
             "name": f"measured-{platform}-{nodes}x{per_node}", "platform": platform,
             "nodes": nodes, "devices_per_node": per_node,
+            # What the allocator hands a process, measured: no further fraction of it.
             "device": {"peak_tflops": _rounded(peak / TERA),
-                       "memory_gib": _rounded(figures["memory"] / GiB)},
+                       "memory_gib": _rounded(figures["memory"] / GiB), "allocator_fraction": 1},
             "efficiency": {"matmul": _rounded(matmul_flops / peak),
                            "attention": _rounded(figures["attention"] / peak)},
             # The links as the switch planner sees them: what a device sends while every
@@ -330,17 +331,20 @@ def device_memory_bytes(devices: Sequence[jax.Device]) -> int:
 def profile_toml(profile: Profile) -> str:
     """`profile` in the TOML form `sharding.profile.parse_profile` reads, every number written
     so that it reads back to the same value."""
-    def table(entries: tuple[tuple[int, float], ...]) -> str:
-        return "{ " + ", ".join(f"{size} = {_in_units(bw, GIGA)}" for size, bw in entries) + " }"
+    def table(entries: tuple[tuple[int, float], ...], unit: float = GIGA) -> str:
+        return "{ " + ", ".join(f"{size} = {_in_units(x, unit)}" for size, x in entries) + " }"
 
     lines = [f"# {profile.source}",
              "# Units: TFLOP/s, GiB, GB/s (1e9 bytes/s) per device and direction.",
              f"name = {_string(profile.name)}", f"platform = {_string(profile.platform)}",
              f"nodes = {profile.nodes}", f"devices_per_node = {profile.devices_per_node}", "",
              "[device]", f"peak_tflops = {_in_units(profile.peak_flops, TERA)}",
-             f"memory_gib = {_in_units(profile.memory_bytes, GiB)}", "",
+             f"memory_gib = {_in_units(profile.memory_bytes, GiB)}",
+             "allocator_fraction = 1.0  # memory_gib is what the allocator hands a process", "",
              "[efficiency]", f"matmul = {_in_units(profile.matmul_efficiency, 1)}",
-             f"attention = {_in_units(profile.attention_efficiency, 1)}", "",
+             f"attention = {_in_units(profile.attention_efficiency, 1)}",
+             *([f"matmul_by_size = {table(profile.matmul_by_size, 1)}"] if profile.matmul_by_size
+               else []), "",
              "[links]", f"intra_node_gbps = {_in_units(profile.intra_node_bandwidth, GIGA)}",
              f"inter_node_gbps = {_in_units(profile.inter_node_bandwidth, GIGA)}", "",
              "# Bus bandwidth of each collective (nccl-tests' busbw) by group size, for groups "

@@ -4,10 +4,15 @@ remat policy that minimise a step's predicted time (`sharding.cost`) under a mem
 The step it plans for is a typical mini-batch: `batch` sequences at evenly spaced quantiles of
 the corpus's sequence lengths (the same plan for the same corpus). For a set of bucket lengths
 the sequences are packed first-fit-decreasing into each bucket's rows, as the trainer packs
-them; a bucket's cost under a strategy is its micro-steps (rows / micro-batch rows, rounded up)
-times the predicted micro-step, whose attention counts only the (query, key) pairs inside each
-packed document (document masking; `masked=False` counts whole causal rows, as training on
-concatenated sequences without masking does).
+them; a bucket's cost under a strategy is the sum of its micro-steps (rows / micro-batch rows,
+rounded up), each priced at its busiest device: the rows are placed on data shards as the
+trainer places them (`hotjax.balance.place`, by estimated work), and a micro-step's attention is
+that of the data shard and ring rank with the most (query, key) pairs the kernel computes.
+Where the kernel skips blocks no document spans (the blockwise kernel: on CPU, and round every
+ring) those are the pairs inside each packed document (`sharding.cost.document_pairs`); where it
+does not (JAX's Pallas kernel, packed rows on GPU) every row costs the causal triangle. With
+`masked=False` every row is one causal document, as training on concatenated sequences without
+masking is.
 
 The search (after Hydraulis' assignment of length ranges to strategies by dynamic programming):
 1. candidate strategies: every way to factor the devices over stage, data, fsdp, context and
@@ -32,12 +37,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hotjax.balance import ATTENTION_TRAINING, EMPTY, MATMUL_TRAINING, place
 from hotjax.data.buckets import pack_buckets
 from hotjax.data.stats import quantiles
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
 from models.options import REMAT_POLICIES
-from sharding.cost import micro_step_memory, micro_step_time, resident_bytes, visible_pairs
+from sharding.cost import (
+    MicroStepTime,
+    attention_kernel,
+    document_pairs,
+    micro_step_memory,
+    micro_step_time,
+    resident_bytes,
+    visible_pairs,
+)
 from sharding.planner import boxes_from_strategy
 from sharding.profile import Profile
 from sharding.strategy import MESH_AXES, Strategy, fit_to_model, ways
@@ -62,6 +76,7 @@ class Choice:
     tokens: int
     seconds: float  # the bucket's micro-steps
     peak_bytes: int  # per device, home state included
+    imbalance: float = 1.0  # the busiest device's attention over the mean's, summed over steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +168,7 @@ def _factorings(n: int, parts: int) -> list[tuple[int, ...]]:
 class _MicroStep:
     rows: int
     remat: str
-    seconds: float
-    attention: float  # of `seconds`: attention over whole causal rows
+    time: MicroStepTime  # every row one causal document
     peak_bytes: int  # without the home state
     steps: int  # micro-steps the bucket's rows take
 
@@ -175,8 +189,9 @@ class Search:
                             f"plan for another device count")
         self.resident = {s: resident_bytes(config, s) for s in self.strategies}
         self._lines: dict[tuple[Strategy, int, str], tuple[int, int, int] | None] = {}
-        self._time: dict[tuple[Strategy, int, str, int], tuple[float, float]] = {}
-        self._pairs: dict[int, float] = {}
+        self._time: dict[tuple[Strategy, int, str, int], MicroStepTime] = {}
+        self._pairs: dict[tuple, np.ndarray] = {}
+        self._placed: dict[tuple, tuple[np.ndarray, float]] = {}
         self._switch: dict[tuple[Strategy, Strategy], float] = {}
 
     def micro_step(self, strategy: Strategy, max_len: int, home_bytes: int, rows: int
@@ -197,14 +212,13 @@ class Search:
             key = (strategy, max_len, remat, blocks * shards)
             if key not in self._time:
                 config = dataclasses.replace(self.config, remat=remat)
-                time = micro_step_time(config, strategy, (blocks * shards, max_len),
-                                       self.profile)
-                self._time[key] = (time.seconds, time.attention)
-            seconds, attention = self._time[key]
-            found = _MicroStep(blocks * shards, remat, seconds, attention,
+                self._time[key] = micro_step_time(config, strategy, (blocks * shards, max_len),
+                                                  self.profile)
+            found = _MicroStep(blocks * shards, remat, self._time[key],
                                first + (blocks - 1) * per_shard,
                                math.ceil(rows / (blocks * shards)))
-            if best is None or found.steps * seconds < best.steps * best.seconds:
+            if best is None or (found.steps * found.time.seconds
+                                < best.steps * best.time.seconds):
                 best = found
         return best
 
@@ -231,21 +245,49 @@ class Search:
         micro = self.micro_step(strategy, max_len, home_bytes, len(rows))
         if micro is None:
             return None
-        steps = micro.steps
-        whole = len(rows) * self._causal_pairs(max_len)
-        inside = sum(self._causal_pairs(int(lengths[i])) for row in rows for i in row)
-        # Document masking: attention computes only the pairs inside each packed document.
-        share = inside / whole if masked and whole else 1.0
-        seconds = steps * (micro.seconds - micro.attention * (1 - share))
-        return Choice(low, max_len, strategy, micro.rows, micro.remat, steps, len(rows),
+        shares, imbalance = self._attention_shares(lengths, rows, max_len, strategy, micro.rows,
+                                                   masked)
+        seconds = sum(micro.time.with_attention(share).seconds for share in shares)
+        return Choice(low, max_len, strategy, micro.rows, micro.remat, micro.steps, len(rows),
                       sum(len(r) for r in rows), int(sum(lengths[i] for r in rows for i in r)),
-                      seconds, micro.peak_bytes + home_bytes)
+                      seconds, micro.peak_bytes + home_bytes, imbalance)
 
-    def _causal_pairs(self, length: int) -> float:
-        if length not in self._pairs:
-            block = self.config.attention_block or 512
-            self._pairs[length] = visible_pairs(length, 1, False, min(block, length))
-        return self._pairs[length]
+    def _attention_shares(self, lengths: np.ndarray, rows: list[list[int]], max_len: int,
+                          strategy: Strategy, micro_rows: int, masked: bool
+                          ) -> tuple[np.ndarray, float]:
+        """Per micro-step, the attention pairs of the busiest device (data shard and ring
+        rank) over those of rows that are one causal document each; and the busiest device's
+        pairs over the mean device's, summed over the micro-steps. The rows are placed on data
+        shards as the trainer places them."""
+        steps = math.ceil(len(rows) / micro_rows)
+        context = strategy.seq_ways("context")
+        block, skips = attention_kernel(self.config, self.profile.platform, max_len, context)
+        if not (masked and skips):
+            return np.ones(steps), 1.0
+        shards = math.prod(ways(strategy.activation_spec(("batch",)), strategy.axes))
+        documents = tuple(tuple(int(lengths[i]) for i in row) for row in rows)
+        key = (documents, max_len, context, strategy.balanced, block)
+        if key not in self._pairs:
+            self._pairs[key] = document_pairs(documents, max_len, context, strategy.balanced,
+                                              block)
+        pairs_RxC = self._pairs[key]
+        placed = (*key, micro_rows, shards)
+        if placed not in self._placed:
+            c = self.config
+            per_token = MATMUL_TRAINING * (c.n_layers * (
+                c.dim * c.head_dim * 2 * (c.n_heads + c.n_kv_heads) + 3 * c.dim * c.ffn_dim)
+                + c.dim * c.vocab_size)
+            per_pair = ATTENTION_TRAINING * 4 * c.n_heads * c.head_dim * c.n_layers
+            order = place(per_token * max_len + per_pair * pairs_RxC.sum(axis=1), micro_rows,
+                          shards, per_token * max_len).order
+            self._placed[placed] = (order, pairs_RxC.shape[1])
+        order, ranks = self._placed[placed]
+        slots_SxC = np.where((order == EMPTY)[:, None], 0.0, pairs_RxC[np.maximum(order, 0)])
+        devices_MxDxC = slots_SxC.reshape(steps, shards, -1, ranks).sum(axis=2)
+        busiest_M = devices_MxDxC.max(axis=(1, 2))
+        whole = micro_rows // shards * visible_pairs(max_len, context, strategy.balanced, block)
+        mean = devices_MxDxC.mean(axis=(1, 2)).sum()
+        return busiest_M / whole, float(busiest_M.sum() / mean) if mean else 1.0
 
     def switch_seconds(self, source: Strategy, target: Strategy) -> float:
         """A weight switch's time: the most bytes any device lacks, over the slower link the
@@ -417,7 +459,8 @@ def report(found: Plan, compared: dict[str, Plan | None], lengths: np.ndarray,
         return {"low": b.low, "max_len": b.max_len, "strategy": str(b.strategy),
                 "micro_rows": b.micro_rows, "remat": b.remat, "micro_steps": b.micro_steps,
                 "rows": b.rows, "sequences": b.sequences, "token_share": b.tokens / tokens,
-                "seconds": b.seconds, "peak_gib": b.peak_bytes / 2**30}
+                "seconds": b.seconds, "imbalance": b.imbalance,
+                "peak_gib": b.peak_bytes / 2**30}
 
     def summary(p: Plan | None) -> dict | None:
         return None if p is None else {

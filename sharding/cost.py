@@ -10,9 +10,18 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   checkpoint) adds 2 more. The LM head runs on every stage; the layers' work divides by S.
 - Attention: 4·N·H FLOPs per visible (query, key) pair forward, 2.5x that backward
   (FlashAttention-2's five matmuls against two: Dao 2023, arXiv:2307.08691), counted over the
-  kernel's visible blocks only (the causal triangle at block granularity); a context ring waits
-  for its busiest rank (rank c-1 in row order; every rank alike with `balanced` chunks).
-- Matmuls and attention at the profile's peak x its efficiencies.
+  blocks the kernel that runs computes (`attention_kernel`): on GPU a packed row runs JAX's
+  Pallas flash attention, which skips only the blocks above the causal diagonal (tiles of
+  `PALLAS_BLOCK`), so every row costs the causal triangle whatever its documents; the blockwise
+  kernel (CPU, and every context ring) also skips the blocks no document spans
+  (`document_pairs`). `micro_step_time` prices every row as one causal document (the worst
+  case); `MicroStepTime.with_attention` reprices it at the busiest device's pairs, which the
+  planner finds by placing a bucket's packed rows on data shards as the trainer does. A context
+  ring waits for its busiest rank (rank c-1 in row order; every rank alike with `balanced`
+  chunks on causal rows, not on packed ones).
+- Matmuls at the profile's peak x its matmul efficiency, by each GEMM's smallest dimension per
+  device where the profile measured sizes (`sharding.profile.MatmulEfficiency`); attention at
+  the peak x its attention efficiency.
 - A collective moving a tensor of `bytes` over a group of n devices takes factor·bytes / bus
   bandwidth, with factor 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter,
   1 for a send (nccl-tests' bus-bandwidth convention); the bandwidth is the profile's for that
@@ -67,12 +76,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec
 
-from models.attention import DEFAULT_BLOCK, block_edge
+from models.attention import DEFAULT_BLOCK, PALLAS_BLOCK, block_edge
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
 from sharding.planner import SwitchPlan
@@ -268,10 +278,19 @@ class MicroStepTime:
     gradients: float  # gradient reduce-scatter / all-reduce
     stages: float  # pipeline stage transfers
     bubble: float
+    ring: float = 0.0  # all the ring's K/V traffic, of which `context` is exposed (not summed)
 
     @property
     def seconds(self) -> float:
-        return sum(dataclasses.astuple(self))
+        return (self.matmuls + self.attention + self.tensor + self.context + self.fsdp
+                + self.gradients + self.stages + self.bubble)
+
+    def with_attention(self, share: float) -> MicroStepTime:
+        """The micro-step with `share` of its priced attention pairs on the busiest device (its
+        packed documents' pairs over whole causal rows'): less attention hides less ring."""
+        attention = self.attention * share
+        return dataclasses.replace(self, attention=attention,
+                                   context=max(0.0, self.ring - attention))
 
 
 def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int],
@@ -289,16 +308,20 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     S, M = s.stages, s.microbatches
     forwards = 1 + (config.remat == "full") + (S > 1)  # of each layer's matmuls
     attention_forwards = 1 + (config.remat != "none") + (S > 1)
-    flop_time = 1 / (profile.peak_flops * profile.matmul_efficiency)
 
-    layer_params = (D * H * 2 * N / s.head_ways + D * H * 2 * K / s.kv_ways
-                    + 3 * D * F / s.mlp_ways)
-    layer_matmuls = (2 * forwards + 4) * s.inner_tokens * layer_params * s.layers * flop_time
-    head_matmuls = 6 * s.inner_tokens * D * V / s.vocab_ways * flop_time
+    def gemms(widths: Iterable[tuple[float, float]]) -> float:
+        """Seconds per token of GEMMs [tokens, k] x [k, n] of (k, n) `widths`, forward once."""
+        tokens = s.inner_tokens / M  # one call's rows: a pipeline micro-batch's
+        return sum(2 * k * n / (profile.peak_flops * profile.matmul.at(min(tokens, k, n)))
+                   for k, n in widths)
+
+    query, kv, mlp = N * H / s.head_ways, K * H / s.kv_ways, F / s.mlp_ways
+    layer = gemms(((D, query), (D, kv), (D, kv), (query, D), (D, mlp), (D, mlp), (mlp, D)))
+    layer_matmuls = (forwards + 2) * s.inner_tokens * layer * s.layers
+    head_matmuls = 3 * s.inner_tokens * gemms(((D, V / s.vocab_ways),))
     context = fitted.seq_ways("context")
-    pairs = s.rows * visible_pairs(shape[1], context, fitted.balanced,
-                                   config.attention_block or DEFAULT_BLOCK.get(
-                                       profile.platform, DEFAULT_BLOCK["gpu"]))
+    block, _ = attention_kernel(config, profile.platform, shape[1], context)
+    pairs = s.rows * visible_pairs(shape[1], context, fitted.balanced, block)
     attention = ((attention_forwards + 2.5) * 4 * H * N / s.head_ways * pairs * s.layers
                  / (profile.peak_flops * profile.attention_efficiency))
 
@@ -339,7 +362,41 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     return MicroStepTime(
         matmuls=layer_matmuls + head_matmuls, attention=attention, tensor=tensor,
         context=max(0.0, ring - attention), fsdp=fsdp, gradients=gradients, stages=stages,
-        bubble=(S - 1) * per_iteration if S > 1 else 0.0)
+        bubble=(S - 1) * per_iteration if S > 1 else 0.0, ring=ring)
+
+
+def attention_kernel(config: LlamaConfig, platform: str, seq_len: int, context: int
+                     ) -> tuple[int, bool]:
+    """The block edge of the attention kernel a packed row of `seq_len` runs on `platform`
+    under a ring of `context` devices (`models.attention.choose_backend`), and whether it skips
+    the blocks no document spans: JAX's Pallas kernel on GPU skips only those above the
+    diagonal; the blockwise kernel (elsewhere, and round every ring) both."""
+    if platform == "gpu" and context == 1 and seq_len % PALLAS_BLOCK == 0:
+        return PALLAS_BLOCK, False
+    return config.attention_block or DEFAULT_BLOCK.get(platform, DEFAULT_BLOCK["gpu"]), True
+
+
+def document_pairs(documents_R: Sequence[Sequence[int]], seq_len: int, context: int,
+                   balanced: bool, block: int) -> np.ndarray:
+    """[R, context] (query, key) pairs each ring rank's blockwise kernel computes, summed over
+    the ring's steps, for rows of `seq_len` holding documents of the given lengths end to end
+    from column 0 (the rest padding): the block pairs some document spans, below the diagonal
+    (as `models.attention.visible_blocks` lists them), whole. With `balanced`, rank r holds
+    chunks r and 2c-1-r of 2c."""
+    pieces = context * (2 if balanced else 1)
+    edge = block_edge(seq_len // pieces, block)
+    firsts = np.arange(seq_len // edge) * edge  # each block's first column
+    blocks_RxB = np.zeros((len(documents_R), len(firsts)))
+    for r, lengths in enumerate(documents_R):
+        if not len(lengths):
+            continue
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        # A block sees back to the first block of the document its first token is in (later
+        # documents in it start in it); a block of padding sees nothing.
+        first = starts[np.searchsorted(starts, firsts, side="right") - 1] // edge
+        blocks_RxB[r] = np.where(firsts < sum(lengths), np.arange(len(firsts)) - first + 1, 0)
+    per_piece = blocks_RxB.reshape(len(documents_R), pieces, -1).sum(axis=-1) * edge * edge
+    return per_piece[:, :context] + per_piece[:, ::-1][:, :context] if balanced else per_piece
 
 
 def visible_pairs(seq_len: int, context: int, balanced: bool, block: int) -> float:

@@ -1,19 +1,28 @@
 """Hardware profiles: what a cluster offers a cost model, read from small TOML files.
 
 A profile gives each device's peak matmul rate and memory, how devices group into nodes, the
-share of peak the kernels reach (`efficiency`), and the bus bandwidth of each collective by group
-size, inside one node and across nodes. Measured values are written into the same format, so a
-calibrated profile is a file like the shipped ones (`sharding/profiles/*.toml`).
+share of peak the kernels reach (`efficiency`, the matmuls' optionally by GEMM size), and the bus
+bandwidth of each collective by group size, inside one node and across nodes. Measured values are
+written into the same format, so a calibrated profile is a file like the shipped ones
+(`sharding/profiles/*.toml`).
+
+On GPU a plan fills what JAX's allocator hands out, not the device's memory: JAX preallocates
+75 % of it unless told otherwise, and hotjax tells it `ALLOCATOR_FRACTION`
+(`set_allocator_fraction`, before JAX starts a GPU backend; a fraction the user set is kept and
+planned against).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from models.errors import UserError
 from sharding.planner import Topology
@@ -26,6 +35,56 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "send")
 _TOP_KEYS = ("name", "platform", "nodes", "devices_per_node", "device", "efficiency", "links",
              "collectives")
 TERA, GIGA, GiB = 1e12, 1e9, 2**30
+# The share of each GPU's memory JAX's allocator may take in a hotjax process. JAX's default is
+# 0.75 (https://docs.jax.dev/en/latest/gpu_memory_allocation.html); the rest of the device holds
+# the CUDA context, cuBLAS/cuDNN workspaces and NCCL's buffers, which need a few GiB, not 20.
+ALLOCATOR_FRACTION = 0.9
+# The variable JAX reads, and the older name it still honours (both set is an error in JAX).
+MEMORY_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def set_allocator_fraction(environ: dict[str, str] | None = None) -> None:
+    """Let JAX's GPU allocator take `ALLOCATOR_FRACTION` of each device, unless the user named
+    a fraction: call before JAX starts a GPU backend (the first JAX operation)."""
+    environ = os.environ if environ is None else environ
+    if not any(environ.get(name) for name in MEMORY_FRACTION_VARS):
+        environ[MEMORY_FRACTION_VARS[0]] = str(ALLOCATOR_FRACTION)
+
+
+def allocator_fraction(platform: str, environ: dict[str, str] | None = None) -> float:
+    """The share of a device's memory a hotjax process may allocate on `platform`: on GPU the
+    fraction the environment gives JAX, or hotjax's; elsewhere all of it."""
+    if platform != "gpu":
+        return 1.0
+    environ = os.environ if environ is None else environ
+    for name in MEMORY_FRACTION_VARS:
+        if environ.get(name):
+            try:
+                fraction = float(environ[name])
+            except ValueError:
+                fraction = 0.0
+            if not 0 < fraction <= 1:
+                raise UserError(f"{name} = {environ[name]!r}: give JAX's GPU memory fraction "
+                                f"as a number in (0, 1]")
+            return fraction
+    return ALLOCATOR_FRACTION
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulEfficiency:
+    """The share of peak a GEMM reaches, by its smallest dimension per device (tokens, or a
+    weight's rows or columns after tensor parallelism splits it): `flat` where no size was
+    measured, else interpolated linearly in log size between the measured ones (clamped at
+    the ends)."""
+
+    flat: float
+    by_size: tuple[tuple[int, float], ...] = ()
+
+    def at(self, size: float) -> float:
+        if not self.by_size:
+            return self.flat
+        sizes = [math.log(s) for s, _ in self.by_size]
+        return float(np.interp(math.log(max(size, 1)), sizes, [e for _, e in self.by_size]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,20 +106,27 @@ class Bandwidths:
 @dataclasses.dataclass(frozen=True)
 class Profile:
     """A cluster: `nodes` x `devices_per_node` devices of `peak_flops` (dense, compute dtype) and
-    `memory_bytes` each, running on JAX platform `platform`."""
+    `device_bytes` each, of which a process may allocate `memory_bytes`, running on JAX platform
+    `platform`."""
 
     name: str
     platform: str
     nodes: int
     devices_per_node: int
     peak_flops: float
-    memory_bytes: int
-    matmul_efficiency: float  # share of peak the model's matmuls reach
+    memory_bytes: int  # what JAX's allocator hands a process per device: plans fill this
+    matmul_efficiency: float  # share of peak the model's matmuls reach (where no size says)
     attention_efficiency: float  # share of peak the attention kernel reaches
     intra_node_bandwidth: float  # bytes/s per device and direction (the switch planner's links)
     inter_node_bandwidth: float
     collectives: tuple[tuple[str, Bandwidths], ...]  # (name, bandwidths) for each of COLLECTIVES
     source: str = "<profile>"
+    device_bytes: int = 0  # the device's memory (0: as `memory_bytes`)
+    matmul_by_size: tuple[tuple[int, float], ...] = ()  # (GEMM's smallest dimension, efficiency)
+
+    @property
+    def matmul(self) -> MatmulEfficiency:
+        return MatmulEfficiency(self.matmul_efficiency, self.matmul_by_size)
 
     @property
     def num_devices(self) -> int:
@@ -98,17 +164,25 @@ def load_profile(name_or_path: str | Path) -> Profile:
 def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
     """A profile from its TOML form, validated: every field present, every number positive."""
     _known(data, _TOP_KEYS, source)
-    device = _table(data, "device", source, ("peak_tflops", "memory_gib"))
-    efficiency = _table(data, "efficiency", source, ("matmul", "attention"))
+    device = _table(data, "device", source, ("peak_tflops", "memory_gib"),
+                    ("allocator_fraction",))
+    efficiency = _table(data, "efficiency", source, ("matmul", "attention"),
+                        ("matmul_by_size",))
     links = _table(data, "links", source, ("intra_node_gbps", "inter_node_gbps"))
-    for field in ("matmul", "attention"):
-        if efficiency[field] > 1:
-            raise UserError(f"{source}: efficiency.{field} = {efficiency[field]} is a share of "
-                            f"peak: give a number in (0, 1]")
+    by_size = _efficiencies(data["efficiency"].get("matmul_by_size", {}),
+                            f"{source}: efficiency.matmul_by_size")
+    for key, table, field, of in (("efficiency", efficiency, "matmul", "peak"),
+                                  ("efficiency", efficiency, "attention", "peak"),
+                                  ("device", device, "allocator_fraction", "the memory")):
+        if table.get(field, 0) > 1:
+            raise UserError(f"{source}: {key}.{field} = {table[field]} is a share of {of}: "
+                            f"give a number in (0, 1]")
     platform = data.get("platform")
     if platform not in ("cpu", "gpu", "tpu"):
         raise UserError(f"{source}: platform = {platform!r}: give the JAX platform, one of "
                         f"'cpu', 'gpu', 'tpu'")
+    device_bytes = int(device["memory_gib"] * GiB)
+    fraction = device.get("allocator_fraction") or allocator_fraction(platform)
     nodes = _count(data, "nodes", source)
     collectives = data.get("collectives")
     if not isinstance(collectives, Mapping):
@@ -118,8 +192,9 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
     return Profile(
         name=str(data.get("name", Path(source).stem)), platform=platform, nodes=nodes,
         devices_per_node=_count(data, "devices_per_node", source),
-        peak_flops=device["peak_tflops"] * TERA, memory_bytes=int(device["memory_gib"] * GiB),
-        matmul_efficiency=efficiency["matmul"], attention_efficiency=efficiency["attention"],
+        peak_flops=device["peak_tflops"] * TERA, memory_bytes=int(device_bytes * fraction),
+        device_bytes=device_bytes, matmul_efficiency=efficiency["matmul"],
+        matmul_by_size=by_size, attention_efficiency=efficiency["attention"],
         intra_node_bandwidth=links["intra_node_gbps"] * GIGA,
         inter_node_bandwidth=links["inter_node_gbps"] * GIGA,
         collectives=tuple((name, _bandwidths(collectives, name, source)) for name in COLLECTIVES),
@@ -148,13 +223,32 @@ def _by_size(table: Any, where: str) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(entries))
 
 
-def _table(data: Mapping[str, Any], key: str, source: str, fields: tuple[str, ...]
-           ) -> dict[str, float]:
+def _efficiencies(table: Any, where: str) -> tuple[tuple[int, float], ...]:
+    if not isinstance(table, Mapping):
+        raise UserError(f"{where}: give a table of GEMM size = share of peak, like "
+                        f"{{ 256 = 0.3, 4096 = 0.6 }}")
+    entries = []
+    for size, share in table.items():
+        if not size.isdecimal() or int(size) < 1:
+            raise UserError(f"{where}: size {size!r} must be a positive integer")
+        if _positive(share, f"{where}.{size}") > 1:
+            raise UserError(f"{where}.{size} = {share} is a share of peak: give a number in "
+                            f"(0, 1]")
+        entries.append((int(size), float(share)))
+    return tuple(sorted(entries))
+
+
+def _table(data: Mapping[str, Any], key: str, source: str, fields: tuple[str, ...],
+           optional: tuple[str, ...] = ()) -> dict[str, float]:
+    """The numbers of table `key`: every one of `fields`, those of `optional` given (tables
+    among them are left to the caller)."""
     table = data.get(key)
     if not isinstance(table, Mapping):
         raise UserError(f"{source}: no [{key}] table: add one with {', '.join(fields)}")
-    _known(table, fields, f"{source}: {key}")
-    return {field: _positive(table.get(field), f"{source}: {key}.{field}") for field in fields}
+    _known(table, fields + optional, f"{source}: {key}")
+    return {field: _positive(table.get(field), f"{source}: {key}.{field}")
+            for field in fields + optional
+            if field in fields or (field in table and not isinstance(table[field], Mapping))}
 
 
 def _positive(value: Any, where: str) -> float:

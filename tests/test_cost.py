@@ -4,14 +4,18 @@ against hand-computed figures, and the hardware profiles it reads."""
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from hotjax.optim import OptimConfig
 from hotjax.step import Home, bucket_step, step_memory
+from models.attention import Tokens, block_edge, ring_block_counts, visible_blocks
 from models.errors import UserError
 from models.llama import preset
 from models.pipeline import bubble
 from sharding.cost import (
+    attention_kernel,
+    document_pairs,
     micro_step_memory,
     micro_step_time,
     resident_bytes,
@@ -20,7 +24,13 @@ from sharding.cost import (
     visible_pairs,
 )
 from sharding.planner import ArraySwitch, plan_switch
-from sharding.profile import load_profile, parse_profile
+from sharding.profile import (
+    ALLOCATOR_FRACTION,
+    allocator_fraction,
+    load_profile,
+    parse_profile,
+    set_allocator_fraction,
+)
 from sharding.strategy import Strategy
 
 LLAMA2_7B = preset("llama2-7b")
@@ -69,9 +79,9 @@ def test_data_parallel_time_is_six_flops_per_weight_and_token_plus_causal_attent
     tokens = 4096  # one row per device
     matmul_weights = L * (4 * D * D + 3 * D * F) + D * V  # the layers and the LM head
     assert time.matmuls == pytest.approx(6 * matmul_weights * tokens / (989e12 * 0.52))
-    # Blocks of 512: 8 along the row, 36 on or below the diagonal; 4·H FLOPs per pair and head
-    # forward, 2.5 times that backward.
-    pairs = 36 * 512 * 512
+    # On GPU a packed row runs JAX's Pallas kernel, in tiles of 128: 32 along the row, 528 on
+    # or below the diagonal; 4·H FLOPs per pair and head forward, 2.5 times that backward.
+    pairs = 528 * 128 * 128
     assert time.attention == pytest.approx(3.5 * 4 * 128 * 32 * pairs * L / (989e12 * 0.35))
     # The bf16 gradients all-reduced over 8 devices at 450 GB/s.
     assert time.gradients == pytest.approx(2 * 7 / 8 * LLAMA2_7B.num_params() * 2 / (450 * GB))
@@ -115,6 +125,101 @@ def test_a_context_ring_waits_for_its_busiest_rank_unless_balanced():
     assert time.context == max(0.0, ring - time.attention) == 0.0
     assert time.attention == pytest.approx(3.5 * 4 * 4096 * visible_pairs(8192, 4, False, 512)
                                            * 32 / (989e12 * 0.35))
+
+
+def test_the_kernel_that_runs_decides_which_masked_blocks_are_skipped():
+    assert attention_kernel(LLAMA2_7B, "gpu", 8192, 1) == (128, False)  # Pallas: causal only
+    assert attention_kernel(LLAMA2_7B, "gpu", 8192, 4) == (512, True)  # the ring: blockwise
+    assert attention_kernel(LLAMA2_7B, "cpu", 8192, 1) == (256, True)
+    assert attention_kernel(dataclasses.replace(LLAMA2_7B, attention_block=64), "cpu", 8192,
+                            1) == (64, True)
+
+
+def _packed(documents: list[int], seq_len: int) -> tuple:
+    segment_ids, positions = (np.zeros(seq_len, np.int32) for _ in range(2))
+    start = 0
+    for n, length in enumerate(documents):
+        segment_ids[start:start + length] = n + 1
+        positions[start:start + length] = np.arange(length)
+        start += length
+    return segment_ids[None], positions[None]
+
+
+@pytest.mark.parametrize(("documents", "context", "balanced", "block"), [
+    ([700, 300, 90, 90, 500], 1, False, 256), ([1500, 12, 100], 1, False, 128),
+    ([300, 1200, 400], 2, False, 256), ([100, 1700, 50], 4, True, 256), ([2000], 4, False, 512),
+    ([64] * 30, 2, True, 64)])
+def test_document_pairs_are_the_block_pairs_the_blockwise_kernel_lists(documents, context,
+                                                                       balanced, block):
+    """The planner's pairs from document lengths alone equal the kernel's own listing of
+    visible blocks over the packed row (`models.attention`), per ring rank."""
+    segment_ids, positions = _packed(documents, 2048)
+    edge = block_edge(2048 // context // (2 if balanced else 1), block)
+    if context == 1:
+        tokens = Tokens(segment_ids, positions, np.arange(2048, dtype=np.int32)[None])
+        blocks = [visible_blocks(tokens, tokens, edge, edge).sum()]
+    else:
+        blocks = ring_block_counts(segment_ids, positions, context, balanced, block)
+    assert document_pairs([documents], 2048, context, balanced, block)[0].tolist() == [
+        b * edge * edge for b in blocks]
+    # One causal document: the worst case `visible_pairs` prices.
+    assert document_pairs([[2048]], 2048, context, balanced, block).max() == visible_pairs(
+        2048, context, balanced, block)
+
+
+def test_balanced_chunks_are_not_balanced_when_documents_are_packed():
+    """A balanced ring evens causal rows out, not packed ones. A 4K document then sixteen of
+    256 tokens in 8K, blocks of 512: the document's blocks see 1..8 blocks, the short ones'
+    only themselves. In row order rank 1 (blocks 4-7) computes 5+6+7+8; balanced, rank 3 holds
+    blocks 6-7 and 8-9: 7+8+1+1, against rank 0's 1+2+1+1."""
+    blocks = 512 * 512
+    balanced = document_pairs([[4096, *[256] * 16]], 8192, 4, True, 512)[0]
+    assert balanced.tolist() == [b * blocks for b in (5, 9, 13, 17)]
+    in_order = document_pairs([[4096, *[256] * 16]], 8192, 4, False, 512)[0]
+    assert in_order.tolist() == [b * blocks for b in (10, 26, 4, 4)]
+
+
+def test_matmul_efficiency_follows_the_gemms_smallest_dimension_where_measured():
+    flat = micro_step_time(LLAMA2_7B, Strategy.parse("tensor=8,rules=megatron"), (1, 4096),
+                           H100)
+    measured = dataclasses.replace(H100, matmul_by_size=((512, 0.26), (2048, 0.52)))
+    assert measured.matmul.at(1024) == pytest.approx(0.39)  # halfway in log size
+    assert (measured.matmul.at(64), measured.matmul.at(10**6)) == (0.26, 0.52)  # clamped
+    shaped = micro_step_time(LLAMA2_7B, Strategy.parse("tensor=8,rules=megatron"), (1, 4096),
+                             measured)
+    # Over 8 tensor ranks the query/output projections are 512 wide, K/V 512, the MLP 1376,
+    # the head 4000; the tokens (4096) and the model width are not the smallest.
+    D, F, L, peak = 4096, 11008, 32, 989e12
+    per_token = sum(2 * k * n / measured.matmul.at(min(k, n)) for k, n in (
+        (D, 512), (D, 512), (D, 512), (512, D), (D, F / 8), (D, F / 8), (F / 8, D)))
+    head = 2 * D * 4000 / measured.matmul.at(4000)
+    assert shaped.matmuls == pytest.approx((3 * per_token * L + 3 * head) * 4096 / peak)
+    assert shaped.matmuls > 1.4 * flat.matmuls  # most GEMMs 512 wide, at half the rate
+    # A profile without sizes: the flat efficiency, as before.
+    data_parallel = micro_step_time(LLAMA2_7B, Strategy.parse("data=8"), (8, 4096), measured)
+    assert data_parallel.matmuls == pytest.approx(micro_step_time(
+        LLAMA2_7B, Strategy.parse("data=8"), (8, 4096), H100).matmuls)
+
+
+def test_plans_fill_the_memory_jax_hands_out_on_gpu():
+    environ: dict[str, str] = {}
+    set_allocator_fraction(environ)
+    assert environ == {"XLA_CLIENT_MEM_FRACTION": str(ALLOCATOR_FRACTION)}
+    assert allocator_fraction("gpu", environ) == ALLOCATOR_FRACTION == 0.9
+    chosen = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.6"}  # the older name, the user's choice
+    set_allocator_fraction(chosen)
+    assert chosen == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.6"}
+    assert allocator_fraction("gpu", chosen) == 0.6 and allocator_fraction("cpu", chosen) == 1
+    with pytest.raises(UserError, match="XLA_CLIENT_MEM_FRACTION = '2': give JAX's GPU"):
+        allocator_fraction("gpu", {"XLA_CLIENT_MEM_FRACTION": "2"})
+    # A profile's memory is what a process may allocate: the device's x the fraction, unless
+    # the profile says (a measured one holds the allocator's limit itself).
+    gpu = parse_profile(_profile(), "test.toml")
+    assert (gpu.device_bytes, gpu.memory_bytes) == (16 * 2**30, int(16 * 2**30 * 0.9))
+    measured = parse_profile(_profile(("device", "allocator_fraction"), 1), "test.toml")
+    assert measured.memory_bytes == 16 * 2**30
+    cpu = parse_profile(_profile(("platform",), "cpu"), "test.toml")
+    assert cpu.memory_bytes == 16 * 2**30
 
 
 def test_fsdp_gathers_weights_and_reduce_scatters_gradients():
@@ -164,7 +269,8 @@ def test_a_step_adds_its_micro_steps_and_the_planned_switches():
 
 def test_shipped_profiles_hold_the_papers_cluster_and_an_h100_node():
     assert (A800.nodes, A800.devices_per_node, A800.peak_flops) == (4, 8, 312e12)
-    assert A800.memory_bytes == 80 * 2**30
+    # Plans fill what JAX's allocator hands a process: hotjax's fraction of the 80 GiB.
+    assert (A800.device_bytes, A800.memory_bytes) == (80 * 2**30, int(0.9 * 80 * 2**30))
     assert A800.topology().intra_node_bandwidth == 200 * GB
     assert A800.bandwidth("all-reduce", 16, crosses_nodes=True) == 25 * GB
     assert (H100.num_devices, H100.peak_flops) == (8, 989e12)
@@ -200,6 +306,10 @@ def _profile(path: tuple[str, ...] = (), value: object = DELETE) -> dict:
     (("device", "peak_tflops"), -1, "test.toml: device.peak_tflops = -1: give a positive number"),
     (("device", "memory_gib"), DELETE, "test.toml: device.memory_gib = None: give a positive"),
     (("efficiency", "matmul"), 1.5, "test.toml: efficiency.matmul = 1.5 is a share of peak"),
+    (("efficiency", "matmul_by_size"), {"4k": 0.5},
+     "test.toml: efficiency.matmul_by_size: size '4k' must be a positive integer"),
+    (("device", "allocator_fraction"), 1.2,
+     "test.toml: device.allocator_fraction = 1.2 is a share of the memory"),
     (("nodes",), 0, "test.toml: nodes = 0: give a positive integer"),
     (("platform",), "cuda", "test.toml: platform = 'cuda': give the JAX platform"),
     (("flops",), 1, "test.toml: unknown key 'flops': use name, platform"),

@@ -79,6 +79,42 @@ def test_masking_documents_never_costs_more_than_concatenating_them(search, leng
     assert masked.seconds <= concatenated.seconds
 
 
+def _one_bucket(platform: str, lengths: list[int], masked: bool = True) -> tuple:
+    """The predicted bucket of rows of CONTEXT under data=2 on the A800 profile on `platform`,
+    and the micro-step priced as if every row were one causal document."""
+    profile = dataclasses.replace(load_profile("a800-4x8"), platform=platform)
+    (strategy,) = [s for s in plan.candidate_strategies(TINY, 2) if str(s) == "data2 [dp]"]
+    search = plan.Search(TINY, profile, 2, 80 * GiB, [strategy])
+    table = plan.fixed_table(search, np.asarray(lengths), [(CONTEXT, strategy)], masked=masked)
+    (bucket,) = table.buckets
+    micro = search.micro_step(strategy, CONTEXT, search.resident[strategy], bucket.rows)
+    return bucket, micro.time
+
+
+def test_a_bucket_is_priced_at_its_busiest_data_shard():
+    """One row holds a 2048-token document, the other sixteen of 128: over 2 data shards the
+    micro-step waits for the long row, whose attention is the whole causal triangle (blocks of
+    256 on CPU: 36 of them), against the short row's 8 diagonal blocks."""
+    bucket, whole_rows = _one_bucket("cpu", [CONTEXT, *[128] * 16])
+    assert (bucket.rows, bucket.micro_rows, bucket.micro_steps) == (2, 2, 1)
+    assert bucket.seconds == pytest.approx(whole_rows.seconds)
+    assert bucket.imbalance == pytest.approx(36 / ((36 + 8) / 2))
+    # Two rows of short documents: each shard computes 8 of the 36 blocks.
+    short, _ = _one_bucket("cpu", [128] * 32)
+    assert short.seconds == pytest.approx(whole_rows.with_attention(8 / 36).seconds)
+    assert short.imbalance == 1.0
+
+
+def test_document_masking_is_discounted_only_where_the_kernel_skips_masked_blocks():
+    """On CPU the blockwise kernel skips blocks no document spans; on GPU a packed row runs
+    JAX's Pallas kernel, which skips only those above the diagonal: no discount."""
+    short = [128] * 32
+    cpu, cpu_whole = (_one_bucket("cpu", short, masked)[0] for masked in (True, False))
+    assert cpu.seconds < cpu_whole.seconds
+    gpu, gpu_whole = (_one_bucket("gpu", short, masked)[0] for masked in (True, False))
+    assert gpu.seconds == gpu_whole.seconds
+
+
 def test_the_written_table_loads_with_each_bucket_as_planned(tmp_path, capsys):
     out = tmp_path / "plan.toml"
     assert main(["plan", "--model", "tiny", "--profile", "a800-4x8", "--devices", "8",

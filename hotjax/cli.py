@@ -9,10 +9,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import typing
 from collections.abc import Sequence
 
 from hotjax import simulate_cpu_devices
-from hotjax.config import DEFAULT_BATCH_TOKENS, DEFAULT_MODEL, RunConfig
+from hotjax.config import (
+    DEFAULT_BATCH_TOKENS,
+    DEFAULT_MODEL,
+    DEFAULT_WARMUP_STEPS,
+    RunConfig,
+    at_least,
+)
+from hotjax.preemption import REQUEUE_EXIT, Preempted, StopSignals, parse_signal
 from models.errors import UserError
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 
@@ -31,8 +39,8 @@ def start_jax(devices: int | None,
     On a CPU-only machine `devices` (default 8) simulated devices are made; only the CPU
     backend reads the variable, and only before JAX starts, so on an accelerator it is inert.
     """
-    if devices is not None and devices < 1:
-        raise UserError(f"--devices {devices}: pass a positive number of devices")
+    at_least("--devices", devices, 1)
+    at_least("--heartbeat-timeout", processes[3], 1)
     simulate_cpu_devices(devices or SIMULATED_CPU_DEVICES)
     from hotjax import distributed
 
@@ -55,6 +63,7 @@ def add_process_options(command: argparse.ArgumentParser) -> None:
 
 
 PROCESS_OPTIONS = ("coordinator", "num_processes", "process_id", "heartbeat_timeout")
+SIGNAL_OPTIONS = ("preempt_signal",)
 
 
 def processes(args: argparse.Namespace) -> tuple[str | None, int | None, int | None, int]:
@@ -115,7 +124,8 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
                        metavar="TOKENS", help="block edge of the blockwise attention kernel "
                        "(default: the platform's)")
     train.add_argument("--lr", type=float, default=_RUN.lr, help="peak learning rate")
-    train.add_argument("--warmup-steps", type=int, default=_RUN.warmup_steps)
+    train.add_argument("--warmup-steps", type=int, help="linear warmup, 0 to --steps "
+                       f"(default: {DEFAULT_WARMUP_STEPS}, or --steps if fewer)")
     train.add_argument("--metrics-jsonl", metavar="PATH", help="one JSON object per step")
     train.add_argument("--log-every", type=int, default=_RUN.log_every,
                        help="print a line every N steps")
@@ -137,6 +147,9 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
                       help="keep the newest N checkpoints (default: %(default)s)")
     ckpt.add_argument("--keep-every", type=int, metavar="K",
                       help="also keep every checkpoint whose step is a multiple of K")
+    ckpt.add_argument("--preempt-signal", metavar="SIGNAL", help="a signal that stops the run "
+                      "as SIGTERM and SIGINT do (finish the step, save, exit "
+                      f"{REQUEUE_EXIT}), e.g. USR1 for SLURM's --signal=USR1@60")
 
 
 def run_config(argv: Sequence[str]) -> RunConfig:
@@ -146,27 +159,38 @@ def run_config(argv: Sequence[str]) -> RunConfig:
 
 def _run_config(args: argparse.Namespace) -> RunConfig:
     return RunConfig(**{k: v for k, v in vars(args).items()
-                        if k not in ("command", "handler", *PROCESS_OPTIONS)})
+                        if k not in ("command", "handler", *PROCESS_OPTIONS,
+                                     *SIGNAL_OPTIONS)})
 
 
 def _train(args: argparse.Namespace) -> None:
-    start_jax(args.devices, processes(args))
-    import jax
+    run = _run_config(args)  # every option checked before JAX starts
+    # Watched before JAX starts its threads, which then inherit the blocked signals.
+    with StopSignals(parse_signal(args.preempt_signal)) as stop:
+        start_jax(args.devices, processes(args))
+        import jax
 
-    from hotjax import distributed
-    from hotjax.run import train
+        from hotjax import distributed
+        from hotjax.run import train
 
-    try:
-        train(_run_config(args))
-    except jax.errors.JaxRuntimeError as e:
-        lost = distributed.lost_peer(e, jax.process_index(), jax.process_count())
-        if lost is None:
-            raise
-        raise UserError(lost) from None
+        try:
+            train(run, stop=stop)
+        except jax.errors.JaxRuntimeError as e:
+            lost = distributed.lost_peer(e, jax.process_index(), jax.process_count())
+            if lost is None:
+                raise
+            raise UserError(lost) from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, its errors (an unknown flag, `--steps abc`) in hotjax's one-line form."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"hotjax: error: {message}: see {self.prog} --help\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hotjax", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="hotjax", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     _register_train(commands)
     for name in COMMAND_MODULES:
@@ -181,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         print(f"hotjax: error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        if e.speaks:
+            print(f"hotjax: {e}", file=sys.stderr)
+        return REQUEUE_EXIT
     except KeyboardInterrupt:
         print("hotjax: interrupted", file=sys.stderr)
         return 130

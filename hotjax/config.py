@@ -6,11 +6,13 @@ Free of JAX imports, so the command line can read its defaults before JAX starts
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from models.errors import UserError
 
 DEFAULT_BATCH_TOKENS = 8192
 DEFAULT_MODEL = "small"
+DEFAULT_WARMUP_STEPS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +38,7 @@ class RunConfig:
     attention: str = "auto"  # the kernel: auto, blockwise, dense, cudnn, pallas
     attention_block: int = 0  # the blockwise kernel's block edge (0: the platform's default)
     lr: float = 1e-3
-    warmup_steps: int = 10
+    warmup_steps: int | None = None  # default: DEFAULT_WARMUP_STEPS, or --steps if fewer
     metrics_jsonl: str | None = None
     log_every: int = 10
     device_memory: float | None = None  # MiB per device the compiled steps must fit in
@@ -47,6 +49,31 @@ class RunConfig:
     keep_last: int = 3
     keep_every: int | None = None  # also keep every step that is a multiple of this
 
+    def __post_init__(self) -> None:
+        for flag, value, low in (("--steps", self.steps, 1), ("--seed", self.seed, 0),
+                                 ("--vocab-size", self.vocab_size, 1),
+                                 ("--context", self.context, 1),
+                                 ("--batch-tokens", self.batch_tokens, 1),
+                                 ("--batch-sequences", self.batch_sequences, 1),
+                                 ("--loss-scale-period", self.loss_scale_period, 1),
+                                 ("--attention-block", self.attention_block, 0),
+                                 ("--log-every", self.log_every, 1),
+                                 ("--save-every", self.save_every, 1),
+                                 ("--keep-last", self.keep_last, 1),
+                                 ("--keep-every", self.keep_every, 1)):
+            at_least(flag, value, low)
+        if self.seed >= 2**32:
+            raise UserError(f"--seed {self.seed}: choose a seed from 0 to 2**32 - 1")
+        for flag, value in (("--lr", self.lr), ("--initial-loss-scale", self.initial_loss_scale),
+                            ("--device-memory", self.device_memory)):
+            positive(flag, value)
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
+            raise UserError(f"--warmup-steps {self.warmup_steps}: warm up within the run: give "
+                            f"0 to --steps ({self.steps})")
+        if self.save_every and not self.ckpt_dir:
+            raise UserError("--save-every needs --ckpt-dir: pass the directory to save into")
+        self.loss_scaling  # noqa: B018 - a static --loss-scale is checked here, at the edge
+
     @property
     def loss_scaling(self) -> tuple[str, float]:
         """("off" | "dynamic" | "static", the initial or static scale)."""
@@ -56,10 +83,19 @@ class RunConfig:
         if self.loss_scale in ("dynamic", "off"):
             return self.loss_scale, self.initial_loss_scale
         try:
-            return "static", float(self.loss_scale)
+            scale = float(self.loss_scale)
         except ValueError:
+            scale = math.nan
+        if not (math.isfinite(scale) and scale > 0):
             raise UserError(f"--loss-scale {self.loss_scale}: give dynamic, off or a number "
-                            f"(a static scale)") from None
+                            f"above 0 (a static scale)")
+        return "static", scale
+
+    @property
+    def warmup(self) -> int:
+        """The learning rate's warmup steps."""
+        return (min(DEFAULT_WARMUP_STEPS, self.steps) if self.warmup_steps is None
+                else self.warmup_steps)
 
     @property
     def batch(self) -> dict[str, int]:
@@ -67,3 +103,17 @@ class RunConfig:
         if self.batch_sequences is not None:
             return {"batch_sequences": self.batch_sequences}
         return {"batch_tokens": self.batch_tokens or DEFAULT_BATCH_TOKENS}
+
+
+def at_least(flag: str, value: int | None, low: int) -> None:
+    """A whole-number option (None: not given) is `low` or more."""
+    if value is not None and value < low:
+        need = "a positive number" if low == 1 else f"{low} or more"
+        raise UserError(f"{flag} {value}: pass {need}")
+
+
+def positive(flag: str, value: float | None) -> None:
+    """A real-valued option (None: not given) is finite and above 0: `nan` and `inf` parse as
+    floats, and neither trains."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise UserError(f"{flag} {value}: pass a finite number above 0")

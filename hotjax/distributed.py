@@ -45,6 +45,9 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # hotjax stops on signals itself (`hotjax.preemption`); JAX's preemption service would
+    # take SIGTERM from it, with a handler of its own.
+    jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(coordinator, num_processes, process_id,
                                    heartbeat_timeout_seconds=heartbeat_timeout)

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from hotjax.config import RunConfig
+from hotjax.config import RunConfig, at_least, positive
 from models.errors import UserError
 
 _RUN = RunConfig()
@@ -59,6 +59,10 @@ def register(commands: argparse._SubParsersAction) -> None:
 def _plan(args: argparse.Namespace) -> None:
     from hotjax.cli import processes, start_jax
 
+    for flag, value in (("--context", args.context), ("--max-buckets", args.max_buckets),
+                        ("--devices", args.devices), ("--vocab-size", args.vocab_size)):
+        at_least(flag, value, 1)
+    positive("--memory-gib", args.memory_gib)
     start_jax(None, processes(args))
     from rich.console import Console
 
@@ -71,9 +75,6 @@ def _plan(args: argparse.Namespace) -> None:
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise UserError(f"--out {args.out}: its directory does not exist: create it or choose "
                         f"another path")
-    for flag, value in (("--context", args.context), ("--max-buckets", args.max_buckets)):
-        if value < 1:
-            raise UserError(f"{flag} {value}: pass a positive number")
     main = distributed.is_main()  # under `hotjax launch`, process 0 reports and writes
     console = Console(stderr=True, quiet=not main)
     profile = load_profile(args.profile) if args.profile else local_profile(console,

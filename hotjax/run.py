@@ -31,6 +31,7 @@ from hotjax.data import (
     typical_rows,
 )
 from hotjax.optim import OptimConfig
+from hotjax.preemption import Preempted, StopSignals
 from hotjax.train import Trainer
 from models.errors import UserError
 from models.llama import LlamaConfig, padded_vocab, preset
@@ -115,18 +116,17 @@ def select_devices(count: int | None) -> list[jax.Device]:
     return available[:count]
 
 
-def train(run: RunConfig, console: Console | None = None) -> list[dict]:
-    """Trains as `run` says; returns each step's metrics (also written to `metrics_jsonl`)."""
+def train(run: RunConfig, console: Console | None = None,
+          stop: StopSignals | None = None) -> list[dict]:
+    """Trains as `run` says; returns each step's metrics (also written to `metrics_jsonl`).
+
+    Once `stop` has a signal, the run stops after the step under way, saves it (given a
+    `ckpt_dir`) and raises `Preempted` with its one line."""
     # One process speaks for a run of several: process 0 prints and writes the metrics.
     console = console or Console(stderr=True, quiet=not distributed.is_main())
-    if run.steps < 1:
-        raise UserError(f"--steps {run.steps}: train for at least one step")
     if run.metrics_jsonl and not Path(run.metrics_jsonl).parent.is_dir():
         raise UserError(f"--metrics-jsonl {run.metrics_jsonl}: its directory does not exist: "
                         f"create it or choose another path")
-    _check_checkpoint_flags(run)
-    if run.device_memory is not None and run.device_memory <= 0:
-        raise UserError(f"--device-memory {run.device_memory}: give a positive budget in MiB")
     devices = select_devices(run.devices)
     platform = devices[0].platform
     console.print(f"[bold]hotjax[/] on {len(devices)} {platform} device(s)"
@@ -142,7 +142,7 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
     lengths = estimated_lengths(corpus, tokenizer)
     if table is None:
         table = planned_table(run, config, len(devices), lengths, console)
-    optim = OptimConfig(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps,
+    optim = OptimConfig(lr=run.lr, warmup_steps=run.warmup, total_steps=run.steps,
                         loss_scaling=scaling, loss_scale=scale,
                         loss_scale_period=run.loss_scale_period)
     # Each process reads its share of the documents; all then hold the same mini-batches.
@@ -174,6 +174,9 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
                                 "long_documents": run.long_documents, **run.batch})
     checkpoints = (store.Checkpoints(run.ckpt_dir, keep_last=run.keep_last,
                                      keep_every=run.keep_every) if run.ckpt_dir else None)
+    if stop is not None and checkpoints:
+        stop.on_abort = checkpoints.remove_partial
+    stopped = None
     try:
         started = time.perf_counter()
         if resume:
@@ -200,13 +203,30 @@ def train(run: RunConfig, console: Console | None = None) -> list[dict]:
             return checkpoints.save(step, state.params, state.opt_state, run_meta,
                                     batches.get_state())
 
-        history = _loop(run, trainer, state, batches, console, start,
-                        save if checkpoints else None)
+        history, state, stopped = _loop(run, trainer, state, batches, console, start,
+                                        save if checkpoints else None, stop)
+        if checkpoints and stopped and stopped not in checkpoints.steps():
+            save(stopped, state)
     finally:
         if checkpoints:
             checkpoints.close()  # waits for the last save to commit
-    _summary(history, console)
+    if history:
+        _summary(history, console)
+    if stopped is not None:
+        raise Preempted(_stopped_line(run, stopped, checkpoints), speaks=distributed.is_main())
     return history
+
+
+def _stopped_line(run: RunConfig, step: int, checkpoints: store.Checkpoints | None) -> str:
+    where = f"preempted at step {step}"
+    if checkpoints is None:
+        return f"{where}: nothing saved (no --ckpt-dir); rerun the same command to start again"
+    if step == 0:
+        return f"{where}: nothing trained, nothing saved; rerun the same command to start"
+    saved = checkpoints.directory / str(step)
+    rerun = (f"rerun with --resume-from {saved} in place of --resume-from {run.resume_from}"
+             if run.resume_from else "rerun the same command")
+    return f"{where}: saved {saved}; {rerun} to resume"
 
 
 def _check_memory(report: dict[str, int], budget_mib: float, console: Console) -> None:
@@ -220,16 +240,10 @@ def _check_memory(report: dict[str, int], budget_mib: float, console: Console) -
         f"{part} {used / 2**20:,.1f} MiB" for part, used in report.items())))
 
 
-def _check_checkpoint_flags(run: RunConfig) -> None:
-    for flag, value in (("--save-every", run.save_every), ("--keep-last", run.keep_last),
-                        ("--keep-every", run.keep_every)):
-        if value is not None and value < 1:
-            raise UserError(f"{flag} {value}: pass a positive number of steps")
-    if run.save_every and not run.ckpt_dir:
-        raise UserError("--save-every needs --ckpt-dir: pass the directory to save into")
-
-
-def _loop(run, trainer, state, batches, console, start, save) -> list[dict]:
+def _loop(run, trainer, state, batches, console, start, save, stop
+          ) -> tuple[list[dict], object, int | None]:
+    """Runs the steps after `start`: each step's metrics, the last state, and the step after
+    which a stop signal ended the loop (None: it ran to the end)."""
     history: list[dict] = []
     sink = (open(run.metrics_jsonl, "w")  # noqa: SIM115
             if run.metrics_jsonl and distributed.is_main() else None)
@@ -240,6 +254,8 @@ def _loop(run, trainer, state, batches, console, start, save) -> list[dict]:
         with progress:
             task = progress.add_task("train", total=run.steps, completed=start, status="")
             for step in range(start + 1, run.steps + 1):
+                if stop is not None and stop.agreed():
+                    return history, state, step - 1
                 batch = next(batches)
                 started = time.perf_counter()
                 state, metrics = trainer.train_step(state, batch)
@@ -265,7 +281,7 @@ def _loop(run, trainer, state, batches, console, start, save) -> list[dict]:
     finally:
         if sink:
             sink.close()
-    return history
+    return history, state, None
 
 
 def _summary(history: list[dict], console: Console) -> None:

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import json
 
-from hotjax.config import RunConfig
+from hotjax.config import RunConfig, at_least
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 
 
@@ -48,6 +48,7 @@ def _show(args: argparse.Namespace) -> None:
 
     from hotjax.cli import start_jax
 
+    at_least("--context", args.context, 1)
     # Enough simulated devices for the widest mesh (a table's meshes are not known yet).
     start_jax(None)
     from models.llama import padded_vocab, preset

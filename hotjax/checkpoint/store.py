@@ -13,10 +13,16 @@ it once every item is committed, so `latest` never names a partial one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import logging
+import os
 import re
+import shutil
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -109,9 +115,16 @@ class Checkpoints:
             save_root_metadata=False)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_handlers=_handlers())
+        self._saving: tuple[int, int] | None = None  # the step being written, and its bytes
+        _report_failed_writes_once()
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
+
+    def remove_partial(self) -> None:
+        """Removes what an unfinished save left (Orbax's `<step>.orbax-checkpoint-tmp*`)."""
+        for partial in self.directory.glob(f"*{TMP_MARK}*"):
+            shutil.rmtree(partial, ignore_errors=True)
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any],
              data: dict[str, Any] | None) -> float:
@@ -136,15 +149,93 @@ class Checkpoints:
                 META: ocp.args.JsonSave(meta)}
         if data is not None:
             args[DATA] = ocp.args.JsonSave(data)
-        self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+        self.wait()  # the previous save, written in the background, may have failed
+        with self._writing():
+            self._saving = (step, sum(x.nbytes for x in jax.tree.leaves((params, opt_state))))
+            self._manager.save(step, args=ocp.args.Composite(**args), force=True)
         return time.perf_counter() - started
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._writing():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        self.wait()
         self._manager.close()
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Turns a save's failed write (a full disk, a quota, a permission) into one line:
+        the directory, what failed and the space a checkpoint needs; the partial save is
+        removed, the complete ones stay."""
+        try:
+            yield
+        except Exception as e:
+            reason = write_failure(e)
+            if reason is None or self._saving is None:
+                raise
+            step, size = self._saving
+            self._saving = None
+            self.remove_partial()
+            kept = self.steps()
+            free = shutil.disk_usage(self.directory).free if self.directory.is_dir() else 0
+            raise UserError(
+                f"--ckpt-dir {self.directory}: saving step {step} failed ({reason}): a "
+                f"checkpoint needs about {size / 2**20:,.1f} MiB and {free / 2**20:,.1f} MiB "
+                f"is free there: free space or choose another --ckpt-dir"
+                + (f"; the checkpoints of steps {', '.join(map(str, kept))} are intact"
+                   if kept else "")) from None
+
+
+# What a write that the file system refuses fails with, by errno: Python's own file writes
+# raise OSError, TensorStore's name the code (`[os_error_code='28']`).
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS,
+                 errno.EFBIG, errno.EIO)
+
+
+def write_failure(error: BaseException | None) -> str | None:
+    """The system's reason ("No space left on device") if `error`, or an error it was raised
+    from or during, is a refused write; None otherwise."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _WRITE_ERRNOS:
+            return os.strerror(error.errno)
+        code = re.search(r"os_error_code='(\d+)'", str(error))
+        if code and int(code.group(1)) in _WRITE_ERRNOS:
+            return os.strerror(int(code.group(1)))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class _WithoutFailedWrites(logging.Filter):
+    """Drops the records of a failed write: Orbax's threads log it with its traceback (and
+    asyncio a future that held it); the save reports it once, as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and write_failure(record.exc_info[1]))
+
+
+def _report_failed_writes_once() -> None:
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _WithoutFailedWrites) for f in logger.filters):
+            logger.addFilter(_WithoutFailedWrites())
+    if not getattr(sys.unraisablehook, "_drops_closed_loops", False):
+        sys.unraisablehook = _without_closed_loops(sys.unraisablehook)
+
+
+def _without_closed_loops(hook):
+    """A failed write stops Orbax's event loop while TensorStore's callbacks still post to it:
+    each reports `Event loop is closed` as an unraisable error, which says nothing more."""
+
+    def unraisable(report) -> None:
+        if not (isinstance(report.exc_value, RuntimeError)
+                and str(report.exc_value) == "Event loop is closed"):
+            hook(report)
+
+    unraisable._drops_closed_loops = True
+    return unraisable
 
 
 def _async_saves() -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from hotjax.config import RunConfig
+from hotjax.config import RunConfig, at_least
 from hotjax.data.packing import LONG_DOCUMENTS
 from models.errors import UserError
 
@@ -48,6 +48,7 @@ def _stats(args: argparse.Namespace) -> None:
     from hotjax.data import load_tokenizer, open_corpus
     from hotjax.data.stats import corpus_stats, document_lengths
 
+    at_least("--vocab-size", args.vocab_size, 1)
     max_lens, context = _buckets(args)
     if args.plot and not _writable(args.plot):
         raise UserError(f"--plot {args.plot}: its directory does not exist: create it or "

@@ -94,8 +94,8 @@ def micro_batches(layout: Layout, batch: Batch, micro_rows: int,
               "targets": next_token_targets(batch.tokens, batch.segment_ids)}
     if strategy.balanced:
         # Attention masks by document positions, so any column order computes the same.
-        order = balanced_order(seq_len, strategy.seq_ways("context"))
-        arrays = {k: v[:, order] for k, v in arrays.items()}
+        columns = balanced_order(seq_len, strategy.seq_ways("context"))
+        arrays = {k: v[:, columns] for k, v in arrays.items()}
     if order is None:
         order = np.concatenate([np.arange(rows), np.full(-rows % micro_rows, -1)])
     # One empty row after the last: index -1 takes it.

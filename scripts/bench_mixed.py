@@ -3,21 +3,32 @@ the same mini-batches of mixed-length documents, under a per-device memory budge
 
     python scripts/bench_mixed.py [--json] [--quick] [--steps 2] [--device-memory MiB]
                                   [--table T.toml] [--strategy S | --candidates "S1; S2"]
+                                  [--processes 2]
 
 Every method trains from the same weights on the same mini-batches: the next documents of the
 corpus's seeded shuffle up to `--batch-tokens` real tokens (`MiniBatches` draws the same
 documents whatever its bucket lengths or packing).
   hot  the table: each length bucket under its own strategy, hot-switched between;
+  auto `--strategies auto`: the table the cost model plans on this machine's profile (measured
+       once and cached) for these documents;
   a    the best single strategy (of the `--candidates` that fit the budget, the most real
        tokens/s on the first mini-batch, per CPU second on simulated devices), one bucket at
-       the context, documents packed first-fit-decreasing;
+       the context, documents packed first-fit-decreasing with document masking, its rows
+       placed on data shards by estimated work (`hotjax.balance`);
+  a0   the same without that balance (rows in packing order);
   b    that strategy, one document per context-length row (padded);
   c    the table's buckets, every one under that strategy.
+`--processes 2` runs it all as two processes of one CPU device each, pinned to their own cores
+(a real 2-device cluster, where simulated devices in one process share its cores): there every
+2-device strategy is a candidate for (a), and the hand-written table puts the short bucket under
+data parallelism and the long one under balanced context parallelism.
 Each is a `Trainer` with `device_memory`: a bucket's micro-batches hold the most rows that fit
 the budget by XLA's memory analysis; a method any part of which does not fit is an error.
-Reported per method: median wall and CPU seconds per step, real tokens/s, the padding share of
-the token slots computed, bytes switched, each step's loss (the same for every method up to
-float rounding), and the ratios hot/a, hot/b, hot/c and c/a of real tokens/s. `--quick`: the
+Reported per method: median wall and CPU seconds per step, the cost model's predicted step
+(`hotjax.plan.fixed_table` on the mini-batch's documents), real tokens/s, the padding share of
+the token slots computed, the data shards' imbalance (busiest over mean estimated work), bytes
+switched, each step's loss (the same for every method up to float rounding), and the ratios
+hot/a, auto/a, hot/b, hot/c, c/a and a/a0 of real tokens/s. `--quick`: the
 tiny model at a short context with a fixed (a) (a smoke test). On simulated CPU devices the
 timings compare methods on this machine only: 8 fake devices share its cores.
 """
@@ -26,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -36,9 +46,15 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import console, machine, parse_args, print_machine  # noqa: E402  (beside this script)
+import numpy as np  # noqa: E402
+from quick_option import (  # noqa: E402  (beside this script)
+    add_processes_option,
+    machine,
+    parse_args,
+    print_machine,
+    report,
+)
 
-from hotjax.cli import start_jax  # noqa: E402  (imports no JAX: the device count comes first)
 from models.errors import UserError  # noqa: E402
 
 if TYPE_CHECKING:
@@ -52,7 +68,8 @@ if TYPE_CHECKING:
     from sharding.table import StrategyTable
 
 MiB = 2**20
-METHODS = {"hot": "hot-switched table", "a": "one strategy, packed to context",
+METHODS = {"hot": "hot-switched table", "auto": "--strategies auto (planned)",
+           "a": "one strategy, packed to context", "a0": "(a) without work balance",
            "b": "one strategy, a document per row", "c": "one strategy, the table's buckets"}
 # The default table's shorter buckets, as (context // n, strategy); the context's bucket takes
 # the strategy of (a).
@@ -63,6 +80,12 @@ QUICK_SHORT_BUCKETS = ((4, "data=8,rules=dp"),)
 CANDIDATES = ("data=8,rules=dp; tensor=8,rules=megatron-sp; "
               "fsdp=2,context=4,rules=context,balanced=true; "
               "context=8,rules=context,balanced=true; data=2,tensor=4,rules=megatron-sp")
+# With other device counts (`--processes N`): every N-device strategy, and a table of data
+# parallelism for the short bucket and balanced context parallelism for the long one.
+OTHER_CANDIDATES = ("data={n},rules=dp; fsdp={n},rules=fsdp; tensor={n},rules=megatron-sp; "
+                    "context={n},rules=context,balanced=true; stage={n},microbatches={n}")
+OTHER_TABLE = ((8, "data={n},rules=dp"), (1, "context={n},rules=context,balanced=true"))
+PROCESS_DEVICE_MEMORY_MIB = 6144  # per process of one device, two on a 24 GiB host
 # On `tiny` in fp32 one 4096-token row needs ~3.7 GiB on one device (8 heads x 4096^2 fp32
 # attention probabilities per layer, kept for the backward pass), so data=8 does not fit 1 GiB
 # while 8-way sharded strategies do; 8 devices x 1 GiB also fits a 24 GiB host.
@@ -83,7 +106,8 @@ def timed(fn: Callable, *args: Any) -> tuple[Any, float, float]:
 
 
 def build(table: StrategyTable, data: list[MiniBatch], args: argparse.Namespace,
-          config: LlamaConfig, optim: OptimConfig, devices: list) -> Trainer:
+          config: LlamaConfig, optim: OptimConfig, devices: list, balance: bool = True
+          ) -> Trainer:
     """The table's trainer, its micro-batches sized to the budget and to the rows `data`
     puts in each bucket on average, checked and compiled."""
     from hotjax.train import Trainer
@@ -91,7 +115,7 @@ def build(table: StrategyTable, data: list[MiniBatch], args: argparse.Namespace,
     typical = [sum(m.buckets[b].tokens.shape[0] for m in data) / len(data)
                for b in range(len(table.buckets))]
     trainer = Trainer(config, optim, table, devices, device_memory=args.device_memory,
-                      typical_rows=typical, switch_method=args.switch_method)
+                      typical_rows=typical, switch_method=args.switch_method, balance=balance)
     for part, used in trainer.memory().items():
         if used > args.device_memory * MiB:
             raise UserError(f"{table.source}: the {part} needs {used / MiB:,.1f} MiB per device, "
@@ -105,9 +129,14 @@ def choose(candidates: list[Strategy], data: list[MiniBatch], args: argparse.Nam
            ) -> tuple[Strategy, list[dict]]:
     """Of the candidates that fit the budget, the fastest on a step of `data[0]` after one
     that compiles (a lone candidate is not timed), with a report on each."""
+    import jax
+
     from sharding.table import StrategyTable
 
-    speed = "tokens_per_cpu_s" if devices[0].platform == "cpu" else "tokens_per_s"
+    # Simulated devices share this process's cores: per CPU second. Pinned processes of one
+    # device each, or accelerators, run in parallel: per wall second.
+    simulated = devices[0].platform == "cpu" and jax.process_count() == 1
+    speed = "tokens_per_cpu_s" if simulated else "tokens_per_s"
     report, fitting = [], []
     for strategy in candidates:
         entry = {"strategy": str(strategy)}
@@ -134,12 +163,17 @@ def choose(candidates: list[Strategy], data: list[MiniBatch], args: argparse.Nam
         raise UserError(f"no candidate strategy fits {args.device_memory:g} MiB per device at "
                         f"{args.context} tokens: raise --device-memory or add candidates")
     best = max(fitting, key=lambda f: f[0])[1]  # the first of equals
+    if jax.process_count() > 1:  # each process timed its own: process 0's choice for all
+        from hotjax.distributed import from_process_0
+
+        best = candidates[int(from_process_0(str(candidates.index(best))))]
     for entry in report:
         entry["chosen"] = entry["strategy"] == str(best)
     return best, report
 
 
 def run(args: argparse.Namespace, console: Console) -> dict:
+    import jax
 
     from hotjax.data import MiniBatches, load_tokenizer, open_corpus
     from hotjax.optim import OptimConfig
@@ -151,6 +185,9 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     if args.steps < 1 or args.warmup < 1:
         raise UserError("--steps and --warmup: run at least one of each")
     devices = select_devices(None)
+    n = len(devices)
+    if args.device_memory is None:
+        args.device_memory = DEVICE_MEMORY_MIB if n == 8 else PROCESS_DEVICE_MEMORY_MIB
     dtype = args.compute_dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16")
     corpus = open_corpus(args.data)
     tokenizer = load_tokenizer(args.tokenizer, corpus)
@@ -162,8 +199,9 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     if table is not None and table.max_len != args.context:
         raise UserError(f"{table.source}: its longest bucket is {table.max_len}, not the context "
                         f"({args.context}): pass --context {table.max_len}")
-    short = [Bucket(args.context // n, Strategy.parse(s))
-             for n, s in (QUICK_SHORT_BUCKETS if args.quick else SHORT_BUCKETS)]
+    hand = (QUICK_SHORT_BUCKETS if args.quick else SHORT_BUCKETS) if n == 8 else OTHER_TABLE
+    buckets = [Bucket(args.context // d, Strategy.parse(s.format(n=n))) for d, s in hand]
+    short = [b for b in buckets if b.max_len < args.context]
     max_lens = ([b.max_len for b in table.buckets] if table
                 else [*(b.max_len for b in short), args.context])
 
@@ -173,49 +211,106 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         return [next(stream) for _ in range(total)]
 
     data = {"hot": draw(max_lens), "a": draw([args.context]), "b": draw([args.context], "none")}
-    data["c"] = data["hot"]
+    data["c"], data["a0"] = data["hot"], data["a"]
+    search, lengths = None, [document_lengths(m) for m in data["a"]]
+    auto = None
+    if args.auto:
+        search, auto = planned(config, n, args, np.concatenate(lengths), len(lengths[0]),
+                               console)
+        data["auto"] = draw([b.max_len for b in auto.buckets])
+    methods = [m for m in METHODS if m in data]
     for step in range(total):
-        seen = {(data[m][step].sequences, data[m][step].real_tokens) for m in METHODS}
+        seen = {(data[m][step].sequences, data[m][step].real_tokens) for m in methods}
         if len(seen) > 1:
             raise RuntimeError(f"mini-batch {step}: methods hold different documents: {seen}")
 
-    texts = [args.strategy] if args.strategy else args.candidates.split(";")
+    default = CANDIDATES if n == 8 else OTHER_CANDIDATES.format(n=n)
+    texts = [args.strategy] if args.strategy else (args.candidates or default).split(";")
     candidates = [Strategy.parse(t.strip()) for t in texts if t.strip()]
     static, candidate_report = choose(candidates, data["a"], args, config, optim, devices,
                                       console)
-    table = table or StrategyTable((*short, Bucket(args.context, static)), "default table")
+    if table is None:  # the hand-written one: the context's bucket under (a) on 8 devices
+        long = next((b.strategy for b in buckets if b.max_len == args.context), static)
+        table = StrategyTable((*short, Bucket(args.context, long)), "hand-written table")
     single = StrategyTable.single(static, args.context, METHODS["a"])
-    tables = {"hot": table, "a": single, "b": single,
+    tables = {"hot": table, "auto": auto, "a": single, "a0": single, "b": single,
               "c": StrategyTable(tuple(Bucket(b.max_len, static) for b in table.buckets),
                                  METHODS["c"])}
-    trainers = {m: build(t, data[m], args, config, optim, devices) for m, t in tables.items()}
+    trainers = {m: build(tables[m], data[m], args, config, optim, devices, balance=m != "a0")
+                for m in methods}
     for m, trainer in trainers.items():
         console.print(f"{m}: {trainer.describe()}", markup=False)
+    predicted = {m: predict(search, trainers[m], m, lengths) for m in methods} if search else {}
 
-    states = {m: trainers[m].init(0) for m in METHODS}
-    records: dict[str, list[dict]] = {m: [] for m in METHODS}
+    states = {m: trainers[m].init(0) for m in methods}
+    records: dict[str, list[dict]] = {m: [] for m in methods}
     for step in range(total):
-        for m in METHODS:  # interleaved, so that a busy moment of the machine hits all alike
+        for m in methods:  # interleaved, so that a busy moment of the machine hits all alike
             (states[m], metrics), seconds, cpu = timed(trainers[m].train_step, states[m],
                                                        data[m][step])
             records[m].append(metrics | {"seconds": seconds, "cpu_s": cpu})
             warm = " (warm-up)" if step < args.warmup else ""
             console.print(f"step {step + 1}/{total}{warm} {m}: {seconds:.2f} s ({cpu:.1f} CPU-s),"
-                          f" loss {metrics['loss']:.5f}", markup=False)
+                          f" loss {metrics['loss']:.5f}, imbalance {metrics['imbalance']:.2f}",
+                          markup=False)
     return {
         "machine": machine(devices),
+        "processes": jax.process_count(),
         "model": {"preset": args.model, "params": config.num_params(),
                   "vocab_size": config.vocab_size, "compute_dtype": dtype},
         "corpus": corpus.source, "tokenizer": tokenizer.identity,
         **{k: getattr(args, k) for k in ("quick", "context", "batch_tokens", "device_memory",
                                          "warmup", "steps", "switch_method", "seed")},
         "static_strategy": str(static), "candidates": candidate_report,
-        **summarize(records, trainers, args.warmup),
+        "profile": search.profile.name if search else None,
+        **summarize(records, trainers, predicted, args.warmup),
     }
 
 
-def summarize(records: dict[str, list[dict]], trainers: dict[str, Trainer], warmup: int
-              ) -> dict:
+def document_lengths(minibatch: MiniBatch) -> np.ndarray:
+    """The tokens of each document (or piece of one) in a mini-batch's rows."""
+    counts = []
+    for batch in minibatch.buckets:
+        for row in batch.segment_ids:
+            _, per_segment = np.unique(row[row > 0], return_counts=True)
+            counts.extend(per_segment)
+    return np.asarray(counts, dtype=np.int64)
+
+
+def planned(config: LlamaConfig, n: int, args: argparse.Namespace, lengths: np.ndarray,
+            batch: int, console: Console) -> tuple[Any, StrategyTable]:
+    """The cost model's search on this machine's profile (measured once and cached, as
+    `--strategies auto` does) and the table it plans for a typical step of these documents."""
+    import tomllib
+
+    from hotjax import plan as plan_lib
+    from hotjax.plan_cli import local_profile
+    from sharding.table import parse_table
+
+    profile = local_profile(console)
+    search = plan_lib.Search(config, profile, n, int(args.device_memory * MiB))
+    found = plan_lib.plan(search, plan_lib.typical_batch(lengths, batch), args.context)
+    console.print(f"auto: planned on profile {profile.name}, predicted "
+                  f"{found.seconds * 1e3:,.1f} ms per typical step", markup=False)
+    return search, parse_table(tomllib.loads(found.toml()), METHODS["auto"])
+
+
+def predict(search: Any, trainer: Trainer, method: str, lengths: list[np.ndarray]
+            ) -> float | None:
+    """The cost model's mean step of `trainer`'s table over these mini-batches' documents
+    (None where a bucket does not fit its memory model)."""
+    from hotjax import plan as plan_lib
+
+    table = [(b.max_len, s.layout.strategy) for b, s in zip(trainer.table.buckets,
+                                                           trainer.buckets, strict=True)]
+    plans = [plan_lib.fixed_table(search, docs, table, padded=method == "b") for docs in lengths]
+    if any(p is None for p in plans):
+        return None
+    return statistics.mean(p.seconds for p in plans)
+
+
+def summarize(records: dict[str, list[dict]], trainers: dict[str, Trainer],
+              predicted: dict[str, float | None], warmup: int) -> dict:
     """Per method: medians over the timed steps, padding and losses over all of them."""
     median = statistics.median
     methods = {}
@@ -232,6 +327,9 @@ def summarize(records: dict[str, list[dict]], trainers: dict[str, Trainer], warm
             "cpu_s": median(r["cpu_s"] for r in timed_steps),
             "tokens_per_s": median(r["tokens"] / r["seconds"] for r in timed_steps),
             "tokens_per_cpu_s": median(r["tokens"] / r["cpu_s"] for r in timed_steps),
+            "predicted_s": predicted.get(m),
+            "imbalance_before": median(r["imbalance_before"] for r in steps),
+            "imbalance": median(r["imbalance"] for r in steps),
             "switched_bytes": median(r["switched_bytes"] for r in timed_steps),
             "padding": 1 - sum(r["tokens"] for r in steps) / sum(r["slots"] for r in steps),
             "losses": [r["loss"] for r in steps],
@@ -239,14 +337,15 @@ def summarize(records: dict[str, list[dict]], trainers: dict[str, Trainer], warm
         }
 
     def ratios(key: str) -> dict[str, float]:
-        v = {m: methods[m][key] for m in METHODS}
-        return {"hot/a": v["hot"] / v["a"], "hot/b": v["hot"] / v["b"],
-                "hot/c": v["hot"] / v["c"], "c/a": v["c"] / v["a"]}
+        v = {m: methods[m][key] for m in methods}
+        pairs = ("hot/a", "auto/a", "hot/b", "hot/c", "c/a", "a/a0")
+        return {p: v[p.split("/")[0]] / v[p.split("/")[1]] for p in pairs
+                if all(m in v for m in p.split("/"))}
 
     hot = methods["hot"]["losses"]
     return {"methods": methods, "ratios": ratios("tokens_per_s"),
             "ratios_cpu": ratios("tokens_per_cpu_s"),
-            "max_loss_difference": max(abs(x - y) for m in METHODS
+            "max_loss_difference": max(abs(x - y) for m in methods
                                        for x, y in zip(methods[m]["losses"], hot, strict=True))}
 
 
@@ -262,14 +361,18 @@ def print_report(report: dict, console: Console) -> None:
                         f"{report['steps']} steps after {report['warmup']} warm-up",
                   title_justify="left")
     for column in ("method", "bucket: strategy (micro-batch rows)", "peak MiB", "pad %",
-                   "step s", "CPU s", "switched MiB", "tokens/s", "tokens/CPU-s"):
+                   "imbalance", "step s", "predicted s", "CPU s", "switched MiB", "tokens/s",
+                   "tokens/CPU-s"):
         table.add_column(column, justify="left" if column[0] in "mb" else "right")
     for name, r in report["methods"].items():
         buckets = "\n".join(f"{b['max_len']}: {b['strategy']} ({b['micro_rows']})"
                             for b in r["buckets"])
+        predicted = "-" if r["predicted_s"] is None else f"{r['predicted_s']:.2f}"
         table.add_row(f"{name}: {r['description']}", escape(buckets),
                       f"{max(r['memory_bytes'].values()) / MiB:,.1f}",
-                      f"{100 * r['padding']:.0f}", f"{r['step_s']:.2f}", f"{r['cpu_s']:.1f}",
+                      f"{100 * r['padding']:.0f}",
+                      f"{r['imbalance']:.2f} (of {r['imbalance_before']:.2f})",
+                      f"{r['step_s']:.2f}", predicted, f"{r['cpu_s']:.1f}",
                       f"{r['switched_bytes'] / MiB:.2f}", f"{r['tokens_per_s']:,.0f}",
                       f"{r['tokens_per_cpu_s']:,.0f}")
     console.print(table)
@@ -280,11 +383,18 @@ def print_report(report: dict, console: Console) -> None:
     console.print(f"(a): {report['static_strategy']}, of {candidates}. Largest loss difference "
                   f"between methods: {report['max_loss_difference']:.1e}. peak: XLA's "
                   f"per-device peak of the largest part (home state plus a bucket's micro-step). "
-                  f"pad %: padding share of the token slots computed. switched MiB: weights "
+                  f"pad %: padding share of the token slots computed. imbalance: the busiest "
+                  f"data shard's estimated work over the mean's, rows placed by work (of: in "
+                  f"packing order); medians over steps. predicted: the cost model on profile "
+                  f"{report['profile']}. switched MiB: weights "
                   f"into buckets and gradients home, summed over devices (switch method "
                   f"{report['switch_method']}).", markup=False, highlight=False)
     print_machine(m, console)
-    if m["platform"] == "cpu":
+    if m["platform"] == "cpu" and report["processes"] > 1:
+        console.print(f"[green]pinned processes:[/] {report['processes']} processes of one CPU "
+                      f"device each, each on its own core: their compute runs in parallel and "
+                      f"their collectives cross gloo over loopback, as a small cluster's do.")
+    elif m["platform"] == "cpu":
         console.print("[yellow]simulated CPU devices:[/] they share the machine's cores, so "
                       "these timings compare methods on this machine only and do not model a "
                       "GPU cluster: no link is slower than memory, and the blockwise "
@@ -301,16 +411,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="the longest bucket, in tokens (default: %(default)s)")
     parser.add_argument("--batch-tokens", type=int, default=12288,
                         help="real tokens per mini-batch, at most (default: %(default)s)")
-    parser.add_argument("--device-memory", type=float, default=DEVICE_MEMORY_MIB, metavar="MiB",
-                        help="per-device memory budget (default: %(default)s)")
+    parser.add_argument("--device-memory", type=float, metavar="MiB",
+                        help=f"per-device memory budget (default: {DEVICE_MEMORY_MIB} on 8 "
+                        f"devices, else {PROCESS_DEVICE_MEMORY_MIB})")
     parser.add_argument("--steps", type=int, default=2, help="timed steps (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed steps first (default: %(default)s)")
     parser.add_argument("--table", help="a strategy table (TOML) for the hot run; default: "
                         + ", ".join(f"<= context/{n}: {s}" for n, s in SHORT_BUCKETS)
                         + ", <= context: the strategy of (a)")
-    parser.add_argument("--candidates", default=CANDIDATES,
-                        help="strategies for (a), separated by ';'")
+    parser.add_argument("--candidates", help="strategies for (a), separated by ';' (default: "
+                        "on 8 devices " + CANDIDATES + "; else every N-device strategy)")
+    parser.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
+                        help="run --strategies auto and the cost model's predictions (default: "
+                        "on; the profile is measured once per machine and cached)")
     parser.add_argument("--strategy", help="use this strategy for (a) instead of choosing")
     parser.add_argument("--data", help="corpus (default: the Python standard library)")
     parser.add_argument("--tokenizer", help="tokenizer.json, a SentencePiece .model or 'bytes' "
@@ -319,20 +433,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: float32 on CPU, bfloat16 on accelerators")
     parser.add_argument("--switch-method", default="auto", choices=("auto", "plan", "device_put"))
     parser.add_argument("--seed", type=int, default=0, help="document order")
+    add_processes_option(parser)
     args = parse_args(parser, argv, QUICK)
-
-    progress = console(stderr=True, width=150)
-    try:
-        start_jax(8)
-        report = run(args, progress)
-    except UserError as e:
-        print(f"bench_mixed: error: {e}", file=sys.stderr)
-        return 2
-    print_report(report, progress if args.json else console(stderr=False, width=150))
-    if args.json:
-        print(json.dumps(report, indent=1))
-    return 0
-
+    return report("bench_mixed", args, run, print_report, devices=8, width=150)
 
 
 if __name__ == "__main__":

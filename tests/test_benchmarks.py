@@ -10,6 +10,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sharding.profile import parse_profile
@@ -99,7 +100,7 @@ def test_bench_ckpt() -> None:
 def test_bench_mixed() -> None:
     report = run_quick("bench_mixed")
     methods = report["methods"]
-    assert set(methods) == {"hot", "a", "b", "c"}
+    assert set(methods) == {"hot", "auto", "a", "a0", "b", "c"}
     steps = report["warmup"] + report["steps"]
     hot = methods["hot"]["losses"]
     for name, m in methods.items():
@@ -115,7 +116,16 @@ def test_bench_mixed() -> None:
     # One document per row pads at least as much as packing them. One strategy switches nothing;
     # the table switches in every step that runs a bucket whose strategy is not its home's.
     assert methods["b"]["padding"] >= methods["a"]["padding"]
-    assert all(s["switched_bytes"] == 0 for m in "abc" for s in methods[m]["steps"])
+    assert all(s["switched_bytes"] == 0 for m in ("a", "a0", "b", "c")
+               for s in methods[m]["steps"])
+    # Balance moves rows between data shards and micro-steps, never worsening the estimate;
+    # without it the rows run in packing order. The cost model prices every method.
+    for m in methods.values():
+        assert all(1 <= s["imbalance"] <= s["imbalance_before"] for s in m["steps"])
+        assert positive(m["predicted_s"])
+    assert all(s["imbalance"] == s["imbalance_before"] for s in methods["a0"]["steps"])
+    np.testing.assert_allclose(methods["a0"]["losses"], methods["a"]["losses"], rtol=0,
+                               atol=1e-5)
     strategy = {b["max_len"]: b["strategy"] for b in methods["hot"]["buckets"]}
     for step in methods["hot"]["steps"]:
         away = any(strategy[b["max_len"]] != methods["hot"]["home"] for b in step["buckets"])

@@ -4,7 +4,10 @@ multi-process runtime — what a cluster's scheduler (`srun`, `mpirun`) does acr
 Each process gets the coordinator's address (a free local port), the process count and its
 id, and its share of the devices: on CPU, simulated devices (`JAX_NUM_CPU_DEVICES`); with
 NVIDIA GPUs, its own block of them (`CUDA_VISIBLE_DEVICES`). Their output is prefixed with the
-process id. When one fails, the others are stopped and the launcher exits with its code.
+process id. When one fails, the others are stopped and the launcher exits with its code. A stop
+signal the launcher gets (SIGTERM, SIGINT, SIGUSR1: a scheduler's preemption notice) goes on to
+every process, which finish their step, save and exit with `REQUEUE_EXIT` together; so does
+the launcher.
 
 On CPU each process is pinned to its own share of this machine's cores (its CPU affinity, which
 XLA's thread pools inherit and size themselves by), so with one device per process a CPU machine
@@ -28,9 +31,11 @@ import time
 from pathlib import Path
 from typing import IO
 
+from hotjax.preemption import REQUEUE_EXIT
 from models.errors import UserError
 
 STOP_GRACE_S = 10  # after SIGTERM, before SIGKILL
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -102,7 +107,21 @@ def run(program: list[str], processes: int, devices_per_process: int | None,
         threading.Thread(target=_relay, args=(process.stdout, f"[{i}] ", out),
                          daemon=True).start()
         started.append(process)
-    return _supervise(started, out)
+    forwarding = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, functools.partial(_forward, started))
+                for sig in FORWARDED} if forwarding else {}
+    try:
+        return _supervise(started, out)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _forward(processes: list[subprocess.Popen], signum: int, _frame) -> None:
+    """Passes a stop signal on to every process still running (each in its own session)."""
+    for p in processes:
+        if p.poll() is None:
+            os.killpg(p.pid, signum)
 
 
 def core_shares(processes: int) -> list[set[int]] | None:
@@ -140,6 +159,13 @@ def _ranges(cores: set[int]) -> str:
 def _supervise(processes: list[subprocess.Popen], out: IO[str]) -> int:
     while True:
         codes = [p.poll() for p in processes]
+        if REQUEUE_EXIT in codes and all(c in (None, 0, REQUEUE_EXIT) for c in codes):
+            if None in codes:  # stopped and saving together: let the others finish theirs
+                time.sleep(0.2)
+                continue
+            print(f"hotjax launch: the run was stopped and saved; exit {REQUEUE_EXIT} (rerun "
+                  f"the same command to resume)", file=out, flush=True)
+            return REQUEUE_EXIT
         failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
         if failed is not None:
             _stop([p for p in processes if p.poll() is None])

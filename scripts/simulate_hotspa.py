@@ -5,14 +5,17 @@ sequences without masking and (v) on one sequence per row padded to the context,
 Megatron-LM baseline runs them.
 
     python scripts/simulate_hotspa.py [--json] [--quick] [--lengths STATS.json]
-                                      [--profile a800-4x8] [--models llama2-7b,llama2-13b]
-                                      [--devices 8,16,32] [--contexts 16384,32768]
+                                      [--profile a800-4x8]
+                                      [--models llama2-7b,llama2-13b,hotspa-32b]
+                                      [--devices 8,16,32] [--contexts 16384,...,131072]
 
 Nothing runs on devices: every number is the cost model's (`sharding.cost`) for the profile,
 on a typical step of 512 sequences drawn from `--lengths` (the bundled code corpus by default:
 the Python standard library under the default 8k BPE, saved by `hotjax data stats --json`),
-each document one sequence truncated to the context, as in the paper. `--quick`: 7B on 8
-devices at 16K (a smoke test).
+each document one sequence truncated to the context, as in the paper. The paper trains its 32B
+on 32 GPUs only, and so does this (`MIN_DEVICES`). Plans fill what JAX's allocator hands a
+process (`sharding.profile.ALLOCATOR_FRACTION` of each GPU). `--quick`: 7B on 8 devices at 16K
+(a smoke test).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ PAPER = {
         "c1": [(4 * K, (8, 2, 1)), (16 * K, (4, 4, 1))],
         "c2": [(4 * K, (8, 2, 1)), (8 * K, (4, 2, 2)), (16 * K, (4, 4, 1))]},
 }
+# The paper's 32B (`hotspa-32b`) runs on 32 GPUs only (SOSP'24 §7).
+MIN_DEVICES = {"hotspa-32b": 32}
 COLUMNS = ("plan", "paper c1", "paper c2", "static, masked", "static, no masking",
            "static, padded")
 
@@ -115,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default=str(LENGTHS), help="document lengths (`hotjax "
                         "data stats --json`; default: the Python standard library, 8k BPE)")
     parser.add_argument("--profile", default="a800-4x8")
-    parser.add_argument("--models", default="llama2-7b,llama2-13b")
+    parser.add_argument("--models", default="llama2-7b,llama2-13b,hotspa-32b")
     parser.add_argument("--devices", default="8,16,32")
-    parser.add_argument("--contexts", default="16384,32768")
+    parser.add_argument("--contexts", default="16384,32768,65536,131072")
     parser.add_argument("--batch-sequences", type=int, default=512)
     args = parse_args(parser, argv, QUICK)
 
@@ -131,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [simulate(model, int(devices), int(context), documents, profile,
                      args.batch_sequences)
             for model in args.models.split(",") for devices in args.devices.split(",")
-            for context in args.contexts.split(",")]
+            for context in args.contexts.split(",")
+            if int(devices) >= MIN_DEVICES.get(model, 0)]
     report = {"profile": profile.name, "lengths": stats["corpus"]["source"],
               "tokenizer": stats["tokenizer"], "batch_sequences": args.batch_sequences,
               "rows": rows}

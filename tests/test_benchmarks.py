@@ -229,8 +229,8 @@ def test_simulate_hotspa() -> None:
     assert row["sequences"] == 512 and row["tokens"] > 0
     # The plan is the fastest of the tables the search could choose; masking and packing
     # never cost more than concatenating without masking, or padding one sequence per row.
-    for name in ("paper c1", "paper c2", "static, masked"):
-        assert seconds[name] >= seconds["plan"] * (1 - 1e-3), name
+    assert seconds["static, masked"] >= seconds["plan"] * (1 - 1e-3)
     assert seconds["static, masked"] <= seconds["static, no masking"] <= seconds["static, padded"]
-    assert row["tables"]["paper c1"] == [
-        "(0, 4096]: data8 [dp]", "(4096, 16384]: stage2·data2·tensor2 [megatron, 4 micro-batches]"]
+    # The paper's tables need more than the 72 GiB JAX is given of an 80 GiB A800 here: their
+    # data=8 bucket holds a replicated fp32 accumulator beside replicated weights.
+    assert seconds["paper c1"] is None and seconds["paper c2"] is None

@@ -42,6 +42,9 @@ def start_jax(devices: int | None,
     at_least("--devices", devices, 1)
     at_least("--heartbeat-timeout", processes[3], 1)
     simulate_cpu_devices(devices or SIMULATED_CPU_DEVICES)
+    from sharding.profile import set_allocator_fraction
+
+    set_allocator_fraction()  # on a GPU, the memory plans count on (before the backend starts)
     from hotjax import distributed
 
     distributed.initialize(*processes)  # (coordinator, num_processes, process_id, heartbeat)
@@ -135,6 +138,9 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
                        "sized to it")
     train.add_argument("--bucket-timings", action="store_true", help="time each bucket's "
                        "compute and switches (waits for the devices after each bucket)")
+    train.add_argument("--balance", action=argparse.BooleanOptionalAction, default=_RUN.balance,
+                       help="place each bucket's rows on data shards so that their estimated "
+                       "work is equal (default: on; --no-balance: in packing order)")
     add_process_options(train)
     ckpt = train.add_argument_group("checkpoints")
     ckpt.add_argument("--ckpt-dir", metavar="DIR", help="save checkpoints here; resume from "

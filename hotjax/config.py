@@ -43,6 +43,7 @@ class RunConfig:
     log_every: int = 10
     device_memory: float | None = None  # MiB per device the compiled steps must fit in
     bucket_timings: bool = False  # wait for each bucket to time it (a host sync per bucket)
+    balance: bool = True  # place rows on data shards by estimated work (`hotjax.balance`)
     ckpt_dir: str | None = None  # save here, and resume from its latest complete checkpoint
     save_every: int | None = None  # default: save the last step only
     resume_from: str | None = None  # a step directory, or a checkpoint directory's latest

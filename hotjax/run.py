@@ -42,6 +42,7 @@ from sharding.table import StrategyTable, load_table, parse_table
 # hot-switched bucket table; other device counts use data parallelism at --context.
 DEFAULT_TABLE = Path(__file__).parent.parent / "sharding" / "tables" / "default.toml"
 DEFAULT_TABLE_DEVICES = 8
+UNEVEN = 1.05  # data shards' imbalance (busiest over mean work) worth a word in the summary
 AUTO = "auto"  # --strategies auto: a table planned by the cost model
 
 
@@ -153,7 +154,8 @@ def train(run: RunConfig, console: Console | None = None,
     typical = typical_rows(cut(lengths, table.max_len, run.long_documents),
                            [b.max_len for b in table.buckets], **run.batch)
     trainer = Trainer(config, optim, table, devices, device_memory=run.device_memory,
-                      typical_rows=typical, remat=run.remat, timings=run.bucket_timings)
+                      typical_rows=typical, remat=run.remat, timings=run.bucket_timings,
+                      balance=run.balance)
     size = ", ".join(f"{v:,} {k.split('_')[1]}" for k, v in run.batch.items())
     console.print(f"model {model_name}: {config.num_params() / 1e6:.1f}M params, "
                   f"{config.compute_dtype} compute | corpus {corpus.source}: "
@@ -272,6 +274,10 @@ def _loop(run, trainer, state, batches, console, start, save, stop
                     sink.flush()
                 status = (f"loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
                           f"padding {metrics['padding']:.0%}")
+                if metrics["imbalance_before"] > 1:  # data shards of unequal work
+                    status += (f" | imbalance {metrics['imbalance']:.2f}"
+                               + (f" (from {metrics['imbalance_before']:.2f})"
+                                  if metrics["imbalance"] < metrics["imbalance_before"] else ""))
                 if metrics.get("skipped"):
                     status += (f" | update skipped: gradients overflowed at loss scale "
                                f"{metrics['loss_scale']:g}")
@@ -296,4 +302,12 @@ def _summary(history: list[dict], console: Console) -> None:
     table.add_row(str(len(history)), f"{history[0]['loss']:.4f}", f"{history[-1]['loss']:.4f}",
                   f"{tokens:,}", f"{padding:.1%}", f"{tokens_per_s:,.0f}")
     console.print(table)
+    imbalance = np.mean([r["imbalance"] for r in history])
+    if imbalance > UNEVEN:
+        before = np.mean([r["imbalance_before"] for r in history])
+        console.print(f"data shards: the busiest did {imbalance:.2f}x the mean's estimated work "
+                      f"per step (rows in packing order: {before:.2f}x); rows this unequal (a "
+                      f"long document filling a row beside rows of short ones) cannot even "
+                      f"out over the shards: more rows per micro-step (--device-memory), or "
+                      f"context parallelism for the longest bucket, spread them")
 

@@ -130,8 +130,13 @@ def train(run: RunConfig, console: Console | None = None,
                         f"create it or choose another path")
     devices = select_devices(run.devices)
     platform = devices[0].platform
-    console.print(f"[bold]hotjax[/] on {len(devices)} {platform} device(s)"
-                  + (" (simulated: no accelerator found)" if platform == "cpu" else ""))
+    if platform != "cpu":
+        kind = ""
+    elif jax.local_device_count() == 1 and jax.process_count() > 1:
+        kind = f" (one per process, {jax.process_count()} processes: no accelerator found)"
+    else:
+        kind = " (simulated: no accelerator found)"
+    console.print(f"[bold]hotjax[/] on {len(devices)} {platform} device(s){kind}")
 
     table = None if run.strategies == AUTO else strategy_table(run, len(devices))
     resume = run.resume_from or (run.ckpt_dir and store.latest(run.ckpt_dir))

@@ -26,8 +26,9 @@ import dataclasses
 
 import numpy as np
 
-from models.attention import DEFAULT_BLOCK, Tokens, block_edge, visible_blocks
+from models.attention import Tokens, block_edge, visible_blocks
 from models.llama import LlamaConfig
+from sharding.cost import attention_kernel
 
 EMPTY = -1  # a padding row's slot in a placement: no row of the batch
 ATTENTION_TRAINING = 3.5  # forward and backward, in forwards (FlashAttention-2: 2.5x backward)
@@ -48,12 +49,16 @@ class Placement:
 def row_work(segment_ids_BxT: np.ndarray, positions_BxT: np.ndarray, config: LlamaConfig,
              platform: str, seq_shards: int = 1) -> np.ndarray:
     """[B] estimated FLOPs of each row's training micro-step: the matmuls by tokens (every
-    slot is computed, padding included) and attention by the block pairs the blockwise kernel
-    computes (its block edge on `platform`, rows split into `seq_shards` chunks)."""
+    slot is computed, padding included) and attention by the block pairs the kernel that runs
+    on `platform` computes (`sharding.cost.attention_kernel`; rows split into `seq_shards`
+    chunks): the blockwise kernel skips the blocks no document spans, JAX's Pallas kernel on GPU
+    only those above the diagonal."""
     B, T = segment_ids_BxT.shape
-    edge = block_edge(T // seq_shards, config.attention_block or DEFAULT_BLOCK.get(
-        platform, DEFAULT_BLOCK["gpu"]))
+    block, skips_documents = attention_kernel(config, platform, T, seq_shards)
+    edge = block_edge(T // seq_shards, block)
     columns = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+    if not skips_documents:  # JAX's Pallas GPU kernel: every row's whole causal triangle
+        segment_ids_BxT, positions_BxT = np.ones_like(segment_ids_BxT), columns
     tokens = Tokens(segment_ids_BxT, positions_BxT, columns)
     blocks_B = visible_blocks(tokens, tokens, edge, edge).sum(axis=(1, 2))
     D, H = config.dim, config.head_dim

@@ -1,6 +1,6 @@
-"""`hotjax ckpt`: inspect a checkpoint, import and export Hugging Face weights and PyTorch
-Distributed Checkpoints, import foreign shard sets. (Training saves and resumes through
-`hotjax train --ckpt-dir / --resume-from`.)"""
+"""`hotjax ckpt`: inspect a checkpoint, import and export Hugging Face weights, PyTorch
+Distributed Checkpoints and DeepSpeed's (universal) checkpoints, import foreign shard sets.
+(Training saves and resumes through `hotjax train --ckpt-dir / --resume-from`.)"""
 
 from __future__ import annotations
 
@@ -63,6 +63,25 @@ def register(commands: argparse._SubParsersAction) -> None:
                             "float32 (default: %(default)s)")
     export_dcp.set_defaults(handler=_export_dcp)
 
+    import_ds = sub.add_parser("import-deepspeed", help="a DeepSpeed checkpoint (ZeRO-1/2/3 "
+                               "rank files of any data-parallel size, or a universal directory) "
+                               "to a checkpoint that resumes its training: fp32 weights, AdamW "
+                               "moments and step")
+    import_ds.add_argument("ds_dir", help="the directory engine.save_checkpoint wrote (or one "
+                           "step of it), or ds_to_universal's output")
+    import_ds.add_argument("out", help="a new checkpoint directory")
+    _model_flags(import_ds, "(default: config.json beside the checkpoint)",
+                 "its vocabulary size read from the checkpoint")
+    import_ds.add_argument("--tokenizer", help="the tokenizer to record")
+    import_ds.set_defaults(handler=_import_deepspeed)
+
+    export_universal = sub.add_parser("export-universal", help="a checkpoint to a universal "
+                                      "directory that DeepSpeed resumes (load_universal) under "
+                                      "any ZeRO stage and data-parallel size")
+    export_universal.add_argument("path", help="a step directory, or a checkpoint directory")
+    export_universal.add_argument("out", help="a new directory")
+    export_universal.set_defaults(handler=_export_universal)
+
     shards = sub.add_parser("import-shards", help="per-rank files of a TP/PP/ZeRO run to a "
                             "weights-only checkpoint: described by a manifest, or Megatron-LM's")
     shards.add_argument("source", help="a .toml or .json manifest (format: "
@@ -113,21 +132,43 @@ def _import_dcp(args: argparse.Namespace) -> None:
     start_jax(1)
     from hotjax.checkpoint import dcp
     from hotjax.checkpoint.convert import model_config
-    from hotjax.data import load_tokenizer
 
     directory = Path(args.dcp_dir)
     config = model_config(args.config, args.model, beside=directory,
                           vocab_size=lambda: dcp.embedding_rows(directory))
-    tokenizer = load_tokenizer(args.tokenizer, None) if args.tokenizer else None
     step_dir = dcp.import_dcp(directory, args.out, config, naming=args.naming,
-                              tokenizer=tokenizer)
+                              tokenizer=_tokenizer(args))
+    _report_import(step_dir, "torch")
+
+
+def _import_deepspeed(args: argparse.Namespace) -> None:
+    start_jax(1)
+    from hotjax.checkpoint import deepspeed
+    from hotjax.checkpoint.convert import model_config
+
+    directory = Path(args.ds_dir)
+    config = model_config(args.config, args.model, beside=directory,
+                          vocab_size=lambda: deepspeed.embedding_rows(directory))
+    step_dir = deepspeed.import_deepspeed(directory, args.out, config, tokenizer=_tokenizer(args))
+    _report_import(step_dir, "DeepSpeed")
+
+
+def _tokenizer(args: argparse.Namespace) -> Any:
+    from hotjax.data import load_tokenizer
+
+    return load_tokenizer(args.tokenizer, None) if args.tokenizer else None
+
+
+def _report_import(step_dir: Path, trainer: str) -> None:
+    """What an import of a PyTorch run wrote, and the run's AdamW settings it recorded."""
     from hotjax.checkpoint import meta as meta_lib
 
     meta = meta_lib.read(step_dir)
     what = ("parameters, AdamW moments" if "opt_state" in meta["items"]
             else "parameters only (no optimizer state saved)")
-    print(f"wrote {step_dir}: step {meta['step']}, {what}, "
-          f"{meta['written_from']['foreign']['naming']} naming")
+    foreign = meta["written_from"]["foreign"]
+    print(f"wrote {step_dir}: step {meta['step']}, {what}, {foreign['naming']} naming"
+          + (f", from {foreign['format']}" if trainer == "DeepSpeed" else ""))
     optimizer = meta.get("optimizer") or {}
     found = {k: v for k, v in optimizer.items() if k not in ("source", "loss_scaling")}
     if found:
@@ -136,7 +177,8 @@ def _import_dcp(args: argparse.Namespace) -> None:
                 return "/".join(map(show, v))
             return f"{v:g}" if isinstance(v, int | float) else str(v)
 
-        print("the torch run's AdamW: " + ", ".join(f"{k} {show(v)}" for k, v in found.items())
+        print(f"the {trainer} run's AdamW: " + ", ".join(f"{k} {show(v)}"
+                                                        for k, v in found.items())
               + " (a hotjax run resumes with its own optimizer settings)")
 
 
@@ -145,6 +187,13 @@ def _export_dcp(args: argparse.Namespace) -> None:
     from hotjax.checkpoint.dcp import export_dcp
 
     print(f"wrote {export_dcp(args.path, args.out, naming=args.naming, dtype=args.dtype)}")
+
+
+def _export_universal(args: argparse.Namespace) -> None:
+    start_jax(1)
+    from hotjax.checkpoint.universal import export_universal
+
+    print(f"wrote {export_universal(args.path, args.out)}")
 
 
 def _import_shards(args: argparse.Namespace) -> None:

@@ -28,7 +28,7 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +49,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")  # torch's AdamW names for optax's mu and nu
 _STATE_FIELDS = (*MOMENTS, "step")
 _GROUP_FIELDS = ("lr", "betas", "eps", "weight_decay", "params")
 _WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"}
-_BUFFERS = ("rotary_emb.inv_freq", "freqs_cis")  # rotary tables some models persist
-_HEADS = ("lm_head.weight", "output.weight")  # with tied embeddings, the embedding again
+BUFFERS = ("rotary_emb.inv_freq", "freqs_cis")  # rotary tables some models persist
+HEADS = ("lm_head.weight", "output.weight")  # with tied embeddings, the embedding again
 # Hugging Face module -> torchtitan module, inside `layers.{i}.`
 _TORCHTITAN_LAYER = {
     "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
@@ -124,7 +124,7 @@ def _components(key: str, planner_data: dict[str, Any]) -> list[str]:
     return [c for c in parts if c not in _WRAPPERS]
 
 
-def _resolve(parts: list[str], names: dict[str, str]) -> tuple[str, str] | None:
+def resolve(parts: list[str], names: dict[str, str]) -> tuple[str, str] | None:
     """(field, HF name) of a key's components, matched by its longest suffix that names a
     parameter; None if no suffix does."""
     field = "weight"
@@ -185,7 +185,7 @@ def embedding_rows(directory: str | Path) -> int:
 
 def _detect(keys: Iterable[list[str]], config: LlamaConfig, naming: str | None) -> str:
     keys = list(keys)
-    found = {n: sum(_resolve(k, _inverse(config, n)) is not None for k in keys) for n in NAMINGS}
+    found = {n: sum(resolve(k, _inverse(config, n)) is not None for k in keys) for n in NAMINGS}
     best = naming or max(NAMINGS, key=lambda n: found[n])
     if not found[best]:
         which = f"{naming} naming" if naming else "Hugging Face or torchtitan naming"
@@ -253,7 +253,7 @@ def read_dcp(directory: str | Path, config: LlamaConfig, naming: str | None = No
                             f"{steps[first]:g}: AdamW steps must agree")
         step = int(steps[first])
     return TorchState(naming, weights, moments, step,
-                      _hyperparameters({g: state[k] for k, g in groups.items()},
+                      hyperparameters({g: state[k] for k, g in groups.items()},
                                        _inverse(config, naming)))
 
 
@@ -266,10 +266,10 @@ def _entries(tensors: dict[str, Any], parts: dict[str, list[str]], config: Llama
     expected = hf_tensor_shapes(config)
     entries: dict[tuple[str, str], _Entry] = {}
     for key, info in tensors.items():
-        found = _resolve(parts[key], names)
+        found = resolve(parts[key], names)
         if found is None:
-            tied_head = config.tie_embeddings and ".".join(parts[key]).endswith(_HEADS)
-            if not (key.endswith(_BUFFERS) or tied_head) and parts[key][-1] in ("weight", "bias"):
+            tied_head = config.tie_embeddings and ".".join(parts[key]).endswith(HEADS)
+            if not (key.endswith(BUFFERS) or tied_head) and parts[key][-1] in ("weight", "bias"):
                 raise UserError(f"{where}: holds tensor {key}, which a LLaMA of this config "
                                 f"lacks in {naming} naming: pass the --config the checkpoint "
                                 f"was trained with (or its --naming)")
@@ -320,7 +320,7 @@ def _check_files(directory: Path, metadata: Any, keys: set[str]) -> None:
                             f"{info.offset}..{info.offset + info.length}: the file is truncated")
 
 
-def _hyperparameters(values: dict[tuple[str, str], Any], names: dict[str, str]) -> dict[str, Any]:
+def hyperparameters(values: dict[tuple[str, str], Any], names: dict[str, str]) -> dict[str, Any]:
     """lr, betas, eps, and weight decay of matrices and of norm scales, as the torch run's
     param_groups give them (groups nested or flattened per parameter)."""
     per_param: dict[str, dict[str, Any]] = {}
@@ -335,7 +335,7 @@ def _hyperparameters(values: dict[tuple[str, str], Any], names: dict[str, str]) 
             per_param[str(fqn)] = group
     out: dict[str, Any] = {}
     for fqn, group in per_param.items():
-        hf_name = _resolve([c for c in fqn.split(".") if c not in _WRAPPERS], names)
+        hf_name = resolve([c for c in fqn.split(".") if c not in _WRAPPERS], names)
         if hf_name is None:
             continue
         kind = "norm" if hf_name[1].endswith("norm.weight") else "matrix"
@@ -376,20 +376,27 @@ def import_dcp(directory: str | Path, out: str | Path, config: LlamaConfig, *,
     store.check_new_directory(out)
     directory = Path(directory).absolute()
     torch_state = read_dcp(directory, config, naming)
+    return save_torch_state(out, torch_state, config, source=f"import-dcp {directory}",
+                            foreign={"format": "torch-dcp", "naming": torch_state.naming,
+                                     "checkpoint": str(directory)}, tokenizer=tokenizer)
+
+
+def save_torch_state(out: str | Path, torch_state: TorchState, config: LlamaConfig, *,
+                     source: str, foreign: dict[str, Any], tokenizer: Any = None) -> Path:
+    """A hotjax checkpoint of a PyTorch run's state (from DCP or DeepSpeed): weights, and its
+    AdamW moments and step if it has them; the run's hyperparameters are recorded."""
     params = hf_state_to_params(torch_state.weights, config)
     items = {store.PARAMS: params}
-    hyper = torch_state.hyperparameters
     optimizer = None
     if torch_state.moments is not None:
         moments = {f: hf_state_to_params(m, config) for f, m in torch_state.moments.items()}
         items[store.OPT_STATE] = adam_state(config, params, moments, torch_state.step)
-        optimizer = {"source": "torch.optim.AdamW", "loss_scaling": "off", **hyper}
+        optimizer = {"source": "torch.optim.AdamW", "loss_scaling": "off",
+                     **torch_state.hyperparameters}
     record = meta_lib.record(
-        step=torch_state.step, source=f"import-dcp {directory}", items=list(items),
-        model=config.to_dict(), optimizer=optimizer,
-        tokenizer=meta_lib.tokenizer_record(tokenizer) if tokenizer else None,
-        written_from={"foreign": {"format": "torch-dcp", "naming": torch_state.naming,
-                                  "checkpoint": str(directory)}})
+        step=torch_state.step, source=source, items=list(items), model=config.to_dict(),
+        optimizer=optimizer, tokenizer=meta_lib.tokenizer_record(tokenizer) if tokenizer else None,
+        written_from={"foreign": foreign})
     return store.save_items(out, items, record)
 
 
@@ -406,26 +413,7 @@ def export_dcp(path: str | Path, out: str | Path, *, naming: str = "hf",
     the recorded tokenizer's size is left out, as in `export-hf`."""
     torch, dcp = _torch()
     out = store.check_new_directory(out)
-    step_dir = store.find(path)
-    meta = meta_lib.read(step_dir)
-    config = LlamaConfig.from_dict(meta["model"])
-    host = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), abstract_params(config))
-    targets = {store.PARAMS: host}
-    optim = _saved_optimizer(meta)
-    if store.OPT_STATE in meta["items"]:
-        tx = make_optimizer(optim, param_axes(config))
-        targets[store.OPT_STATE] = jax.eval_shape(tx.init, host)
-    arrays = store.restore(step_dir, targets).arrays
-    params, adam = arrays[store.PARAMS], None
-    if store.OPT_STATE in arrays:
-        (adam,) = [n for n in jax.tree.leaves(arrays[store.OPT_STATE], is_leaf=_is_adam)
-                   if _is_adam(n)]
-    vocab = meta_lib.real_vocab(meta)
-    if vocab < config.vocab_size:
-        trim = functools.partial(_trim_vocab, axes=param_axes(config), vocab=vocab)
-        params = trim(params)
-        adam = adam and optax.ScaleByAdamState(adam.count, trim(adam.mu), trim(adam.nu))
-        config = dataclasses.replace(config, vocab_size=vocab)
+    config, optim, params, adam = read_for_export(path)
     names = foreign_names(config, naming)
     torch_dtype = getattr(torch, dtype)
 
@@ -454,7 +442,39 @@ def export_dcp(path: str | Path, out: str | Path, *, naming: str = "hf",
                      "weight_decay": decay, **_ADAMW_FLAGS}
             flat.update({f"param_groups.{name}.{k}": v for k, v in group.items()})
         state["optim" if naming == "hf" else "optimizer"] = flat
-    return _write_atomically(state, out, dcp)
+    def save(scratch: Path) -> None:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(scratch)), no_dist=True)
+
+    return write_atomically(out, save)
+
+
+def read_for_export(path: str | Path) -> tuple[LlamaConfig, OptimConfig, Any, Any]:
+    """A checkpoint's model (its vocabulary padding past the recorded tokenizer's size left
+    out), the optimizer it was written with, its parameters and its AdamW state
+    (`optax.ScaleByAdamState`, or None for a weights-only checkpoint), on the host."""
+    step_dir = store.find(path)
+    meta = meta_lib.read(step_dir)
+    config = LlamaConfig.from_dict(meta["model"])
+    host = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), abstract_params(config))
+    targets = {store.PARAMS: host}
+    optim = _saved_optimizer(meta)
+    if store.OPT_STATE in meta["items"]:
+        tx = make_optimizer(optim, param_axes(config))
+        targets[store.OPT_STATE] = jax.eval_shape(tx.init, host)
+    arrays = store.restore(step_dir, targets).arrays
+    params, adam = arrays[store.PARAMS], None
+    if store.OPT_STATE in arrays:
+        (adam,) = [n for n in jax.tree.leaves(arrays[store.OPT_STATE], is_leaf=_is_adam)
+                   if _is_adam(n)]
+    vocab = meta_lib.real_vocab(meta)
+    if vocab < config.vocab_size:
+        trim = functools.partial(_trim_vocab, axes=param_axes(config), vocab=vocab)
+        params = trim(params)
+        adam = adam and optax.ScaleByAdamState(adam.count, trim(adam.mu), trim(adam.nu))
+        config = dataclasses.replace(config, vocab_size=vocab)
+    return config, optim, params, adam
 
 
 def _is_adam(node: Any) -> bool:
@@ -483,15 +503,13 @@ def _trim_vocab(params: Any, axes: Any, vocab: int) -> Any:
         params, axes, is_leaf=lambda a: isinstance(a, tuple))
 
 
-def _write_atomically(state: dict[str, Any], out: Path, dcp: Any) -> Path:
-    """`dcp.save` into a scratch directory beside `out`, renamed to `out` once complete."""
+def write_atomically(out: Path, write: Callable[[Path], None]) -> Path:
+    """`write` into a scratch directory beside `out`, renamed to `out` once complete."""
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     scratch.mkdir()
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(scratch)), no_dist=True)
+        write(scratch)
         if out.exists():
             out.rmdir()  # empty: check_new_directory saw to that
         os.replace(scratch, out)

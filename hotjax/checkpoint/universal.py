@@ -1,0 +1,70 @@
+"""hotjax checkpoints written as Universal Checkpointing's universal directories, which DeepSpeed
+resumes with `"checkpoint": {"load_universal": true}` and `engine.load_checkpoint(dir)` under any
+ZeRO stage and data-parallel size, fp32 weights, AdamW moments and step included.
+
+The layout is `ds_to_universal`'s (`checkpoint.deepspeed` reads it): `latest_universal` naming
+`global_step{N}`, which holds `zero/{name}/{fp32,exp_avg,exp_avg_sq,step}.pt` per parameter
+under Hugging Face names, `zero/optimizer_state.pt`, and the model-states files DeepSpeed's
+loader opens (for ZeRO-1/2 and for ZeRO-3). Whole tensors are held in host memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from hotjax.checkpoint import dcp, store
+from hotjax.checkpoint.deepspeed import FIELDS
+from models.errors import UserError
+from models.hf import hf_tensor_shapes, params_to_hf_state
+
+# The DeepSpeed release whose file layout this writes (its loader checks for one).
+FORMAT_VERSION = "0.19.8"
+
+
+def export_universal(path: str | Path, out: str | Path) -> Path:
+    """A universal directory of the hotjax checkpoint at `path`. The optimizer's lr, betas and
+    eps go into its param groups; each of DeepSpeed's groups keeps its own weight decay."""
+    try:
+        import torch
+    except ImportError:
+        raise UserError("DeepSpeed checkpoints need torch: pip install 'hotjax[torch]'") from None
+    out = store.check_new_directory(out)
+    config, optim, params, adam = dcp.read_for_export(path)
+    step = int(adam.count) if adam is not None else 0
+    tag = f"global_step{step}"
+
+    def write(scratch: Path) -> None:
+        zero = scratch / tag / "zero"
+        zero.mkdir(parents=True)
+        # A weights-only checkpoint resumes as a fresh AdamW: zero moments at step 0.
+        moments = (adam.mu, adam.nu) if adam is not None else (None, None)
+        for field, tree in zip(FIELDS, (params, *moments), strict=True):
+            for name, x in params_to_hf_state(params if tree is None else tree, config).items():
+                x = np.zeros_like(x) if tree is None else x
+                (zero / name).mkdir(exist_ok=True)
+                torch.save({"cat_dim": 0, "param": torch.from_numpy(
+                    np.ascontiguousarray(x, np.float32))}, zero / name / f"{field}.pt")
+                if field == "fp32":
+                    torch.save(torch.tensor(float(step)), zero / name / "step.pt")
+        group = {"lr": float(optim.schedule()(step)), "betas": (optim.b1, optim.b2),
+                 "eps": optim.eps, "params": []}
+        shapes = dict(hf_tensor_shapes(config))
+        # DeepSpeed pairs the saved param groups with its own, one to one (zip): one per
+        # parameter covers any grouping; ZeRO-3 reads the first group and the step of state 0.
+        torch.save({"ds_version": FORMAT_VERSION, "param_groups": [group] * len(shapes),
+                    "optimizer_state_dict": {"state": {0: {"step": torch.tensor(float(step))}},
+                                             "param_groups": [group]}},
+                   zero / "optimizer_state.pt")
+        model_states = {"module": {}, "buffer_names": [], "optimizer": None,
+                        "param_shapes": [{n: torch.Size(s) for n, s in shapes.items()}],
+                        "frozen_param_shapes": {}, "shared_params": {},
+                        "lr_scheduler": None, "skipped_steps": 0, "global_steps": step,
+                        "global_samples": 0, "dp_world_size": 1, "mp_world_size": 1,
+                        "ds_version": FORMAT_VERSION}
+        for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+            torch.save(model_states, scratch / tag / name)
+        (scratch / "latest_universal").write_text(tag)
+
+    return dcp.write_atomically(out, write)

@@ -3,17 +3,25 @@ attention throughput, and the bus bandwidth of each collective by group size, in
 across nodes (a node is one process: its devices share a host, or an NVLink domain).
 
 - Peak: the FLOP/s of a plain matmul in the model's compute dtype (or of any faster rate below).
-- Matmul efficiency: fitted on a real micro-step. A data-parallel gradient micro-step of the
-  model is timed, and the matmul rate chosen at which `sharding.cost.micro_step_time` gives that
-  time. The cost model prices matmuls, attention and collectives and nothing else, so what the
-  step also does in proportion to its tokens (norms, the loss, the accumulator, XLA's copies)
-  is folded into the matmul rate: on XLA:CPU it comes out at about half the plain matmul's.
-- Attention efficiency: the model's attention kernel, forward and backward, on causal rows,
+- Matmul efficiency and step overhead: fitted on a real micro-step. A data-parallel gradient
+  micro-step of the model is timed on two micro-batches, one `FIT_ROWS` times the other's rows;
+  the matmul rate is chosen at which `sharding.cost.micro_step_time` gives the difference of
+  the two times, and what the smaller step takes beyond its priced work is the overhead every
+  micro-step pays (dispatch, small ops, processes waiting for each other). The cost model
+  prices matmuls, attention and collectives and nothing else, so what the step also does in
+  proportion to its tokens (norms, the loss, the accumulator, XLA's copies) is folded into the
+  matmul rate. Fitted on one step, the overhead would be too: on two pinned processes (tens of
+  milliseconds a step) that made the `tiny` model's matmuls look 20 times slower than they are.
+- Attention efficiency: the model's attention kernel, forward and backward, on causal rows of
+  its heads (on CPU the rate per pair hardly depends on the head width: with the `tiny` model's
+  8-wide heads, rows timed with 32-wide ones made attention look 3 times faster than it runs),
   counting its work as the cost model does, over the peak.
 - Collectives: all-reduce, all-gather, reduce-scatter and a ring `ppermute` (send) on groups of
   2, 4, ... devices, every group at once; bus bandwidth as nccl-tests and `sharding.cost` count
-  it. Groups of consecutive devices lie inside a node, strided ones span nodes. With one process
-  no group spans nodes: the inter tables repeat the intra ones.
+  it, after the latency: what each of a chain of `CHAIN` small all-reduces costs (over gloo
+  between processes, some milliseconds: a process waiting for its peer sleeps). Groups of
+  consecutive devices lie inside a node, strided ones span nodes. With one process no group
+  spans nodes: the inter tables repeat the intra ones.
 - Memory: what the runtime lets a device allocate, or on XLA:CPU (which says nothing) the
   host's memory shared by its devices.
 
@@ -52,17 +60,20 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
     "reduce-scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0}
 SIGNIFICANT = 4  # digits kept of each measured figure: the repeats scatter more than that
+FIT_ROWS = 4  # the larger fitted micro-step's rows, per the smaller one's
+CHAIN = 8  # dependent all-reduces timed in one program for the latency
+LATENCY_BYTES = 4096  # each one's tensor
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """What is timed, per device: a matmul [tokens, width] x [width, out]; attention forward
-    and backward over causal rows of (rows, tokens, query heads, K/V heads, head dim); a
-    data-parallel micro-step on (rows, tokens) of the model; each collective on a tensor of
-    `message_bytes`; `repeats` timed runs of each."""
+    and backward over causal rows of (rows, tokens) of the model's heads; a
+    data-parallel micro-step on (rows, tokens) of the model and on `FIT_ROWS` times the rows;
+    each collective on a tensor of `message_bytes`; `repeats` timed runs of each."""
 
     matmul: tuple[int, int, int]
-    attention: tuple[int, int, int, int, int]
+    attention: tuple[int, int]
     step: tuple[int, int]
     message_bytes: int
     repeats: int
@@ -71,12 +82,10 @@ class Workload:
 # Sizes of the models each platform trains: the `small` preset's on CPU, LLaMA2-7B's on
 # accelerators; under `quick` (a smoke test of seconds) smaller ones.
 WORKLOADS = {
-    ("cpu", False): Workload((4096, 256, 688), (1, 1024, 8, 4, 32), (1, 512), 4 * 2**20, 5),
-    ("cpu", True): Workload((1024, 256, 688), (1, 256, 8, 4, 32), (1, 128), 2**20, 2),
-    ("accelerator", False): Workload((8192, 4096, 11008), (1, 4096, 32, 8, 128), (1, 4096),
-                                     64 * 2**20, 10),
-    ("accelerator", True): Workload((2048, 4096, 4096), (1, 2048, 32, 8, 128), (1, 1024),
-                                    16 * 2**20, 3),
+    ("cpu", False): Workload((4096, 256, 688), (1, 2048), (1, 512), 16 * 2**20, 5),
+    ("cpu", True): Workload((1024, 256, 688), (1, 256), (1, 128), 2**20, 2),
+    ("accelerator", False): Workload((8192, 4096, 11008), (1, 4096), (1, 4096), 64 * 2**20, 10),
+    ("accelerator", True): Workload((2048, 4096, 4096), (1, 2048), (1, 1024), 16 * 2**20, 3),
 }
 # The model whose micro-step fits the matmul efficiency, when the caller names none: what the
 # platform trains (4 of LLaMA2-7B's layers: its widths, compiled in seconds).
@@ -107,7 +116,7 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     model = model or reference_model(*REFERENCE_MODELS[kind])
     intra_sizes = _group_sizes(per_node)
     inter_sizes = _group_sizes(len(devices)) if nodes > 1 else ()
-    total = 1 + len(COLLECTIVES) * (len(intra_sizes) + len(inter_sizes))
+    total = 2 + len(COLLECTIVES) * (len(intra_sizes) + len(inter_sizes))
     done = 0
 
     def announce(what: str) -> None:
@@ -120,24 +129,29 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     announce(f"compute: {dtype.name} matmul, attention, a micro-step of {model.n_layers} layers x "
          f"{model.dim} on {len(devices)} devices")
     strategy = Strategy.parse(f"data={len(devices)},rules=dp")
-    shape = (work.step[0] * len(devices), work.step[1])
-    reference = MicroStepRun(model, strategy, tuple(devices), shape)
-    # The fit below prices the step's attention at the kernel's rate: time the two alike.
+    attention_shape = (*work.attention, model.n_heads, model.n_kv_heads, model.head_dim)
+    shapes = [(rows * work.step[0] * len(devices), work.step[1]) for rows in (1, FIT_ROWS)]
+    references = [MicroStepRun(model, strategy, tuple(devices), shape) for shape in shapes]
+    # The fit below prices the steps' attention at the kernel's rate: time them alike.
     (matmul_s,) = timed_in_rounds([matmul_runner(devices, dtype, work.matmul)], work.repeats)
-    attention_s, step_s = timed_in_rounds(
-        [attention_runner(devices, dtype, work.attention), reference.run], work.repeats)
+    attention_s, *steps_s = timed_in_rounds(
+        [attention_runner(devices, dtype, attention_shape), *(r.run for r in references)],
+        work.repeats)
     tokens, width, out = work.matmul
     figures = {"matmul": 2 * tokens * width * out / matmul_s,
-               "attention": attention_flops(work.attention, platform) / attention_s,
-               "step": step_s, "memory": device_memory_bytes(devices)}
+               "attention": attention_flops(attention_shape, platform) / attention_s,
+               "memory": device_memory_bytes(devices)}
+    announce(f"latency: {CHAIN} all-reduces of {LATENCY_BYTES} bytes in a row")
+    latency = collective_latency(devices, work.repeats)
     for name in COLLECTIVES:
         for side, sizes in (("intra", intra_sizes), ("inter", inter_sizes)):
             for group in sizes:
                 announce(f"{name} over groups of {group} "
                      f"({'across' if side == 'inter' else 'inside'} nodes)")
                 figures[f"{name} {side} {group}"] = bus_bandwidth(
-                    devices, name, group, side == "inter", work)
-    figures = _agreed(figures)
+                    devices, name, group, side == "inter", work, latency)
+    figures = _agreed(figures | {"latency": latency, "small step": steps_s[0],
+                                 "large step": steps_s[1]})
 
     bandwidths: dict[str, dict[str, dict[str, float]]] = {}
     for name in COLLECTIVES:
@@ -152,31 +166,34 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     send = bandwidths["send"]
     source = (f"measured on {len(devices)} {platform} devices ({devices[0].device_kind}) in "
               f"{nodes} process(es), {dtype.name}, jax {jax.__version__}"
-              + (", quick" if quick else "") + f"; matmul efficiency fitted on a data-parallel "
-              f"micro-step of {work.step[0]} x {work.step[1]} tokens per device of a "
-              f"{model.n_layers}-layer, {model.dim}-wide model")
+              + (", quick" if quick else "") + f"; matmul efficiency and step overhead fitted "
+              f"on data-parallel micro-steps of {work.step[0]} and {FIT_ROWS * work.step[0]} x "
+              f"{work.step[1]} tokens per device of a {model.n_layers}-layer, {model.dim}-wide "
+              f"model")
 
-    def profile(matmul_flops: float) -> Profile:
-        """The profile with the model's matmuls at `matmul_flops`: the fastest rate measured is
-        the peak, each efficiency a share of it."""
+    def profile(matmul_flops: float, overhead: float = 0.0) -> Profile:
+        """The profile with the model's matmuls at `matmul_flops` and each micro-step's
+        `overhead` seconds: the fastest rate measured is the peak, each efficiency a share of
+        it."""
         peak = max(figures["matmul"], figures["attention"], matmul_flops)
         return parse_profile({
             "name": f"measured-{platform}-{nodes}x{per_node}", "platform": platform,
             "nodes": nodes, "devices_per_node": per_node,
             # What the allocator hands a process, measured: no further fraction of it.
             "device": {"peak_tflops": _rounded(peak / TERA),
-                       "memory_gib": _rounded(figures["memory"] / GiB), "allocator_fraction": 1},
+                       "memory_gib": _rounded(figures["memory"] / GiB), "allocator_fraction": 1,
+                       **_if_positive("step_overhead_ms", overhead * 1e3)},
             "efficiency": {"matmul": _rounded(matmul_flops / peak),
                            "attention": _rounded(figures["attention"] / peak)},
             # The links as the switch planner sees them: what a device sends while every
             # device of the largest group sends too.
             "links": {"intra_node_gbps": send["intra"][str(max(intra_sizes or inter_sizes))],
-                      "inter_node_gbps": send["inter"][str(max(inter_sizes or intra_sizes))]},
+                      "inter_node_gbps": send["inter"][str(max(inter_sizes or intra_sizes))],
+                      **_if_positive("latency_us", figures["latency"] * 1e6)},
             "collectives": bandwidths}, source)
 
-    # Where attention and collectives alone would outlast the reference step, the plain matmul.
-    return profile(fitted_matmul_flops(profile(figures["matmul"]), model, strategy, shape,
-                                       figures["step"]) or figures["matmul"])
+    return profile(*fitted_step(profile(figures["matmul"]), model, strategy, shapes,
+                                (figures["small step"], figures["large step"])))
 
 
 def reference_model(name: str, layers: int = 0) -> LlamaConfig:
@@ -186,15 +203,28 @@ def reference_model(name: str, layers: int = 0) -> LlamaConfig:
                                n_layers=layers or config.n_layers)
 
 
-def fitted_matmul_flops(profile: Profile, model: LlamaConfig, strategy: Strategy,
-                        shape: tuple[int, int], seconds: float) -> float | None:
-    """The FLOP/s at which `sharding.cost` prices `model`'s micro-step of `shape` under
-    `strategy` at `seconds`, with everything but the matmuls as `profile` prices it (None where
-    that alone takes `seconds` or more)."""
-    at_peak = micro_step_time(model, strategy, shape,
-                              dataclasses.replace(profile, matmul_efficiency=1.0))
-    left = seconds - (at_peak.seconds - at_peak.matmuls)
-    return at_peak.matmuls * profile.peak_flops / left if left > 0 else None
+def fitted_step(profile: Profile, model: LlamaConfig, strategy: Strategy,
+                shapes: Sequence[tuple[int, int]], seconds: Sequence[float]
+                ) -> tuple[float, float]:
+    """(matmul FLOP/s, overhead seconds) at which `sharding.cost` prices `model`'s micro-steps
+    of the two `shapes` under `strategy` at `seconds`, everything else as `profile` prices it:
+    the rate from the difference of the two, the overhead from what the smaller one leaves.
+    Where the difference leaves the matmuls no time (timing noise), the rate from the larger
+    step alone and no overhead; where not even that, `profile`'s plain matmul rate."""
+    at_peak = [micro_step_time(model, strategy, shape,
+                               dataclasses.replace(profile, matmul_efficiency=1.0,
+                                                   matmul_by_size=()))
+               for shape in shapes]
+    left = [t - (p.seconds - p.matmuls) for t, p in zip(seconds, at_peak, strict=True)]
+    work = [p.matmuls * profile.peak_flops for p in at_peak]  # FLOPs
+    if left[1] - left[0] > 0:
+        rate = (work[1] - work[0]) / (left[1] - left[0])
+        overhead = left[0] - work[0] / rate
+        if overhead >= 0:
+            return rate, overhead
+    if left[1] > 0:
+        return work[1] / left[1], 0.0
+    return profile.peak_flops * profile.matmul_efficiency, 0.0
 
 
 def causal_batch(rows: int, seq_len: int, vocab_size: int, seed: int = 0) -> Batch:
@@ -289,10 +319,29 @@ def attention_flops(shape: tuple[int, int, int, int, int], platform: str) -> flo
     return 3.5 * 4 * head_dim * heads * rows * visible_pairs(tokens, 1, False, block)
 
 
+def collective_latency(devices: Sequence[jax.Device], repeats: int) -> float:
+    """Seconds each of `CHAIN` dependent all-reduces of `LATENCY_BYTES` over all `devices`
+    takes, in one program (a step's collectives come in a row, between other work)."""
+    mesh = Mesh(np.asarray(devices, dtype=object), ("group",))
+    spec = PartitionSpec("group")
+
+    def chain(x: jax.Array) -> jax.Array:
+        for _ in range(CHAIN):
+            x = jax.lax.psum(x, "group") * 0.5  # dependent: no two combine
+        return x
+
+    run = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=spec, out_specs=spec))
+    (x,) = _filled(((len(devices) * LATENCY_BYTES // 4,),), jnp.float32,
+                   NamedSharding(mesh, spec))
+    (seconds,) = timed_in_rounds([lambda: jax.block_until_ready(run(x))], repeats)
+    return seconds / CHAIN
+
+
 def bus_bandwidth(devices: Sequence[jax.Device], collective: str, group: int,
-                  across_nodes: bool, work: Workload) -> float:
+                  across_nodes: bool, work: Workload, latency: float = 0.0) -> float:
     """Bytes/s per device of `collective` over groups of `group` devices, every group at once:
-    consecutive devices (inside a node) or strided ones (each group spanning nodes)."""
+    consecutive devices (inside a node) or strided ones (each group spanning nodes); the time
+    beyond `latency` (where that leaves at least half of it)."""
     count = len(devices)
     grid = np.asarray(devices, dtype=object)
     grid = (grid.reshape(group, count // group).T if across_nodes
@@ -312,7 +361,7 @@ def bus_bandwidth(devices: Sequence[jax.Device], collective: str, group: int,
                                 check_vma=False))
     (x,) = _filled(((count * local,),), jnp.float32, NamedSharding(mesh, spec))
     (seconds,) = timed_in_rounds([lambda: jax.block_until_ready(run(x))], work.repeats)
-    return BUS_FACTOR[collective](group) * elements * 4 / seconds
+    return BUS_FACTOR[collective](group) * elements * 4 / max(seconds - latency, seconds / 2)
 
 
 def device_memory_bytes(devices: Sequence[jax.Device]) -> int:
@@ -334,19 +383,25 @@ def profile_toml(profile: Profile) -> str:
     def table(entries: tuple[tuple[int, float], ...], unit: float = GIGA) -> str:
         return "{ " + ", ".join(f"{size} = {_in_units(x, unit)}" for size, x in entries) + " }"
 
+    device_bytes = profile.device_bytes or profile.memory_bytes
     lines = [f"# {profile.source}",
              "# Units: TFLOP/s, GiB, GB/s (1e9 bytes/s) per device and direction.",
              f"name = {_string(profile.name)}", f"platform = {_string(profile.platform)}",
              f"nodes = {profile.nodes}", f"devices_per_node = {profile.devices_per_node}", "",
              "[device]", f"peak_tflops = {_in_units(profile.peak_flops, TERA)}",
-             f"memory_gib = {_in_units(profile.memory_bytes, GiB)}",
-             "allocator_fraction = 1.0  # memory_gib is what the allocator hands a process", "",
+             f"memory_gib = {_in_units(device_bytes, GiB)}",
+             f"allocator_fraction = {_in_units(profile.memory_bytes / device_bytes, 1)}"
+             "  # of memory_gib, what the allocator hands a process",
+             *([f"step_overhead_ms = {_in_units(profile.step_overhead, 1e-3)}"]
+               if profile.step_overhead else []), "",
              "[efficiency]", f"matmul = {_in_units(profile.matmul_efficiency, 1)}",
              f"attention = {_in_units(profile.attention_efficiency, 1)}",
              *([f"matmul_by_size = {table(profile.matmul_by_size, 1)}"] if profile.matmul_by_size
                else []), "",
              "[links]", f"intra_node_gbps = {_in_units(profile.intra_node_bandwidth, GIGA)}",
-             f"inter_node_gbps = {_in_units(profile.inter_node_bandwidth, GIGA)}", "",
+             f"inter_node_gbps = {_in_units(profile.inter_node_bandwidth, GIGA)}",
+             *([f"latency_us = {_in_units(profile.collective_latency, 1e-6)}"]
+               if profile.collective_latency else []), "",
              "# Bus bandwidth of each collective (nccl-tests' busbw) by group size, for groups "
              "inside one node", "# (intra) and groups spanning nodes (inter)."]
     if profile.nodes == 1 and all(b.intra == b.inter for _, b in profile.collectives):
@@ -387,6 +442,11 @@ def _group_sizes(count: int) -> tuple[int, ...]:
 
 def _rounded(x: float) -> float:
     return float(f"{x:.{SIGNIFICANT}g}")
+
+
+def _if_positive(key: str, value: float) -> dict[str, float]:
+    """{key: value} rounded, or nothing where it rounds to 0 (the profile's default)."""
+    return {key: _rounded(value)} if _rounded(value) > 0 else {}
 
 
 def _in_units(value: float | int, unit: float) -> str:

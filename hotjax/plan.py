@@ -262,6 +262,8 @@ class Search:
         steps = math.ceil(len(rows) / micro_rows)
         context = strategy.seq_ways("context")
         block, skips = attention_kernel(self.config, self.profile.platform, max_len, context)
+        if not rows:  # nothing of the bucket's lengths: no micro-step
+            return np.ones(0), 1.0
         if not (masked and skips):
             return np.ones(steps), 1.0
         shards = math.prod(ways(strategy.activation_spec(("batch",)), strategy.axes))

@@ -22,10 +22,11 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
 - Matmuls at the profile's peak x its matmul efficiency, by each GEMM's smallest dimension per
   device where the profile measured sizes (`sharding.profile.MatmulEfficiency`); attention at
   the peak x its attention efficiency.
-- A collective moving a tensor of `bytes` over a group of n devices takes factor·bytes / bus
-  bandwidth, with factor 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter,
-  1 for a send (nccl-tests' bus-bandwidth convention); the bandwidth is the profile's for that
-  collective, group size, and whether the group spans nodes.
+- A collective moving a tensor of `bytes` over a group of n devices takes the profile's latency
+  plus factor·bytes / bus bandwidth, with factor 2(n-1)/n for all-reduce, (n-1)/n for
+  all-gather and reduce-scatter, 1 for a send (nccl-tests' bus-bandwidth convention); the
+  bandwidth is the profile's for that collective, group size, and whether the group spans nodes.
+- Each micro-step also costs the profile's fixed overhead (dispatch, small ops, waits).
 - Tensor parallelism (Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053, §3): per layer two
   all-reduces of the [rows, T, D] activations forward and two backward, plus one at the
   embedding and one at the LM head; with sequence parallelism (Korthikanti et al. 2022,
@@ -279,11 +280,12 @@ class MicroStepTime:
     stages: float  # pipeline stage transfers
     bubble: float
     ring: float = 0.0  # all the ring's K/V traffic, of which `context` is exposed (not summed)
+    overhead: float = 0.0  # what every micro-step costs whatever its size (the profile's)
 
     @property
     def seconds(self) -> float:
         return (self.matmuls + self.attention + self.tensor + self.context + self.fsdp
-                + self.gradients + self.stages + self.bubble)
+                + self.gradients + self.stages + self.bubble + self.overhead)
 
     def with_attention(self, share: float) -> MicroStepTime:
         """The micro-step with `share` of its priced attention pairs on the busiest device (its
@@ -330,8 +332,8 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
         if n == 1:
             return 0.0
         factor = {"all-reduce": 2 * (n - 1) / n, "send": 1.0}.get(name, (n - 1) / n)
-        return factor * nbytes / profile.bandwidth(name, n, _crosses_nodes(
-            fitted, axes, profile.devices_per_node))
+        return profile.collective_latency + factor * nbytes / profile.bandwidth(
+            name, n, _crosses_nodes(fitted, axes, profile.devices_per_node))
 
     activation = s.inner_tokens * D * compute
     per_layer = (forwards + 1) * 2  # two per forward, two per backward
@@ -362,7 +364,8 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     return MicroStepTime(
         matmuls=layer_matmuls + head_matmuls, attention=attention, tensor=tensor,
         context=max(0.0, ring - attention), fsdp=fsdp, gradients=gradients, stages=stages,
-        bubble=(S - 1) * per_iteration if S > 1 else 0.0, ring=ring)
+        bubble=(S - 1) * per_iteration if S > 1 else 0.0, ring=ring,
+        overhead=profile.step_overhead)
 
 
 def attention_kernel(config: LlamaConfig, platform: str, seq_len: int, context: int

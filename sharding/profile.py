@@ -2,8 +2,10 @@
 
 A profile gives each device's peak matmul rate and memory, how devices group into nodes, the
 share of peak the kernels reach (`efficiency`, the matmuls' optionally by GEMM size), and the bus
-bandwidth of each collective by group size, inside one node and across nodes. Measured values are
-written into the same format, so a calibrated profile is a file like the shipped ones
+bandwidth of each collective by group size, inside one node and across nodes; optionally what a
+micro-step costs whatever its size (`[device] step_overhead_ms`) and each collective besides its
+bytes (`[links] latency_us`), which show where steps are short. Measured values are written into
+the same format, so a calibrated profile is a file like the shipped ones
 (`sharding/profiles/*.toml`).
 
 On GPU a plan fills what JAX's allocator hands out, not the device's memory: JAX preallocates
@@ -123,6 +125,10 @@ class Profile:
     source: str = "<profile>"
     device_bytes: int = 0  # the device's memory (0: as `memory_bytes`)
     matmul_by_size: tuple[tuple[int, float], ...] = ()  # (GEMM's smallest dimension, efficiency)
+    # Measured where they show (`hotjax.measure`); 0 in the shipped GPU profiles, whose
+    # micro-steps are long beside them.
+    step_overhead: float = 0.0  # seconds every micro-step costs whatever its size
+    collective_latency: float = 0.0  # seconds every collective costs besides its bytes
 
     @property
     def matmul(self) -> MatmulEfficiency:
@@ -165,10 +171,11 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
     """A profile from its TOML form, validated: every field present, every number positive."""
     _known(data, _TOP_KEYS, source)
     device = _table(data, "device", source, ("peak_tflops", "memory_gib"),
-                    ("allocator_fraction",))
+                    ("allocator_fraction", "step_overhead_ms"))
     efficiency = _table(data, "efficiency", source, ("matmul", "attention"),
                         ("matmul_by_size",))
-    links = _table(data, "links", source, ("intra_node_gbps", "inter_node_gbps"))
+    links = _table(data, "links", source, ("intra_node_gbps", "inter_node_gbps"),
+                   ("latency_us",))
     by_size = _efficiencies(data["efficiency"].get("matmul_by_size", {}),
                             f"{source}: efficiency.matmul_by_size")
     for key, table, field, of in (("efficiency", efficiency, "matmul", "peak"),
@@ -198,7 +205,8 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
         intra_node_bandwidth=links["intra_node_gbps"] * GIGA,
         inter_node_bandwidth=links["inter_node_gbps"] * GIGA,
         collectives=tuple((name, _bandwidths(collectives, name, source)) for name in COLLECTIVES),
-        source=source)
+        source=source, step_overhead=device.get("step_overhead_ms", 0.0) * 1e-3,
+        collective_latency=links.get("latency_us", 0.0) * 1e-6)
 
 
 def _bandwidths(collectives: Mapping[str, Any], name: str, source: str) -> Bandwidths:

@@ -170,6 +170,11 @@ def test_bench_plan() -> None:
             abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"])
     assert -1 <= timed["spearman"] <= 1 and math.isfinite(timed["median_relative_error"])
     assert isinstance(timed["meets_targets"], bool)
+    (hot,) = report["tables"]["results"]  # one table of two buckets
+    assert [b["max_len"] for b in hot["table"]] == [64, 256]
+    assert positive(hot["predicted_s"]) and positive(hot["measured_s"]), hot
+    assert hot["predicted_s"] == pytest.approx(
+        sum(b["predicted_s"] for b in hot["table"]) + hot["switch_predicted_s"])
     memory = report["memory"]
     assert memory["model"]["layers"] == 2 and len(memory["results"]) == 2
     for r in memory["results"]:

@@ -8,8 +8,10 @@ import tomllib
 import pytest
 from test_benchmarks import positive
 
-from hotjax.measure import measure_profile, profile_toml
+from hotjax.measure import FIT_ROWS, fitted_step, measure_profile, profile_toml, reference_model
+from sharding.cost import micro_step_time
 from sharding.profile import COLLECTIVES, load_profile, parse_profile
+from sharding.strategy import Strategy
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +24,7 @@ def test_measured_profile_has_positive_figures_for_every_collective_and_group(me
     assert measured.devices_per_node == len(devices) == 8
     assert positive(measured.peak_flops) and measured.memory_bytes > 0
     assert 0 < measured.matmul_efficiency <= 1 and 0 < measured.attention_efficiency <= 1
+    assert measured.step_overhead >= 0 and positive(measured.collective_latency)
     assert positive(measured.intra_node_bandwidth) and positive(measured.inter_node_bandwidth)
     assert [name for name, _ in measured.collectives] == list(COLLECTIVES)
     for _, bandwidths in measured.collectives:
@@ -42,3 +45,17 @@ def test_profile_toml_reads_back_to_the_same_profile(measured, tmp_path):
 def test_profile_toml_reads_back_shipped_profiles(name):
     shipped = load_profile(name)
     assert parse_profile(tomllib.loads(profile_toml(shipped)), shipped.source) == shipped
+
+
+def test_fit_recovers_the_matmul_rate_and_the_overhead_of_every_micro_step(measured):
+    """Two micro-steps priced at a known matmul rate and overhead are fitted back to both: the
+    overhead is not folded into the rate (as a fit on one step would)."""
+    model = reference_model("tiny")
+    strategy = Strategy.parse("data=8,rules=dp")
+    truth = dataclasses.replace(measured, matmul_efficiency=0.3, step_overhead=0.05)
+    shapes = [(8, 128), (8 * FIT_ROWS, 128)]
+    seconds = [micro_step_time(model, strategy, shape, truth).seconds for shape in shapes]
+    rate, overhead = fitted_step(dataclasses.replace(measured, step_overhead=0.0), model,
+                                 strategy, shapes, seconds)
+    assert rate == pytest.approx(0.3 * measured.peak_flops, rel=1e-9)
+    assert overhead == pytest.approx(0.05, rel=1e-9)

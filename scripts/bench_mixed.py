@@ -9,8 +9,8 @@ Every method trains from the same weights on the same mini-batches: the next doc
 corpus's seeded shuffle up to `--batch-tokens` real tokens (`MiniBatches` draws the same
 documents whatever its bucket lengths or packing).
   hot  the table: each length bucket under its own strategy, hot-switched between;
-  auto `--strategies auto`: the table the cost model plans on this machine's profile (measured
-       once and cached) for these documents;
+  auto `--strategies auto`: the table the cost model plans for these documents on this
+       machine's profile, measured in the same run on the benchmark's model;
   a    the best single strategy (of the `--candidates` that fit the budget, the most real
        tokens/s on the first mini-batch, per CPU second on simulated devices), one bucket at
        the context, documents packed first-fit-decreasing with document masking, its rows
@@ -215,8 +215,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     search, lengths = None, [document_lengths(m) for m in data["a"]]
     auto = None
     if args.auto:
-        search, auto = planned(config, n, args, np.concatenate(lengths), len(lengths[0]),
-                               console)
+        search, auto = planned(config, devices, args, np.concatenate(lengths),
+                               len(lengths[0]), console)
         data["auto"] = draw([b.max_len for b in auto.buckets])
     methods = [m for m in METHODS if m in data]
     for step in range(total):
@@ -277,18 +277,21 @@ def document_lengths(minibatch: MiniBatch) -> np.ndarray:
     return np.asarray(counts, dtype=np.int64)
 
 
-def planned(config: LlamaConfig, n: int, args: argparse.Namespace, lengths: np.ndarray,
+def planned(config: LlamaConfig, devices: list, args: argparse.Namespace, lengths: np.ndarray,
             batch: int, console: Console) -> tuple[Any, StrategyTable]:
-    """The cost model's search on this machine's profile (measured once and cached, as
-    `--strategies auto` does) and the table it plans for a typical step of these documents."""
+    """The cost model's search on this machine's profile, measured here on the benchmark's own
+    model and dtype (`--strategies auto` measures a reference model once per machine: on CPU
+    attention's rate depends on the head width), and the table it plans for a typical step of
+    these documents."""
     import tomllib
 
     from hotjax import plan as plan_lib
-    from hotjax.plan_cli import local_profile
+    from hotjax.measure import measure_profile
     from sharding.table import parse_table
 
-    profile = local_profile(console)
-    search = plan_lib.Search(config, profile, n, int(args.device_memory * MiB))
+    console.print("measuring this machine's profile on the model...", markup=False)
+    profile = measure_profile(devices, model=config, quick=args.quick)
+    search = plan_lib.Search(config, profile, len(devices), int(args.device_memory * MiB))
     found = plan_lib.plan(search, plan_lib.typical_batch(lengths, batch), args.context)
     console.print(f"auto: planned on profile {profile.name}, predicted "
                   f"{found.seconds * 1e3:,.1f} ms per typical step", markup=False)
@@ -424,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                         "on 8 devices " + CANDIDATES + "; else every N-device strategy)")
     parser.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
                         help="run --strategies auto and the cost model's predictions (default: "
-                        "on; the profile is measured once per machine and cached)")
+                        "on; the profile is measured in the run, on the model)")
     parser.add_argument("--strategy", help="use this strategy for (a) instead of choosing")
     parser.add_argument("--data", help="corpus (default: the Python standard library)")
     parser.add_argument("--tokenizer", help="tokenizer.json, a SentencePiece .model or 'bytes' "

@@ -89,8 +89,13 @@ def _resume(directory: Path, strategy: str, devices):
 def test_a_torch_run_resumes_with_its_logits_moments_and_next_update(torch_run, strategy,
                                                                      devices):
     _, directory = torch_run
-    reference = np.load(directory / "ref.npz")
-    trainer, resumed = _resume(directory, strategy, devices)
+    check_resumed(*_resume(directory, strategy, devices), np.load(directory / "ref.npz"))
+
+
+def check_resumed(trainer, resumed, reference) -> None:
+    """A torch run resumed in hotjax (`restore_state`) has the run's logits on the evaluation
+    batch, its Adam moments and step exactly, and after one step on the run's third batch, the
+    run's third update: the reference numbers in `reference` (tests/torch_llama.py's)."""
     assert resumed.step == torch_llama.STEPS
     state = resumed.state
     np.testing.assert_allclose(_logits(state.params, DATA[-1]), reference["logits"],

@@ -238,7 +238,8 @@ def visible_blocks(q: Tokens, k: Tokens, q_block: int, k_block: int) -> Array:
     Conservative (a block that shows nothing may be listed, never the reverse): it compares
     each block's range of segments, positions and columns over its non-padding tokens. NumPy
     tokens give a NumPy answer (the host's estimate of the kernel's work)."""
-    xp = np if isinstance(q.segment, np.ndarray) else jnp
+    on_host = all(isinstance(x, np.ndarray) for t in (q, k) for x in t)
+    xp = np if on_host else jnp
 
     def bounds(t: Tokens, block: int) -> tuple[Array, ...]:
         B, T = t.segment.shape

@@ -163,6 +163,17 @@ class Checkpoints:
         self.wait()
         self._manager.close()
 
+    def _remove_failed_save(self) -> None:
+        """Removes a failed save's partial directory once nothing writes into it any more:
+        one item's failure ends the save while the others' writes may still be landing."""
+        with contextlib.suppress(Exception):  # the same failure, raised again
+            self._manager.wait_until_finished()
+        for _ in range(PARTIAL_SETTLE_TRIES):
+            self.remove_partial()
+            time.sleep(PARTIAL_SETTLE_S)
+            if not any(self.directory.glob(f"*{TMP_MARK}*")):
+                return
+
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
         """Turns a save's failed write (a full disk, a quota, a permission) into one line:
@@ -176,7 +187,7 @@ class Checkpoints:
                 raise
             step, size = self._saving
             self._saving = None
-            self.remove_partial()
+            self._remove_failed_save()
             kept = self.steps()
             free = shutil.disk_usage(self.directory).free if self.directory.is_dir() else 0
             raise UserError(
@@ -186,6 +197,11 @@ class Checkpoints:
                 + (f"; the checkpoints of steps {', '.join(map(str, kept))} are intact"
                    if kept else "")) from None
 
+
+# A failed save's partial directory is removed, then checked after this long for writes that
+# were still landing, this many times at the most.
+PARTIAL_SETTLE_S = 0.2
+PARTIAL_SETTLE_TRIES = 10
 
 # What a write that the file system refuses fails with, by errno: Python's own file writes
 # raise OSError, TensorStore's name the code (`[os_error_code='28']`).

@@ -82,7 +82,7 @@ class Workload:
 # Sizes of the models each platform trains: the `small` preset's on CPU, LLaMA2-7B's on
 # accelerators; under `quick` (a smoke test of seconds) smaller ones.
 WORKLOADS = {
-    ("cpu", False): Workload((4096, 256, 688), (1, 2048), (1, 512), 16 * 2**20, 5),
+    ("cpu", False): Workload((4096, 256, 688), (1, 1024), (1, 128), 4 * 2**20, 5),
     ("cpu", True): Workload((1024, 256, 688), (1, 256), (1, 128), 2**20, 2),
     ("accelerator", False): Workload((8192, 4096, 11008), (1, 4096), (1, 4096), 64 * 2**20, 10),
     ("accelerator", True): Workload((2048, 4096, 4096), (1, 2048), (1, 1024), 16 * 2**20, 3),

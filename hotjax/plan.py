@@ -46,6 +46,7 @@ from models.options import REMAT_POLICIES
 from sharding.cost import (
     MicroStepTime,
     attention_kernel,
+    bucket_reduction_seconds,
     document_pairs,
     micro_step_memory,
     micro_step_time,
@@ -54,7 +55,7 @@ from sharding.cost import (
 )
 from sharding.planner import boxes_from_strategy
 from sharding.profile import Profile
-from sharding.strategy import MESH_AXES, Strategy, fit_to_model, ways
+from sharding.strategy import ACCUMULATE, MESH_AXES, Strategy, fit_to_model, ways
 
 MIN_BUCKET = 512  # the shortest bucket boundary considered
 MAX_STAGES = 8
@@ -168,9 +169,15 @@ def _factorings(n: int, parts: int) -> list[tuple[int, ...]]:
 class _MicroStep:
     rows: int
     remat: str
+    accumulate: str
     time: MicroStepTime  # every row one causal document
+    reduction: float  # the bucket's one gradient reduction, seconds
     peak_bytes: int  # without the home state
     steps: int  # micro-steps the bucket's rows take
+
+    @property
+    def seconds(self) -> float:
+        return self.steps * self.time.seconds + self.reduction
 
 
 class Search:
@@ -200,8 +207,8 @@ class Search:
         `home_bytes` of home state: for each remat policy, micro-steps of as many rows as fit
         (and no more than the rows need), the policy whose micro-steps take least in all."""
         best = None
-        for remat in REMAT_POLICIES:
-            line = self._memory_line(strategy, max_len, remat)
+        for remat, accumulate in itertools.product(REMAT_POLICIES, ACCUMULATE):
+            line = self._memory_line(strategy, max_len, remat, accumulate)
             if line is None:
                 continue
             shards, first, per_shard = line
@@ -209,24 +216,25 @@ class Search:
             if room < 0:
                 continue
             blocks = min(1 + int(room // max(per_shard, 1)), max(math.ceil(rows / shards), 1))
-            key = (strategy, max_len, remat, blocks * shards)
+            key = (strategy, max_len, remat, accumulate, blocks * shards)
             if key not in self._time:
                 config = dataclasses.replace(self.config, remat=remat)
                 self._time[key] = micro_step_time(config, strategy, (blocks * shards, max_len),
-                                                  self.profile)
-            found = _MicroStep(blocks * shards, remat, self._time[key],
+                                                  self.profile, accumulate)
+            found = _MicroStep(blocks * shards, remat, accumulate, self._time[key],
+                               bucket_reduction_seconds(self.config, strategy, self.profile,
+                                                        accumulate),
                                first + (blocks - 1) * per_shard,
                                math.ceil(rows / (blocks * shards)))
-            if best is None or (found.steps * found.time.seconds
-                                < best.steps * best.time.seconds):
+            if best is None or found.seconds < best.seconds:
                 best = found
         return best
 
-    def _memory_line(self, strategy: Strategy, max_len: int, remat: str
+    def _memory_line(self, strategy: Strategy, max_len: int, remat: str, accumulate: str
                      ) -> tuple[int, int, int] | None:
         """(rows a micro-step takes at least, its peak bytes, bytes per such rows more): the
         memory model is affine in the rows. None where the rows cannot split as needed."""
-        key = (strategy, max_len, remat)
+        key = (strategy, max_len, remat, accumulate)
         if key not in self._lines:
             config = dataclasses.replace(self.config, remat=remat)
             shards = _batch_shards(strategy)
@@ -235,7 +243,8 @@ class Search:
                 self._lines[key] = None
             else:
                 one, two = (micro_step_memory(config, strategy, (k * shards, max_len),
-                                              self.profile.platform).peak for k in (1, 2))
+                                              self.profile.platform, accumulate).peak
+                             for k in (1, 2))
                 self._lines[key] = (shards, one, two - one)
         return self._lines[key]
 
@@ -247,7 +256,8 @@ class Search:
             return None
         shares, imbalance = self._attention_shares(lengths, rows, max_len, strategy, micro.rows,
                                                    masked)
-        seconds = sum(micro.time.with_attention(share).seconds for share in shares)
+        seconds = sum(micro.time.with_attention(share).seconds for share in shares) + (
+            micro.reduction if len(shares) else 0.0)
         return Choice(low, max_len, strategy, micro.rows, micro.remat, micro.steps, len(rows),
                       sum(len(r) for r in rows), int(sum(lengths[i] for r in rows for i in r)),
                       seconds, micro.peak_bytes + home_bytes, imbalance)

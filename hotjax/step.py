@@ -4,28 +4,54 @@ home state with its single update.
 A bucket's micro-step adds one micro-batch's fp32 gradients, loss sum and target count to an
 accumulator held in the bucket's own layout (`Accumulator`); the home applies one update from
 the accumulated sums, divided by the mini-batch's real target count. Each piece is compiled once
-per (config, strategy, devices, shape) and cached here, so trainers built again (by tests,
-benchmarks, a resumed run) reuse it.
+per (config, strategy, devices, accumulation, shape) and cached here, so trainers built again
+(by tests, benchmarks, a resumed run) reuse it.
+
+How a bucket accumulates (`ACCUMULATE`), as Megatron's and DeepSpeed's data parallelism do:
+- `local`: each data shard adds its own, unreduced gradients to its own fp32 partial sum, and
+  the bucket's end reduces the partial sums once, straight into the home's gradient layout.
+  The partials are one stacked array `[data shards, ...]` split over the data axes; the
+  micro-step is a `vmap` over that axis (`spmd_axis_name`), so XLA computes each shard's
+  gradients where its rows are and never adds them up inside a micro-step. The data axes are
+  the leading mesh axes that split the rows and that no gradient is split on
+  (`partial_axes`): `data` under every rule set, `fsdp` too under dp and ZeRO-1.
+- `sharded`: the gradients are reduce-scattered every micro-step into an accumulator split
+  further over those axes (ZeRO-2): a data shard's share of the fp32 sum instead of all of it,
+  for buckets where a whole partial sum does not fit.
+Axes the gradient layout is split on already (fsdp under ZeRO-2 and ZeRO-3) reduce-scatter
+every micro-step either way, as FSDP does; so do the context and tensor axes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hotjax.data import Batch
 from hotjax.optim import OptimConfig, loss_scale, make_optimizer, skipped_steps
 from models.attention import choose_backend
 from models.errors import UserError
 from models.llama import LlamaConfig, Params, abstract_params, bind, init_params, param_axes
-from sharding.strategy import Layout, Strategy, fit_to_model
+from sharding.strategy import (
+    ACCUMULATE,
+    Layout,
+    Rules,
+    Strategy,
+    as_tuple,
+    fit_to_model,
+    partial_axes,
+    ways,
+)
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets")
 NO_TARGET = -1
@@ -39,7 +65,8 @@ class TrainState(NamedTuple):
 
 
 class Accumulator(NamedTuple):
-    """Sums over the micro-batches seen so far: fp32 gradients, loss and target count."""
+    """Sums over the micro-batches seen so far: fp32 gradients, loss and target count (each
+    with a leading axis of data shards while they are a `local` bucket's partial sums)."""
 
     grads: Params
     loss_sum: jax.Array
@@ -126,9 +153,12 @@ def _per_device_bytes(shapes: Params, shardings: Params) -> int:
 class BucketStep:
     """One bucket's strategy on devices: its layouts, and its gradient micro-step
     `(compute params, accumulator, micro-batch, loss scale) -> accumulator` compiled once per
-    shape."""
+    shape, accumulating as `accumulate` says (`ACCUMULATE`)."""
 
-    def __init__(self, config: LlamaConfig, strategy: Strategy, devices: Sequence[jax.Device]):
+    def __init__(self, config: LlamaConfig, strategy: Strategy, devices: Sequence[jax.Device],
+                 accumulate: str = "local"):
+        if accumulate not in ACCUMULATE:
+            raise UserError(f"accumulate {accumulate!r}: choose one of {', '.join(ACCUMULATE)}")
         self.config = config
         fitted, self.notes = fit_to_model(strategy, config)
         self.layout = Layout(fitted, devices)
@@ -139,12 +169,29 @@ class BucketStep:
                            f"{why}",)
         axes, shapes = param_axes(config), abstract_params(config)
         self.param_shardings = self.layout.param_shardings(axes, shapes)  # compute weights
-        # ZeRO-2 reduce-scatters the gradients: the accumulator takes the gradient layout.
-        replicated = self.layout.replicated
-        self.acc_shardings = Accumulator(
-            self.layout.param_shardings(axes, shapes, fitted.grad_spec), replicated, replicated)
-        self._zeros = jax.jit(lambda: _zeros(config), out_shardings=self.acc_shardings)
+        self.partial = partial_axes(fitted)
+        self.accumulate = accumulate if self.partial else "sharded"
+        mesh, replicated = self.layout.mesh, self.layout.replicated
+        # The gradient layout (ZeRO-2 reduce-scatters into a split one).
+        self.grad_shardings = self.layout.param_shardings(axes, shapes, fitted.grad_spec)
+        if self.accumulate == "local":
+            # Inside the micro-step's vmap the rows' data axes are the mapped axis.
+            self.inner = Layout(dataclasses.replace(fitted, rules=_without_batch_axes(
+                fitted.rules, self.partial)), devices)
+            self.shards = math.prod(mesh.shape[a] for a in self.partial)
+            per_shard = NamedSharding(mesh, P(self.partial))
+            self.acc_shardings = Accumulator(
+                jax.tree.map(lambda s: NamedSharding(mesh, P(self.partial, *s.spec)),
+                             self.grad_shardings), per_shard, per_shard)
+        else:
+            self.inner, self.shards = self.layout, 1
+            self.acc_shardings = Accumulator(
+                jax.tree.map(functools.partial(_split_further, axes=self.partial),
+                             self.grad_shardings, shapes), replicated, replicated)
+        self._zeros = jax.jit(lambda: _zeros(config, self.shards),
+                              out_shardings=self.acc_shardings)
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._reduce: dict[tuple, Callable[[Accumulator], Accumulator]] = {}
 
     def zeros(self) -> Accumulator:
         return self._zeros()
@@ -159,7 +206,8 @@ class BucketStep:
                                 f"{self.layout.batch_shards} batch shards of "
                                 f"{self.layout.strategy}: use a multiple of "
                                 f"{self.layout.batch_shards}")
-            step = functools.partial(_micro_step, config=self.config, layout=self.layout)
+            step = functools.partial(_micro_step, config=self.config, layout=self.inner,
+                                     partial=self.partial if self.shards > 1 else ())
             batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in BATCH_KEYS}
             jitted = jax.jit(step, in_shardings=(
                 self.param_shardings, self.acc_shardings,
@@ -167,13 +215,42 @@ class BucketStep:
                 out_shardings=self.acc_shardings, donate_argnums=1)
             compute = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, self.config.dtype),
                                    abstract_params(self.config))
-            self._compiled[shape] = jitted.lower(compute, _accumulator_shapes(self.config),
-                                                 batch, SCALE).compile()
+            self._compiled[shape] = jitted.lower(
+                compute, _accumulator_shapes(self.config, self.shards), batch, SCALE).compile()
         return self._compiled[shape]
+
+    def reducer(self, shardings: Accumulator) -> Callable[[Accumulator], Accumulator]:
+        """The bucket's end, compiled once per target: its sums into `shardings` (the home's
+        gradient layout), the data shards' partial sums added up (one reduction) or the
+        accumulator moved there as it is."""
+        key = tuple(jax.tree.leaves(shardings))
+        if key not in self._reduce:
+            self._reduce[key] = jax.jit(
+                lambda a: jax.tree.map(lambda x: x.sum(axis=0), a) if self.shards > 1 else a,
+                out_shardings=shardings)
+        return self._reduce[key]
+
+    def reduce(self, acc: Accumulator, shardings: Accumulator) -> Accumulator:
+        return self.reducer(shardings)(acc)
 
     def peak_bytes(self, shape: tuple[int, int]) -> int:
         """XLA's per-device peak of one micro-step: weights, accumulator, batch, temporaries."""
         return step_memory(self.compiled(shape))["peak"]
+
+    def accumulator_bytes(self) -> int:
+        """Per-device bytes of the fp32 gradient sum (partial sums, under `local`)."""
+        return _per_device_bytes(_accumulator_shapes(self.config, self.shards).grads,
+                                 self.acc_shardings.grads)
+
+    @property
+    def reduction(self) -> str:
+        """How the bucket's gradients are reduced, in words."""
+        if self.accumulate == "local":
+            return f"gradients reduced over {'·'.join(self.partial)} once per bucket"
+        batch = self.layout.strategy.activation_spec(("batch",))
+        over = "·".join(as_tuple(batch[0] if len(batch) else None))
+        return (f"gradients reduce-scattered over {over} every micro-step" if over
+                else "no data-parallel gradient reduction")
 
     def place(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return jax.device_put(arrays, self.layout.batch_sharding)
@@ -182,30 +259,70 @@ class BucketStep:
         return jax.device_put(scale, self.layout.replicated)
 
 
-def _zeros(config: LlamaConfig) -> Accumulator:
-    grads = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), abstract_params(config))
-    return Accumulator(grads, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+def _without_batch_axes(rules: Rules, axes: tuple[str, ...]) -> Rules:
+    activations = tuple((logical, tuple(a for a in mesh_axes if a not in axes))
+                        if logical == "batch" else (logical, mesh_axes)
+                        for logical, mesh_axes in rules.activations)
+    return dataclasses.replace(rules, activations=activations)
+
+
+def _split_further(sharding: NamedSharding, shape: jax.ShapeDtypeStruct,
+                   axes: tuple[str, ...]) -> NamedSharding:
+    """`sharding` with its largest dimension that divides evenly split over `axes` as well
+    (unchanged where none does, or without `axes`)."""
+    mesh = sharding.mesh
+    n = math.prod(mesh.shape[a] for a in axes)
+    if n == 1:
+        return sharding
+    parts = list(sharding.spec) + [None] * (len(shape.shape) - len(sharding.spec))
+    pieces = ways(P(*parts), mesh.shape)
+    sizes = [size // k for size, k in zip(shape.shape, pieces, strict=True)]
+    for dim in sorted(range(len(sizes)), key=lambda d: -sizes[d]):
+        if sizes[dim] % n == 0:
+            parts[dim] = (*as_tuple(parts[dim]), *axes)
+            return NamedSharding(mesh, P(*parts))
+    return sharding
+
+
+def _zeros(config: LlamaConfig, shards: int = 1) -> Accumulator:
+    lead = (shards,) if shards > 1 else ()
+    grads = jax.tree.map(lambda s: jnp.zeros((*lead, *s.shape), jnp.float32),
+                         abstract_params(config))
+    return Accumulator(grads, jnp.zeros(lead, jnp.float32), jnp.zeros(lead, jnp.int32))
 
 
 @functools.cache
-def _accumulator_shapes(config: LlamaConfig) -> Accumulator:
-    return jax.eval_shape(functools.partial(_zeros, config))
+def _accumulator_shapes(config: LlamaConfig, shards: int = 1) -> Accumulator:
+    return jax.eval_shape(functools.partial(_zeros, config, shards))
 
 
 def _micro_step(params: Params, acc: Accumulator, batch: dict[str, jax.Array],
-                scale: jax.Array, *, config: LlamaConfig, layout: Layout) -> Accumulator:
+                scale: jax.Array, *, config: LlamaConfig, layout: Layout,
+                partial: tuple[str, ...]) -> Accumulator:
     # The backward pass runs on the loss per token slot times the loss scale: the size loss
     # scales are tuned for (a mean loss), so small fp16 gradients do not underflow. The fp32
     # gradients are then unscaled back to those of the summed loss.
     slots = batch["tokens"].size
 
-    def scaled_loss(params: Params) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        model = bind(config, params)
-        logits = model(batch["tokens"], batch["segment_ids"], batch["positions"], layout)
-        total, count = token_loss(logits, batch["targets"])
-        return total * (scale / slots), (total, count)
+    def shard_gradients(params: Params, rows: dict[str, jax.Array]
+                        ) -> tuple[Params, tuple[jax.Array, jax.Array]]:
+        def scaled_loss(params: Params) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            model = bind(config, params)
+            logits = model(rows["tokens"], rows["segment_ids"], rows["positions"], layout)
+            total, count = token_loss(logits, rows["targets"])
+            return total * (scale / slots), (total, count)
 
-    (_, (total, count)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        (_, sums), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        return grads, sums
+
+    if partial:
+        # Each data shard's rows (a contiguous block) and its own gradients, never added up.
+        shards = math.prod(layout.mesh.shape[a] for a in partial)
+        rows = {k: v.reshape(shards, -1, *v.shape[1:]) for k, v in batch.items()}
+        grads, (total, count) = jax.vmap(shard_gradients, in_axes=(None, 0),
+                                         spmd_axis_name=partial)(params, rows)
+    else:
+        grads, (total, count) = shard_gradients(params, batch)
     unscale = slots / scale
     return Accumulator(
         jax.tree.map(lambda a, g: a + g.astype(jnp.float32) * unscale, acc.grads, grads),
@@ -294,10 +411,11 @@ def _apply(state: TrainState, acc: Accumulator, *, tx: optax.GradientTransformat
 
 
 @functools.cache
-def bucket_step(config: LlamaConfig, strategy: Strategy,
-                devices: tuple[jax.Device, ...]) -> BucketStep:
-    """One BucketStep (and so one set of compiled micro-steps) per (config, strategy, devices)."""
-    return BucketStep(config, strategy, devices)
+def bucket_step(config: LlamaConfig, strategy: Strategy, devices: tuple[jax.Device, ...],
+                accumulate: str = "local") -> BucketStep:
+    """One BucketStep (and so one set of compiled micro-steps) per (config, strategy, devices,
+    accumulation)."""
+    return BucketStep(config, strategy, devices, accumulate)
 
 
 @functools.cache

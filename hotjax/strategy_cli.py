@@ -108,6 +108,7 @@ def _show(args: argparse.Namespace) -> None:
         console.print(f"micro-steps: rows split {split}; " + (
             f"{rows} row(s) each (the table's)" if rows else
             f"{shards} row(s) each by default, or the most that fit --device-memory"))
+        console.print(_gradients_line(report["gradients"]))
         if pipeline:
             tokens = (rows or shards) * bucket.max_len
             console.print(
@@ -132,6 +133,18 @@ def _show(args: argparse.Namespace) -> None:
             for policy in REMAT_POLICIES:
                 policies.add_row(policy, _mib(memory[policy]))
             console.print(policies)
+
+
+def _gradients_line(gradients: dict) -> str:
+    local, sharded = gradients["local"], gradients["sharded"]
+    if not gradients["partial_axes"]:
+        return (f"gradients: an fp32 sum of {_mib(local['accumulator_bytes'])} per device, "
+                f"reduced within each micro-step (no data axis to keep apart)")
+    over = "·".join(gradients["partial_axes"])
+    return (f"gradients: each {over} shard keeps an fp32 partial sum of "
+            f"{_mib(local['accumulator_bytes'])} per device, reduced once per bucket; where "
+            f"that does not fit, reduce-scattered over {over} every micro-step into "
+            f"{_mib(sharded['accumulator_bytes'])}")
 
 
 def _attention_line(attention: dict, platform: str) -> str:

@@ -25,7 +25,15 @@ import numpy as np
 from hotjax.balance import Placement, place, row_work
 from hotjax.data import Batch, MiniBatch
 from hotjax.optim import OptimConfig
-from hotjax.step import Accumulator, BucketStep, TrainState, bucket_step, home, micro_batches
+from hotjax.step import (
+    ACCUMULATE,
+    Accumulator,
+    BucketStep,
+    TrainState,
+    bucket_step,
+    home,
+    micro_batches,
+)
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
 from models.options import REMAT_POLICIES
@@ -129,9 +137,10 @@ class Trainer:
         spec = self.table.buckets[i]
         named = spec.remat or remat
         policies = (named,) if named else REMAT_POLICIES if device_memory else ("none",)
-        for policy in policies:
+        # Partial sums reduced once per bucket where they fit, else a sharded accumulator.
+        for policy, accumulate in itertools.product(policies, ACCUMULATE):
             bucket = bucket_step(dataclasses.replace(self.config, remat=policy), spec.strategy,
-                                 devices)
+                                 devices, accumulate)
             rows, fits = self._micro_rows(i, bucket, device_memory, typical_rows)
             if fits:
                 break
@@ -200,7 +209,8 @@ class Trainer:
     def describe(self) -> str:
         order = " -> ".join(f"{self.table.buckets[i].max_len}: {self.buckets[i].layout.strategy}"
                             for i in self.order)
-        micro = ", ".join(f"{r} x {b.max_len} (remat {s.config.remat})" for r, b, s in zip(
+        micro = ", ".join(f"{r} x {b.max_len} (remat {s.config.remat}; {s.reduction})"
+                          for r, b, s in zip(
             self.micro_rows, self.table.buckets, self.buckets, strict=True))
         return f"home {self.home.layout.strategy}; buckets {order}; micro-batches {micro}"
 
@@ -237,11 +247,15 @@ class Trainer:
             for arrays in micro:  # placed while the previous micro-step computes
                 acc = step(compute, acc, bucket.place(arrays), bucket_scale)
             computed = self._wait(acc)
-            if not already_laid_out(acc.grads, self.home.acc_shardings.grads):
-                moved += self.grad_plans[i].bytes_moved
-            acc = Accumulator(self.switch(acc.grads, self.home.acc_shardings.grads),
-                              *self.switch((acc.loss_sum, acc.targets),
-                                           self.home.acc_shardings[1:]))
+            if bucket.acc_shardings.grads != bucket.grad_shardings:
+                # Partial or further-split sums: reduced into the home's layout at once.
+                acc = bucket.reduce(acc, self.home.acc_shardings)
+            else:
+                if not already_laid_out(acc.grads, self.home.acc_shardings.grads):
+                    moved += self.grad_plans[i].bytes_moved
+                acc = Accumulator(self.switch(acc.grads, self.home.acc_shardings.grads),
+                                  *self.switch((acc.loss_sum, acc.targets),
+                                               self.home.acc_shardings[1:]))
             total = acc if total is None else self.home.add(total, acc)
             timed = self.timings and self._wait(total)
             report.append(BucketMetrics(

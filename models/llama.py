@@ -44,6 +44,11 @@ class Placement(Protocol):
         """(stages, micro-batches) when the layers run as a pipeline, else None."""
         ...
 
+    def across_stages(self, x: Array, axes: tuple[str | None, ...]) -> Array:
+        """`x` laid out as `constrain` does, with its rows split over the pipeline's stages as
+        well (where they divide): the work after a pipeline, shared by its stage groups."""
+        ...
+
 
 def _no_constraint(x: Array, _axes: tuple[str | None, ...]) -> Array:
     return x
@@ -240,7 +245,12 @@ class Llama(nnx.Module):
         if pipeline is None:
             x_BxTxD, _ = jax.lax.scan(lambda x, w: (block(x, w, rows), None), x_BxTxD, stacked)
         else:
-            x_BxTxD = gpipe(block, x_BxTxD, stacked, rows, *pipeline, constrain=constrain)
+            x_BxTxD = gpipe(block, x_BxTxD, stacked, rows, *pipeline, constrain=constrain,
+                            remat_stages=cfg.remat == "full")
+            # Every stage group holds the pipeline's output: each takes its share of the rows
+            # through the final norm, the LM head and the loss, instead of all of them.
+            constrain = placement.across_stages
+            x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
 
         x_BxTxD = _rms_norm(x_BxTxD, self.final_norm[...].astype(cfg.dtype), cfg.norm_eps)
         head_DxV = embed_VxD.T if cfg.tie_embeddings else constrain(

@@ -9,8 +9,14 @@ shift into a collective permute between neighbouring stages), runs every stage o
 `vmap` over stages, `spmd_axis_name="stage"`, so each stage's devices compute only their own),
 and collects the micro-batch the last stage finished. In the first and last S - 1 iterations
 some stages work on nothing that reaches the output: the bubble, (S - 1) / (M + S - 1) of the
-stage-iterations. The backward pass is the scan's own, run in reverse; each stage's layers are
-rematerialised, so what a stage keeps for it is one input per iteration.
+stage-iterations. The backward pass is the scan's own, run in reverse. What a stage keeps for
+it follows the layers' remat policy: every iteration's activations as the policy saves them, or
+under `remat_stages` (the "full" policy) only each iteration's stage input, the stage's layers
+recomputed in the backward pass.
+
+After the pipeline every stage group holds its output; the model then gives each group a share
+of the rows for the final norm, LM head and loss (`Placement.across_stages`), so that work is
+done once per row rather than once per stage.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ def bubble(stages: int, microbatches: int) -> float:
 
 
 def gpipe(block: Callable[[Array, Any, Any], Array], x_BxTxD: Array, stacked: Any, rows: Any,
-          stages: int, microbatches: int, constrain: Callable[[Array, tuple], Array]) -> Array:
+          stages: int, microbatches: int, constrain: Callable[[Array, tuple], Array],
+          remat_stages: bool = False) -> Array:
     """`block(x, layer weights, rows)` applied for every layer of `stacked` (leading axis L),
     as a pipeline of `stages` stages over `microbatches` micro-batches. `rows` is a tree of
-    per-row arrays [B, T, ...] (segment ids, positions, rotary tables) each block reads."""
+    per-row arrays [B, T, ...] (segment ids, positions, rotary tables) each block reads.
+    `remat_stages`: keep only each stage's input per iteration and recompute its layers."""
     S, M = stages, microbatches
     B = x_BxTxD.shape[0]
 
@@ -48,7 +56,9 @@ def gpipe(block: Callable[[Array, Any, Any], Array], x_BxTxD: Array, stacked: An
     def stage(layers: Any, x: Array, stage_rows: Any) -> Array:
         return jax.lax.scan(lambda x, w: (block(x, w, stage_rows), None), x, layers)[0]
 
-    all_stages = jax.vmap(jax.checkpoint(stage, prevent_cse=False), spmd_axis_name="stage")
+    if remat_stages:
+        stage = jax.checkpoint(stage, prevent_cse=False)
+    all_stages = jax.vmap(stage, spmd_axis_name="stage")
     stage_index_S = jnp.arange(S)
 
     def on_stages(a: Array) -> Array:

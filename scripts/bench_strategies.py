@@ -1,7 +1,7 @@
 """Step time and XLA-reported per-device memory of each strategy, at two sequence lengths.
 
     python scripts/bench_strategies.py [--json] [--quick] [--seq-lens 512,2048]
-                                       [--strategies "A; B"]
+                                       [--strategies "A; B"] [--processes N]
 
 Each (strategy, sequence length) trains the same synthetic packed mini-batch (random tokens, a
 few documents per row) as a one-bucket `Trainer` whose one micro-batch holds every row: the
@@ -27,7 +27,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import machine, parse_args, print_machine, report  # noqa: E402  (beside this script)
+from quick_option import (  # noqa: E402  (beside this script)
+    add_processes_option,
+    machine,
+    parse_args,
+    print_machine,
+    report,
+)
 
 from models.errors import UserError  # noqa: E402
 
@@ -283,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: 8 simulated CPUs, or all accelerators)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document to stdout (the table goes to stderr)")
+    add_processes_option(parser)
     args = parse_args(parser, argv, QUICK)
 
     return report("bench_strategies", args, run, print_table, args.devices,

@@ -7,7 +7,8 @@ micro-batches. Each row is one causal document (a bucket's worst case); counts a
 Time (seconds per micro-step; `MicroStepTime` keeps each term):
 - Matmuls: 2 FLOPs per weight per token forward, 4 backward (Kaplan et al. 2020, "Scaling laws",
   §2.1: C = 6N per token); a rematerialised forward (remat "full", and a pipeline stage's
-  checkpoint) adds 2 more. The LM head runs on every stage; the layers' work divides by S.
+  checkpoint under remat "full") adds 2 more. The layers' work divides by S; after a pipeline
+  each stage group takes 1/S of the rows through the LM head.
 - Attention: 4·N·H FLOPs per visible (query, key) pair forward, 2.5x that backward
   (FlashAttention-2's five matmuls against two: Dao 2023, arXiv:2307.08691), counted over the
   blocks the kernel that runs computes (`attention_kernel`): on GPU a packed row runs JAX's
@@ -38,19 +39,24 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   exceeds the attention time is exposed.
 - FSDP (ZeRO-3): the weights are all-gathered over the fsdp axes layer by layer in the forward
   pass, and again in the backward under remat (with remat "none" XLA keeps the gathered layers).
-- Gradient reduction: the micro-step adds its gradients to an accumulator kept in the bucket's
-  gradient layout, so each micro-step reduces them over the axes that split its tokens (data,
-  fsdp, context): a reduce-scatter over those the accumulator is split on, an all-reduce over the
-  rest. (Megatron and DeepSpeed reduce once per optimizer step instead; here the home's update
-  needs no further reduction.)
+- Gradient reduction (`hotjax.step.ACCUMULATE`): under `local` accumulation each data shard
+  keeps its own fp32 partial sum over the leading data axes no gradient is split on
+  (`sharding.strategy.partial_axes`), and the bucket reduces them once at its end
+  (`bucket_reduction_seconds`: an all-reduce of the fp32 sums, as Megatron's and DeepSpeed's
+  data parallelism reduce once per optimizer step). Every micro-step still reduces its
+  compute-dtype gradients over the other axes that split its tokens (fsdp under ZeRO-2/3,
+  context): a reduce-scatter over those the accumulator is split on, an all-reduce over the
+  rest. Under `sharded` accumulation the data axes are reduce-scattered every micro-step too,
+  into an accumulator split over them.
 - Pipeline (GPipe, `models.pipeline`): M + S - 1 iterations, each sending a micro-batch's
-  activations to the next stage forward, again in the stage's recomputed forward, and their
-  gradient backward; the S - 1 iterations beyond M are the bubble, priced at the layers' work
+  activations to the next stage forward (again in a stage recomputed under remat "full"), and
+  their gradient backward; the S - 1 iterations beyond M are the bubble, priced at the layers' work
   per iteration.
 
 Memory (bytes per device at the micro-step's peak; `MicroStepMemory` keeps each term):
 - Arguments, exactly: the compute-dtype weights in the parameter layout, the fp32 accumulator in
-  the gradient layout, the micro-batch's four int32 arrays.
+  the gradient layout (a data shard's part of it under `sharded` accumulation), the
+  micro-batch's four int32 arrays.
 - The weights as the matmuls read them, beyond the arguments: gathered over fsdp and, where XLA
   widens the compute dtype (XLA:CPU runs bf16 dots in fp32: `HELD_BYTES`), widened. With remat
   "none" XLA keeps every layer's so from the forward pass for the backward; under remat, one
@@ -58,8 +64,9 @@ Memory (bytes per device at the micro-step's peak; `MicroStepMemory` keeps each 
 - Weight gradients: the layer loop stacks them (reduce-scattered first under fsdp); a pipeline
   carries its stage's gradient sum through the iterations, in and out of each.
 - Activations saved for the backward pass: per layer and token, `SAVED` arrays of each width by
-  remat policy; a pipeline keeps each iteration's stage input and recomputes one micro-batch's
-  layers at a time.
+  remat policy, for each of a pipeline's M + S - 1 iterations with the scan's carry (the stage
+  slot and the M finished micro-batches); under remat "full" a pipeline keeps only each
+  iteration's stage input and recomputes one micro-batch's layers at a time.
 - The backward pass's working set (`WORKING`): logits-sized fp32 arrays, activation gradients,
   a layer's gradients or its recomputed activations.
 Which arrays exist and how many was read off XLA's buffer assignment of the compiled micro-step,
@@ -88,7 +95,7 @@ from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
 from sharding.planner import SwitchPlan
 from sharding.profile import Profile
-from sharding.strategy import MESH_AXES, Strategy, fit_to_model, ways
+from sharding.strategy import MESH_AXES, Strategy, fit_to_model, partial_axes, ways
 
 FP32, INT32 = 4, 4
 BATCH_ARRAYS = 4  # tokens, segment ids, positions, targets
@@ -143,6 +150,7 @@ class Shares:
     other_shards: int  # the same in the parameter layout
     token_axes: tuple[str, ...]  # mesh axes splitting the tokens (gradients reduce over them)
     scatter_axes: tuple[str, ...]  # those the gradient layout is split on (reduce-scattered)
+    partial_axes: tuple[str, ...]  # data axes a `local` bucket keeps its partial sums apart on
     gather_axes: tuple[str, ...]  # mesh axes the weights are gathered over (FSDP)
 
 
@@ -163,7 +171,8 @@ def shares(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int]) -> S
         mlp_ways=split((None, "mlp")), vocab_ways=split((None, "vocab")),
         stages=strategy.stages, microbatches=strategy.microbatches or 1,
         layers=config.n_layers // strategy.stages, **count,
-        token_axes=token_axes, scatter_axes=scatter_axes, gather_axes=gather_axes)
+        token_axes=token_axes, scatter_axes=scatter_axes, partial_axes=partial_axes(strategy),
+        gather_axes=gather_axes)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -219,10 +228,12 @@ class MicroStepMemory:
 
 
 def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int],
-                      platform: str = "gpu") -> MicroStepMemory:
+                      platform: str = "gpu", accumulate: str = "local") -> MicroStepMemory:
     """The per-device peak of a bucket's gradient micro-step on micro-batches of `shape`, as
-    XLA on `platform` ("cpu", "gpu", "tpu") plans it."""
+    XLA on `platform` ("cpu", "gpu", "tpu") plans it, accumulating as `accumulate` says."""
     s = shares(config, strategy, shape)
+    grad_sum = s.grad_sum if accumulate == "local" else s.grad_sum / _size(strategy,
+                                                                            s.partial_axes)
     compute = config.dtype.itemsize
     held = HELD_BYTES.get(platform, compute)
     D, F, V = config.dim, config.ffn_dim, config.vocab_size
@@ -244,18 +255,21 @@ def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int,
     M, S = s.microbatches, s.stages
     tokens, inner = s.tokens / M, s.inner_tokens / M  # one pipeline micro-batch (M = 1: all)
     activations = s.layers * per_token(SAVED[config.remat], tokens, inner)
-    if S > 1:  # each iteration keeps its stage's input; the stage recomputes its layers
+    if S > 1 and config.remat == "full":  # each iteration's stage input; layers recomputed
         activations += (M + S - 1) * tokens * D * held
+    elif S > 1:  # every iteration's activations as the policy saves them, and its carry
+        activations = (M + S - 1) * (activations + (M + 1) * tokens * D * held)
+    head_rows = _head_share(s)
     # A pipeline carries its stage's gradient sum through the iterations at the matmuls' width,
     # into and out of each one; otherwise the layer loop stacks them in the accumulator's layout.
     gradients = 2 * s.layer_weights * held if S > 1 else s.layer_grad_sum * compute
     work = WORKING[config.remat]
     working = (work.gradients * (S == 1) * (s.layer_weights / s.layers + s.other_weights) * compute
-               + work.logits * s.inner_tokens * V / s.vocab_ways * FP32
+               + work.logits * s.inner_tokens * V / s.vocab_ways * FP32 / head_rows
                + per_token(work.widths, tokens, inner)
                + work.recomputed * per_token(SAVED["none"], tokens, inner))
     return MicroStepMemory(
-        weights=s.weights * compute, grad_sum=s.grad_sum * FP32 + 2 * FP32,
+        weights=s.weights * compute, grad_sum=round(grad_sum * FP32) + 2 * FP32,
         batch=round(s.tokens * BATCH_ARRAYS * INT32) + FP32, read_weights=round(read_bytes),
         gradients=round(gradients), activations=round(activations), working=round(working))
 
@@ -296,8 +310,10 @@ class MicroStepTime:
 
 
 def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int],
-                    profile: Profile) -> MicroStepTime:
-    """Seconds of a bucket's gradient micro-step on micro-batches of `shape` on `profile`."""
+                    profile: Profile, accumulate: str = "local") -> MicroStepTime:
+    """Seconds of a bucket's gradient micro-step on micro-batches of `shape` on `profile`,
+    accumulating as `accumulate` says (under `local`, without the bucket's one reduction:
+    `bucket_reduction_seconds`)."""
     if strategy.num_devices > profile.num_devices:
         raise UserError(f"{strategy} uses {strategy.num_devices} devices but profile "
                         f"{profile.name} has {profile.num_devices}: choose a smaller strategy "
@@ -308,8 +324,9 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     D, H, N, K, F, V = (config.dim, config.head_dim, config.n_heads, config.n_kv_heads,
                         config.ffn_dim, config.vocab_size)
     S, M = s.stages, s.microbatches
-    forwards = 1 + (config.remat == "full") + (S > 1)  # of each layer's matmuls
-    attention_forwards = 1 + (config.remat != "none") + (S > 1)
+    staged = S > 1 and config.remat == "full"  # a pipeline recomputing whole stages
+    forwards = 1 + (config.remat == "full") + staged  # of each layer's matmuls
+    attention_forwards = 1 + (config.remat != "none") + staged
 
     def gemms(widths: Iterable[tuple[float, float]]) -> float:
         """Seconds per token of GEMMs [tokens, k] x [k, n] of (k, n) `widths`, forward once."""
@@ -320,7 +337,7 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     query, kv, mlp = N * H / s.head_ways, K * H / s.kv_ways, F / s.mlp_ways
     layer = gemms(((D, query), (D, kv), (D, kv), (query, D), (D, mlp), (D, mlp), (mlp, D)))
     layer_matmuls = (forwards + 2) * s.inner_tokens * layer * s.layers
-    head_matmuls = 3 * s.inner_tokens * gemms(((D, V / s.vocab_ways),))
+    head_matmuls = 3 * s.inner_tokens * gemms(((D, V / s.vocab_ways),)) / _head_share(s)
     context = fitted.seq_ways("context")
     block, _ = attention_kernel(config, profile.platform, shape[1], context)
     pairs = s.rows * visible_pairs(shape[1], context, fitted.balanced, block)
@@ -353,9 +370,11 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     weights = (s.layer_weights + s.other_weights) * compute
     gathers = 1 if config.remat == "none" else 2
     fsdp = gathers * collective("all-gather", weights, s.gather_axes)
-    rest = tuple(a for a in s.token_axes if a not in s.scatter_axes)
-    scattered = weights / math.prod(fitted.axes[a] for a in s.scatter_axes)
-    gradients = (collective("reduce-scatter", weights, s.scatter_axes)
+    kept_apart = s.partial_axes if accumulate == "local" else ()
+    scatter = s.scatter_axes + (s.partial_axes if accumulate == "sharded" else ())
+    rest = tuple(a for a in s.token_axes if a not in scatter and a not in kept_apart)
+    scattered = weights / _size(fitted, scatter)
+    gradients = (collective("reduce-scatter", weights, scatter)
                  + collective("all-reduce", scattered, rest))
 
     stage_send = collective("send", s.tokens / M * D * compute, ("stage",))
@@ -366,6 +385,29 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
         context=max(0.0, ring - attention), fsdp=fsdp, gradients=gradients, stages=stages,
         bubble=(S - 1) * per_iteration if S > 1 else 0.0, ring=ring,
         overhead=profile.step_overhead)
+
+
+def bucket_reduction_seconds(config: LlamaConfig, strategy: Strategy, profile: Profile,
+                             accumulate: str = "local") -> float:
+    """Seconds of a `local` bucket's one gradient reduction: the data shards' fp32 partial sums
+    all-reduced over the axes they were kept apart on (0 under `sharded`, or without them)."""
+    s = shares(config, strategy, (1, 1))  # the layouts alone: any shape
+    n = _size(strategy, s.partial_axes)
+    if accumulate != "local" or n == 1:
+        return 0.0
+    fitted = _layout(config, strategy)[0]
+    crosses = _crosses_nodes(fitted, s.partial_axes, profile.devices_per_node)
+    return profile.collective_latency + 2 * (n - 1) / n * s.grad_sum * FP32 / profile.bandwidth(
+        "all-reduce", n, crosses)
+
+
+def _head_share(s: Shares) -> int:
+    """How many ways a pipeline's stage groups split the rows after it (`across_stages`)."""
+    return s.stages if s.stages > 1 and s.rows % s.stages == 0 else 1
+
+
+def _size(strategy: Strategy, axes: tuple[str, ...]) -> int:
+    return math.prod(strategy.axes[a] for a in axes)
 
 
 def attention_kernel(config: LlamaConfig, platform: str, seq_len: int, context: int

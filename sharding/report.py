@@ -10,7 +10,7 @@ from models.attention import DEFAULT_BLOCK, choose_backend
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
 from models.pipeline import bubble
-from sharding.strategy import Strategy, fit_to_model, ways
+from sharding.strategy import Strategy, fit_to_model, partial_axes, ways
 
 # Where activations are constrained in the model, by their logical axes.
 ACTIVATIONS = {
@@ -53,6 +53,7 @@ def describe(strategy: Strategy, config: LlamaConfig, platform: str = "cpu") -> 
             "batch_shards": math.prod(ways(fitted.activation_spec(("batch",)), sizes))
             * (fitted.microbatches or 1),
             "pipeline": _pipeline(fitted, config),
+            "gradients": _gradients(fitted, totals["grads"]),
             "activations": {k: _spec_text(fitted.activation_spec(v))
                             for k, v in ACTIVATIONS.items()},
             "attention": _attention(fitted, config, platform)}
@@ -72,6 +73,19 @@ def _pipeline(strategy: Strategy, config: LlamaConfig) -> dict[str, Any] | None:
     return {"stages": S, "layers_per_stage": config.n_layers // S, "microbatches": M,
             "iterations": M + S - 1, "bubble": bubble(S, M),
             "stage_bytes_per_token": sent}
+
+
+def _gradients(strategy: Strategy, grad_bytes: int) -> dict[str, Any]:
+    """How a bucket under `strategy` accumulates its gradients (`ACCUMULATE`): the axes its
+    data shards keep partial sums apart on, and per mode the fp32 sum each device holds and
+    the reductions over those axes a step makes."""
+    partial = partial_axes(strategy)
+    n = math.prod(strategy.axes[a] for a in partial)
+    return {"partial_axes": list(partial),
+            "local": {"accumulator_bytes": grad_bytes,
+                      "reductions": "once per bucket" if partial else "none"},
+            "sharded": {"accumulator_bytes": grad_bytes // n,
+                        "reductions": "every micro-step" if partial else "none"}}
 
 
 def _attention(strategy: Strategy, config: LlamaConfig, platform: str) -> dict[str, Any]:

@@ -252,7 +252,7 @@ class Strategy:
     def seq_ways(self, axis: str) -> int:
         """How many ways the residual sequence is split over one mesh axis."""
         part = self.activation_spec((None, "seq"))
-        return self.axes[axis] if len(part) > 1 and axis in _as_tuple(part[1]) else 1
+        return self.axes[axis] if len(part) > 1 and axis in as_tuple(part[1]) else 1
 
     def param_spec(self, axes: Sequence[str | None]) -> PartitionSpec:
         return _spec(axes, self.rules.params, self.axes)
@@ -318,7 +318,27 @@ def _spec(axes: Sequence[str | None], mapping: AxisMap, sizes: Mapping[str, int]
 
 def ways(spec: PartitionSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
     """How many pieces each dimension of an array under `spec` is cut into."""
-    return tuple(math.prod(sizes[a] for a in _as_tuple(part)) for part in spec)
+    return tuple(math.prod(sizes[a] for a in as_tuple(part)) for part in spec)
+
+
+# How a bucket accumulates gradients over its micro-steps (`hotjax.step`): each data shard's
+# partial sum reduced once per bucket, or reduce-scattered every micro-step into a split sum.
+ACCUMULATE = ("local", "sharded")
+
+
+def partial_axes(strategy: Strategy) -> tuple[str, ...]:
+    """The mesh axes over which a bucket can keep each data shard's gradients apart, to reduce
+    them once per bucket (`hotjax.step.ACCUMULATE`): the leading axes (of size > 1) that split
+    the rows and that no gradient is split on."""
+    batch = strategy.activation_spec(("batch",))
+    rules = strategy.rules
+    grad_axes = {a for _, axes in (rules.grads or rules.params) for a in axes}
+    axes = []
+    for axis in as_tuple(batch[0] if len(batch) else None):
+        if axis in grad_axes:
+            break
+        axes.append(axis)
+    return tuple(axes)
 
 
 def fit_to_model(strategy: Strategy, config: LlamaConfig) -> tuple[Strategy, tuple[str, ...]]:
@@ -389,6 +409,17 @@ class Layout:
         return jax.lax.with_sharding_constraint(
             x, NamedSharding(self.mesh, self.strategy.activation_spec(axes)))
 
+    def across_stages(self, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+        """`x` as `constrain` lays it out, its rows (the leading axis, `batch`) split over the
+        pipeline's stages as well where they divide: what follows a pipeline (the final norm,
+        the LM head, the loss) then runs on a share of the rows in each stage group."""
+        spec = list(self.strategy.activation_spec(axes)) or [None]
+        rows = math.prod(ways(PartitionSpec(spec[0]), self.mesh.shape))
+        stages = self.strategy.stages
+        if stages > 1 and x.shape[0] % (rows * stages) == 0:
+            spec[0] = (*as_tuple(spec[0]), "stage")
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
+
     @property
     def attention(self) -> AttentionSharding:
         """Where attention runs: per device, queries as the activation rules place them, K/V
@@ -431,7 +462,7 @@ class Layout:
         return NamedSharding(self.mesh, PartitionSpec())
 
 
-def _as_tuple(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
+def as_tuple(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
     if part is None:
         return ()
     return (part,) if isinstance(part, str) else tuple(part)

@@ -15,6 +15,7 @@ from models.llama import preset
 from models.pipeline import bubble
 from sharding.cost import (
     attention_kernel,
+    bucket_reduction_seconds,
     document_pairs,
     micro_step_memory,
     micro_step_time,
@@ -83,10 +84,17 @@ def test_data_parallel_time_is_six_flops_per_weight_and_token_plus_causal_attent
     # or below the diagonal; 4·H FLOPs per pair and head forward, 2.5 times that backward.
     pairs = 528 * 128 * 128
     assert time.attention == pytest.approx(3.5 * 4 * 128 * 32 * pairs * L / (989e12 * 0.35))
-    # The bf16 gradients all-reduced over 8 devices at 450 GB/s.
-    assert time.gradients == pytest.approx(2 * 7 / 8 * LLAMA2_7B.num_params() * 2 / (450 * GB))
-    assert time.tensor == time.context == time.fsdp == time.stages == time.bubble == 0
-    assert time.seconds == pytest.approx(time.matmuls + time.attention + time.gradients)
+    # Each data shard keeps its own partial sum: no gradient moves within a micro-step, and
+    # the bucket all-reduces the fp32 sums over 8 devices at 450 GB/s once.
+    assert time.gradients == time.tensor == time.context == time.fsdp == time.stages == \
+        time.bubble == 0
+    assert time.seconds == pytest.approx(time.matmuls + time.attention)
+    assert bucket_reduction_seconds(LLAMA2_7B, Strategy.parse("data=8"), H100) == \
+        pytest.approx(2 * 7 / 8 * LLAMA2_7B.num_params() * 4 / (450 * GB))
+    # A sharded accumulator instead reduce-scatters the bf16 gradients every micro-step.
+    sharded = micro_step_time(LLAMA2_7B, Strategy.parse("data=8"), (8, 4096), H100, "sharded")
+    assert sharded.gradients == pytest.approx(7 / 8 * LLAMA2_7B.num_params() * 2 / (450 * GB))
+    assert bucket_reduction_seconds(LLAMA2_7B, Strategy.parse("data=8"), H100, "sharded") == 0
 
 
 def test_doubling_tensor_ways_halves_compute_and_adds_the_megatron_all_reduces():
@@ -239,8 +247,10 @@ def test_groups_spanning_nodes_take_the_inter_node_bandwidth():
     activation = 2 * 2048 * 4096 * 2
     assert time.tensor == pytest.approx((4 * 32 + 2) * 2 * 7 / 8 * activation / (200 * GB))
     s = shares(LLAMA2_7B, strategy, (8, 2048))
-    gradients = (s.layer_weights + s.other_weights) * 2
-    assert time.gradients == pytest.approx(2 * 3 / 4 * gradients / (25 * GB))
+    # The data shards' fp32 partial sums, all-reduced across nodes once per bucket.
+    assert time.gradients == 0
+    assert bucket_reduction_seconds(LLAMA2_7B, strategy, A800) == pytest.approx(
+        2 * 3 / 4 * s.grad_sum * 4 / (25 * GB))
 
 
 def test_the_pipeline_bubble_is_the_gpipe_share_of_the_stage_work():
@@ -250,7 +260,7 @@ def test_the_pipeline_bubble_is_the_gpipe_share_of_the_stage_work():
     assert times[2].bubble == pytest.approx(2 * times[4].bubble)
     # The bubble's share of all iterations is models.pipeline.bubble's.
     time = times[4]
-    head = 6 * 8 * 4096 * 4096 * 32000 / 4 / (989e12 * 0.52)
+    head = 6 * 8 * 4096 * 4096 * 32000 / 4 / 2 / (989e12 * 0.52)  # rows split over stages
     head_tensor = 2 * 2 * 3 / 4 * 8 * 4096 * 4096 * 2 / (450 * GB)
     useful = time.matmuls - head + time.attention + time.tensor - head_tensor + time.stages
     share = bubble(2, 4)

@@ -3,6 +3,7 @@ XLA says each compiled piece (a bucket's micro-step, the home update) holds per 
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,16 @@ import pytest
 
 from hotjax.data import Batch, MiniBatch
 from hotjax.optim import OptimConfig
-from hotjax.step import BATCH_KEYS, Accumulator, Home, balanced_order, step_memory
+from hotjax.step import (
+    BATCH_KEYS,
+    Accumulator,
+    Home,
+    balanced_order,
+    bucket_step,
+    micro_batches,
+    next_token_targets,
+    step_memory,
+)
 from hotjax.train import Trainer
 from models.llama import PRESETS, abstract_params
 from sharding.strategy import Strategy
@@ -168,3 +178,66 @@ def test_balanced_order_gives_each_context_rank_chunks_i_and_2c_minus_1_minus_i(
     # Causal work per rank: a token at position p attends to p + 1 tokens.
     work = (order + 1).reshape(4, 4).sum(axis=1)
     assert work.tolist() == [34, 34, 34, 34]
+
+
+def _reductions(compiled: jax.stages.Compiled) -> list[str]:
+    """The all-reduces and reduce-scatters of a compiled program that span more than one
+    device (XLA leaves some over groups of one, which move nothing)."""
+    found = []
+    for line in compiled.as_text().splitlines():
+        op = re.search(r"= .* (all-reduce|reduce-scatter)(-start)?\(", line)
+        if not op:
+            continue
+        groups = re.search(r"replica_groups=(\S+)", line).group(1)
+        if re.fullmatch(r"\{(\{\d+\},?)+\},?", groups) or re.match(r"\[\d+,1\]<=", groups):
+            continue  # every group a single device
+        found.append(f"{op.group(1)} {groups}")
+    return found
+
+
+def test_a_data_parallel_micro_step_reduces_nothing_and_its_bucket_reduces_once(devices):
+    """Under `local` accumulation a data=8 micro-step keeps each shard's gradients (and loss
+    and target counts) apart; the bucket's one reduction adds them up. Under `sharded` the
+    micro-step reduces every time, into an eighth of the sum per device."""
+    trainer = _trainer("data=8,rules=dp", CONFIG, devices)
+    bucket = trainer.buckets[0]
+    assert bucket.accumulate == "local" and bucket.partial == ("data",)
+    micro = bucket.compiled((8, SEQ))
+    assert _reductions(micro) == []
+    acc = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                                sharding=sharding),
+                       jax.eval_shape(bucket.zeros), bucket.acc_shardings)
+    reduce = bucket.reducer(trainer.home.acc_shardings).lower(acc).compile()
+    assert len(_reductions(reduce)) >= 1
+    # ZeRO-3 over fsdp reduce-scatters every micro-step; data keeps its partial sums.
+    fsdp = _trainer("data=2,fsdp=4,rules=fsdp", CONFIG, devices).buckets[0]
+    assert fsdp.partial == ("data",)
+    assert _reductions(fsdp.compiled((8, SEQ)))
+    sharded = bucket_step(CONFIG, Strategy.parse("data=8,rules=dp"), tuple(devices), "sharded")
+    assert _reductions(sharded.compiled((8, SEQ)))
+    assert sharded.accumulator_bytes() == pytest.approx(bucket.accumulator_bytes() / 8,
+                                                        rel=0.02)
+
+
+@pytest.mark.parametrize("strategy", ["data=8,rules=dp", "data=2,fsdp=2,tensor=2"])
+def test_local_and_sharded_accumulation_sum_the_same_gradients(strategy, devices, batch):
+    """Two micro-steps of eight rows, accumulated either way, reduce to the same sums."""
+    batch = Batch(*(np.concatenate([a, a[::-1]]) for a in (batch.tokens, batch.segment_ids,
+                                                           batch.positions)))
+    sums = {}
+    for accumulate in ("local", "sharded"):
+        trainer = _trainer(strategy, CONFIG, devices)
+        step = bucket_step(CONFIG, Strategy.parse(strategy), tuple(devices), accumulate)
+        compute = jax.device_put(trainer.home.cast(trainer.init(seed=0).params),
+                                 step.param_shardings)
+        acc, scale = step.zeros(), step.place_scale(trainer.home.no_scale)
+        for arrays in micro_batches(step.layout, batch, 8):
+            acc = step.compiled((8, SEQ))(compute, acc, step.place(arrays), scale)
+        sums[accumulate] = jax.tree.map(np.asarray,
+                                        step.reduce(acc, trainer.home.acc_shardings))
+    local, sharded = sums.values()
+    diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), local.grads, sharded.grads)
+    assert max(jax.tree.leaves(diffs)) <= 1e-5, diffs
+    assert float(local.loss_sum) == pytest.approx(float(sharded.loss_sum), rel=1e-6)
+    targets = next_token_targets(batch.tokens, batch.segment_ids)
+    assert int(local.targets) == int(sharded.targets) == int((targets >= 0).sum())

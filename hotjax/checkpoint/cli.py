@@ -1,5 +1,6 @@
 """`hotjax ckpt`: inspect a checkpoint, import and export Hugging Face weights, PyTorch
-Distributed Checkpoints and DeepSpeed's (universal) checkpoints, import foreign shard sets.
+Distributed Checkpoints and DeepSpeed's (universal) checkpoints, import Megatron-Core's
+torch_dist checkpoints and foreign shard sets.
 (Training saves and resumes through `hotjax train --ckpt-dir / --resume-from`.)"""
 
 from __future__ import annotations
@@ -74,6 +75,21 @@ def register(commands: argparse._SubParsersAction) -> None:
                  "its vocabulary size read from the checkpoint")
     import_ds.add_argument("--tokenizer", help="the tokenizer to record")
     import_ds.set_defaults(handler=_import_deepspeed)
+
+    import_mc = sub.add_parser("import-megatron-core", help="a Megatron-Core torch_dist "
+                               "checkpoint (Megatron-LM's default format, of any TP/PP/DP) to a "
+                               "checkpoint: weights, and Adam's moments and step where saved "
+                               "per parameter")
+    import_mc.add_argument("mc_dir", help="the checkpoint's root (latest_checkpointed_iteration"
+                           ".txt names the iteration) or one iteration's directory")
+    import_mc.add_argument("out", help="a new checkpoint directory")
+    _model_flags(import_mc, "(default: the model the checkpoint's args record)",
+                 "with its vocabulary (the checkpoint's padding rows are dropped)")
+    import_mc.add_argument("--weights-only", action="store_true", help="leave the optimizer "
+                           "state out (needed for the distributed optimizer's default "
+                           "dp_reshardable format)")
+    import_mc.add_argument("--tokenizer", help="the tokenizer to record")
+    import_mc.set_defaults(handler=_import_megatron_core)
 
     export_universal = sub.add_parser("export-universal", help="a checkpoint to a universal "
                                       "directory that DeepSpeed resumes (load_universal) under "
@@ -153,6 +169,23 @@ def _import_deepspeed(args: argparse.Namespace) -> None:
     _report_import(step_dir, "DeepSpeed")
 
 
+def _import_megatron_core(args: argparse.Namespace) -> None:
+    start_jax(1)
+    from hotjax.checkpoint import megatron_core
+    from hotjax.checkpoint.convert import model_config
+    from models.llama import preset
+
+    directory = Path(args.mc_dir)
+    # A preset's vocabulary is the real one; the checkpoint's embedding holds it padded.
+    config = model_config(args.config, args.model, beside=directory,
+                          vocab_size=lambda: preset(args.model).vocab_size) if (
+        args.config or args.model) else None
+    step_dir = megatron_core.import_megatron_core(directory, args.out, config=config,
+                                                  weights_only=args.weights_only,
+                                                  tokenizer=_tokenizer(args))
+    _report_import(step_dir, "Megatron-Core")
+
+
 def _tokenizer(args: argparse.Namespace) -> Any:
     from hotjax.data import load_tokenizer
 
@@ -168,7 +201,7 @@ def _report_import(step_dir: Path, trainer: str) -> None:
             else "parameters only (no optimizer state saved)")
     foreign = meta["written_from"]["foreign"]
     print(f"wrote {step_dir}: step {meta['step']}, {what}, {foreign['naming']} naming"
-          + (f", from {foreign['format']}" if trainer == "DeepSpeed" else ""))
+          + (f", from {foreign['format']}" if trainer != "torch" else ""))
     optimizer = meta.get("optimizer") or {}
     found = {k: v for k, v in optimizer.items() if k not in ("source", "loss_scaling")}
     if found:

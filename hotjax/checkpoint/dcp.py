@@ -203,8 +203,7 @@ def _inverse(config: LlamaConfig, naming: str) -> dict[str, str]:
 def read_dcp(directory: str | Path, config: LlamaConfig, naming: str | None = None) -> TorchState:
     """The weights, AdamW moments and step of the DCP checkpoint in `directory`, checked
     against `config`; every problem names the checkpoint and the tensor."""
-    torch, dcp = _torch()
-    from torch.distributed.checkpoint.api import CheckpointException
+    torch, _ = _torch()
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     directory = Path(directory).absolute()
@@ -217,23 +216,14 @@ def read_dcp(directory: str | Path, config: LlamaConfig, naming: str | None = No
     entries = _entries(tensors, parts, config, naming, directory / ".metadata")
     expected = hf_tensor_shapes(config)
     has_state = any(e.field != "weight" for e in entries.values())
-    _check_files(directory, metadata, {e.key for e in entries.values()})
+    check_files(directory, metadata, {e.key for e in entries.values()})
     groups = {key: _group_field(parts[key]) for key in metadata.state_dict_metadata
               if key not in tensors}
     groups = {key: g for key, g in groups.items() if g is not None}
     state: dict[str, Any] = {e.key: torch.empty(e.shape, dtype=tensors[e.key].properties.dtype)
                              for e in entries.values()}
     state.update(dict.fromkeys(groups))
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
-    # torch's CheckpointException, which wraps each rank's error, is a BaseException.
-    except (Exception, CheckpointException) as e:  # noqa: BLE001
-        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
-        raise UserError(f"{directory}: reading its tensors failed ({type(cause).__name__}: "
-                        f"{meta_lib.first_line(cause)}): the checkpoint is truncated or "
-                        f"damaged") from None
+    load(directory, state)
 
     def host(entry: _Entry) -> np.ndarray:
         x = state[entry.key].to(torch.float32).numpy()
@@ -301,7 +291,25 @@ def _entries(tensors: dict[str, Any], parts: dict[str, list[str]], config: Llama
     return entries
 
 
-def _check_files(directory: Path, metadata: Any, keys: set[str]) -> None:
+def load(directory: Path, state: dict[str, Any]) -> None:
+    """`dcp.load` of the DCP directory into `state` (tensors allocated at their global shapes,
+    filled in place), whatever wrote it; a failure is one line naming the directory."""
+    _, dcp = _torch()
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    # torch's CheckpointException, which wraps each rank's error, is a BaseException.
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        raise UserError(f"{directory}: reading its tensors failed ({type(cause).__name__}: "
+                        f"{meta_lib.first_line(cause)}): the checkpoint is truncated or "
+                        f"damaged") from None
+
+
+def check_files(directory: Path, metadata: Any, keys: set[str]) -> None:
     """Every byte range `.metadata` places the tensors `keys` in exists: a missing or truncated
     rank file is named with a tensor it holds before anything is read."""
     sizes: dict[str, int | None] = {}
@@ -385,16 +393,26 @@ def save_torch_state(out: str | Path, torch_state: TorchState, config: LlamaConf
                      source: str, foreign: dict[str, Any], tokenizer: Any = None) -> Path:
     """A hotjax checkpoint of a PyTorch run's state (from DCP or DeepSpeed): weights, and its
     AdamW moments and step if it has them; the run's hyperparameters are recorded."""
-    params = hf_state_to_params(torch_state.weights, config)
+    moments = None if torch_state.moments is None else {
+        f: hf_state_to_params(m, config) for f, m in torch_state.moments.items()}
+    return save_trees(out, config, hf_state_to_params(torch_state.weights, config), moments,
+                      torch_state.step, torch_state.hyperparameters, source=source,
+                      foreign=foreign, tokenizer=tokenizer)
+
+
+def save_trees(out: str | Path, config: LlamaConfig, params: Any, moments: dict[str, Any] | None,
+               step: int, hyperparameters: dict[str, Any], *, source: str,
+               foreign: dict[str, Any], tokenizer: Any = None) -> Path:
+    """A hotjax checkpoint of a PyTorch run's parameters and, unless None, its AdamW moments
+    (exp_avg and exp_avg_sq, trees shaped as `params`) and step; `hyperparameters` are
+    recorded, not applied."""
     items = {store.PARAMS: params}
     optimizer = None
-    if torch_state.moments is not None:
-        moments = {f: hf_state_to_params(m, config) for f, m in torch_state.moments.items()}
-        items[store.OPT_STATE] = adam_state(config, params, moments, torch_state.step)
-        optimizer = {"source": "torch.optim.AdamW", "loss_scaling": "off",
-                     **torch_state.hyperparameters}
+    if moments is not None:
+        items[store.OPT_STATE] = adam_state(config, params, moments, step)
+        optimizer = {"source": "torch.optim.AdamW", "loss_scaling": "off", **hyperparameters}
     record = meta_lib.record(
-        step=torch_state.step, source=source, items=list(items), model=config.to_dict(),
+        step=step, source=source, items=list(items), model=config.to_dict(),
         optimizer=optimizer, tokenizer=meta_lib.tokenizer_record(tokenizer) if tokenizer else None,
         written_from={"foreign": foreign})
     return store.save_items(out, items, record)

@@ -45,8 +45,7 @@ _NEEDS = (
     ("rotary_percent", lambda v: v in (None, 1.0), "1.0: hotjax rotates the whole head"),
     ("rotary_seq_len_interpolation_factor", lambda v: v in (None, 1), "unset"),
     ("apply_layernorm_1p", lambda v: not v, "unset: hotjax's norms scale by their weight"),
-    ("virtual_pipeline_model_parallel_size", lambda v: v in (None, 1),
-     "unset: interleaved pipeline checkpoints are not supported"),
+    ("num_experts", lambda v: not v, "unset: mixture-of-experts models are not supported"),
 )
 
 
@@ -93,7 +92,7 @@ def derive_manifest(directory: str | Path, config: LlamaConfig | None = None, *,
                         f"({' + '.join(map(str, per_stage))} over pp={pp}), but the config has "
                         f"n_layers={config.n_layers}")
     if isinstance(args, argparse.Namespace):
-        _check_config(config, args, file(0, 0), vocab_size_padded)
+        check_config(config, args, file(0, 0), vocab_size_padded)
     stage = next((s for s in range(pp) if per_stage[s]), 0)
     norms = [_norm(file(0, stage), ranks[(0, stage)], fused, local) for fused, local in NORMS]
     # Tied, the last stage of a pipeline keeps a copy of the embedding as its output layer.
@@ -182,12 +181,21 @@ def config_from_args(args: argparse.Namespace, file: Path, vocab_size: int) -> L
         raise UserError(f"{file}: args describe no LLaMA hotjax can build ({e})") from None
 
 
-def _check_args(args: argparse.Namespace, file: Path, tp: int, pp: int) -> None:
+def check_args(args: argparse.Namespace, file: Path) -> None:
+    """The run's args describe a LLaMA as hotjax computes it (the settings shapes do not show)."""
     for field, accepts, need in _NEEDS:
         value = getattr(args, field, None)
         if not accepts(value):
             raise UserError(f"{file}: args.{field} is {value!r}: hotjax imports Megatron LLaMAs "
                             f"with it {need}")
+
+
+def _check_args(args: argparse.Namespace, file: Path, tp: int, pp: int) -> None:
+    check_args(args, file)
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if vpp not in (None, 1):
+        raise UserError(f"{file}: args.virtual_pipeline_model_parallel_size is {vpp!r}: "
+                        f"interleaved pipeline checkpoints are not supported")
     for field, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
         value = getattr(args, field, size)
         if value != size:
@@ -195,7 +203,7 @@ def _check_args(args: argparse.Namespace, file: Path, tp: int, pp: int) -> None:
                             f"it {size}: is a rank directory missing?")
 
 
-def _check_config(config: LlamaConfig, args: argparse.Namespace, file: Path,
+def check_config(config: LlamaConfig, args: argparse.Namespace, file: Path,
                   vocab_size: int) -> None:
     """The caller's config has the shape the run's args record: equal tensor shapes can hide
     a different split of heads into groups."""

@@ -1,0 +1,367 @@
+"""Megatron-Core `torch_dist` checkpoints (Megatron-LM's default `--ckpt-format`) read into
+hotjax checkpoints: the weights and, where saved per parameter, Adam's moments and step.
+
+An iteration directory (`iter_0000100/`, named by the root's `latest_checkpointed_iteration.txt`)
+is a PyTorch Distributed Checkpoint (`.metadata`, `__R_I.distcp`) beside `common.pt` (the run's
+args, its iteration, the optimizer's param groups) and `metadata.json` (the backend). Its tensors
+are global, whatever tensor, pipeline or data parallelism wrote them:
+- a layer's tensors are stacked on a leading layer axis, each pipeline stage writing its layers
+  at their global index; names are those of Transformer Engine's spec whatever the spec (the
+  local spec saves `input_layernorm` as `self_attention.linear_qkv.layer_norm_weight`);
+- `linear_qkv` holds the query groups in order, each its query heads, then its key head, then
+  its value head; `linear_fc1` holds every gate row, then every up row;
+- the embedding and output layer keep the vocabulary padding, which is stripped here.
+Adam's state is read where it is kept per parameter, `optimizer.state.{param,exp_avg,exp_avg_sq}
+.{model key}` (`--dist-ckpt-optim-fully-reshardable`, or a non-distributed optimizer, whose
+master weights are `fp32_param`); the distributed optimizer's default `dp_reshardable` format
+keeps flat buckets whose layout the checkpoint does not describe, and is not read.
+
+Tensors are read one at a time into the output trees: peak host memory is the output plus one
+tensor (two, for a bf16 tensor converted to fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import re
+import zipfile
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from hotjax.checkpoint import dcp, megatron
+from hotjax.checkpoint.megatron import EMBED, FC1, FC2, FINAL_NORM, HEAD, NORMS, PROJ, QKV
+from models.errors import UserError
+from models.llama import LlamaConfig, abstract_params
+
+BACKEND = "torch_dist"
+LAYERS = "decoder.layers."
+_STATE = re.compile(r"(?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)"
+                    r"\.(.+)")
+_MASTER = ("param", "fp32_param")  # the distributed optimizer's name, the plain one's
+_MOE = ("experts", "router", "shared_experts")
+
+
+# ---------------------------------------------------------------------------- common.pt
+
+class _Opaque:
+    """An object of a class this reader does not build (an enum or config of Megatron's, a
+    torch dtype): its pickled arguments and state are kept, its code never runs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+_PLAIN = {("collections", "OrderedDict"): OrderedDict, ("argparse", "Namespace"):
+          argparse.Namespace, **{("builtins", t.__name__): t for t in (set, frozenset, slice,
+                                                                       complex)}}
+
+
+class _CommonUnpickler(pickle.Unpickler):
+    """Megatron's args hold its own classes (`AttnBackend`, ...), which torch's weights-only
+    loader refuses: these become `_Opaque`, and tensors None; only plain data is built."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _PLAIN.get((module, name)) or type(name, (_Opaque,), {"origin": module})
+
+    def persistent_load(self, pid: Any) -> None:
+        return None
+
+
+def read_common(file: Path) -> dict[str, Any]:
+    """`common.pt`'s plain content: args, iteration, the optimizer's param groups."""
+    if not file.is_file():
+        raise UserError(f"{file}: missing: copy the whole checkpoint directory")
+    try:
+        with zipfile.ZipFile(file) as archive:
+            pkl = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+            loaded = _CommonUnpickler(archive.open(pkl)).load()
+    except (zipfile.BadZipFile, StopIteration, pickle.UnpicklingError, EOFError, ValueError,
+            TypeError, AttributeError) as e:
+        raise UserError(f"{file}: not a readable torch.save file ({type(e).__name__}): the "
+                        f"checkpoint is damaged") from None
+    return loaded if isinstance(loaded, dict) else {}
+
+
+# ---------------------------------------------------------------------------- reading
+
+def iteration_directory(directory: str | Path) -> Path:
+    """The torch_dist iteration `directory` is or names, checked to be one."""
+    iteration = megatron.iteration_directory(Path(directory).absolute())
+    file = iteration / "metadata.json"
+    if not file.is_file():
+        legacy = any(p.name.startswith("mp_rank_") for p in iteration.iterdir())
+        fix = ("a legacy torch-format checkpoint: import it with hotjax ckpt import-shards "
+               "--format megatron" if legacy else "pass the directory Megatron's --ckpt-format "
+               "torch_dist wrote (its root or one iteration's)")
+        raise UserError(f"{iteration}: holds no metadata.json, so it is not a Megatron-Core "
+                        f"torch_dist checkpoint: {fix}")
+    try:
+        backend = json.loads(file.read_text()).get("sharded_backend")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        raise UserError(f"{file}: not a JSON object naming the sharded_backend: the checkpoint "
+                        f"is damaged") from None
+    if backend != BACKEND:
+        raise UserError(f"{file}: sharded_backend is {backend!r}, not {BACKEND!r}: hotjax reads "
+                        f"torch_dist; convert with Megatron (load it and save with "
+                        f"--ckpt-format torch_dist)")
+    return iteration
+
+
+def _tensors(iteration: Path) -> tuple[Any, dict[str, Any]]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.read_metadata(iteration)
+    return metadata, {k: v for k, v in metadata.state_dict_metadata.items()
+                      if isinstance(v, TensorStorageMetadata)}
+
+
+def embedding_rows(directory: str | Path) -> int:
+    """The padded vocabulary of a torch_dist checkpoint, read from its embedding's shape."""
+    iteration = iteration_directory(directory)
+    _, tensors = _tensors(iteration)
+    if EMBED not in tensors:
+        raise UserError(f"{iteration / '.metadata'}: lacks tensor {EMBED}: not a Megatron "
+                        f"GPT checkpoint")
+    return int(tensors[EMBED].size[0])
+
+
+def model_config(iteration: Path, common: dict[str, Any], rows: int,
+                 config: LlamaConfig | None) -> LlamaConfig:
+    """`config`, checked against the run's args, or else the model those args describe."""
+    file = iteration / "common.pt"
+    args = common.get("args")
+    if isinstance(args, argparse.Namespace):
+        megatron.check_args(args, file)
+        if config is not None:
+            megatron.check_config(config, args, file, rows)
+    if config is not None:
+        return config
+    if not isinstance(args, argparse.Namespace):
+        raise UserError(f"{file}: records no Megatron args, and the tensors' shapes do not "
+                        f"give the heads, the rotary base or the norm epsilon: pass --config "
+                        f"(an HF config.json) or --model (a preset)")
+    return megatron.config_from_args(args, file, rows)
+
+
+def _expected(config: LlamaConfig, rows: int, norms: tuple[str, str]) -> dict[str, tuple]:
+    """Each model tensor's global shape in the checkpoint, by its key."""
+    L, D, F, H = config.n_layers, config.dim, config.ffn_dim, config.head_dim
+    N, K = config.n_heads, config.n_kv_heads
+    shapes = {EMBED: (rows, D), FINAL_NORM: (D,),
+              LAYERS + QKV: (L, (N + 2 * K) * H, D), LAYERS + PROJ: (L, D, N * H),
+              LAYERS + FC1: (L, 2 * F, D), LAYERS + FC2: (L, D, F),
+              LAYERS + norms[0]: (L, D), LAYERS + norms[1]: (L, D)}
+    if not config.tie_embeddings:
+        shapes[HEAD] = (rows, D)
+    return shapes
+
+
+def _unfuse(key: str, x: np.ndarray, config: LlamaConfig) -> Iterator[tuple[tuple, np.ndarray]]:
+    """(hotjax parameter path, its value) of one global Megatron tensor, as views of `x`."""
+    L, D, V = config.n_layers, config.dim, config.vocab_size
+    N, K, H = config.n_heads, config.n_kv_heads, config.head_dim
+    name = key.removeprefix(LAYERS)
+    if key == EMBED:
+        yield ("embed",), x[:V]
+    elif key == HEAD:
+        yield ("lm_head",), x[:V].T
+    elif key == FINAL_NORM:
+        yield ("final_norm",), x
+    elif name == QKV:  # [L, K groups, (N/K query heads, k, v), H, D]
+        groups = x.reshape(L, K, N // K + 2, H, D)
+        yield ("layers", "wq"), groups[:, :, :-2].reshape(L, N, H, D).transpose(0, 3, 1, 2)
+        yield ("layers", "wk"), groups[:, :, -2].transpose(0, 3, 1, 2)
+        yield ("layers", "wv"), groups[:, :, -1].transpose(0, 3, 1, 2)
+    elif name == PROJ:
+        yield ("layers", "wo"), x.reshape(L, D, N, H).transpose(0, 2, 3, 1)
+    elif name == FC1:
+        gate, up = np.split(x, 2, axis=1)
+        yield ("layers", "w_gate"), gate.transpose(0, 2, 1)
+        yield ("layers", "w_up"), up.transpose(0, 2, 1)
+    elif name == FC2:
+        yield ("layers", "w_down"), x.transpose(0, 2, 1)
+    else:  # a norm: the first of each pair comes before attention
+        yield ("layers", "attn_norm" if name in NORMS[0] else "mlp_norm"), x
+
+
+def _norms(tensors: dict[str, Any], where: Path) -> tuple[str, str]:
+    found = []
+    for pair in NORMS:
+        name = next((n for n in pair if LAYERS + n in tensors), None)
+        if name is None:
+            raise UserError(f"{where}: lacks tensor {LAYERS}{pair[0]} (or {LAYERS}{pair[1]}): "
+                            f"not a Megatron LLaMA")
+        found.append(name)
+    return found[0], found[1]
+
+
+def _classify(tensors: dict[str, Any], expected: dict[str, tuple], weights_only: bool,
+              where: Path) -> dict[str, dict[str, str]]:
+    """Adam's per-parameter tensors by field and model key; every other tensor is a model
+    tensor hotjax knows, or refused."""
+    state: dict[str, dict[str, str]] = {}
+    for key in tensors:
+        if key in expected:
+            continue
+        found = _STATE.fullmatch(key)
+        if found and found[2] in expected:
+            field = "param" if found[1] in _MASTER else found[1]
+            state.setdefault(field, {})[found[2]] = key
+            continue
+        model_key = found[2] if found else key
+        if key.startswith(("optimizer.distributed.", "chained_")) and not found:
+            if weights_only:
+                continue
+            raise UserError(f"{where}: holds tensor {key}: the distributed optimizer's "
+                            f"dp_reshardable buckets, whose layout the checkpoint does not "
+                            f"record: pass --weights-only, or save with Megatron-LM's "
+                            f"--dist-ckpt-optim-fully-reshardable")
+        if any(f".{part}." in f".{model_key}." for part in _MOE):
+            raise UserError(f"{where}: holds tensor {key}: a mixture-of-experts model, which "
+                            f"hotjax does not import: hotjax trains dense LLaMA models")
+        if model_key == HEAD:
+            raise UserError(f"{where}: holds tensor {key}, but the config ties the embeddings: "
+                            f"untie them (tie_word_embeddings false)")
+        raise UserError(f"{where}: holds tensor {key}, which a Megatron LLaMA lacks (biases, "
+                        f"LayerNorm, QK norms, MoE, multi-token prediction and learned "
+                        f"positions are not supported)")
+    return state
+
+
+def _check_shapes(tensors: dict[str, Any], expected: dict[str, tuple],
+                  state: dict[str, dict[str, str]], config: LlamaConfig, where: Path) -> None:
+    """Every model tensor, and Adam's state of each if it has any, is there at its shape."""
+    missing = [k for k in expected if k not in tensors]
+    if missing:
+        raise UserError(f"{where}: lacks tensor {missing[0]}"
+                        f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}: not a "
+                        f"checkpoint of this model (pass the --config it was trained with)")
+    if config.vocab_size > expected[EMBED][0]:
+        raise UserError(f"{where}: tensor {EMBED}: the padded vocabulary of "
+                        f"{expected[EMBED][0]} rows is smaller than the config's vocab_size "
+                        f"{config.vocab_size}")
+    fields = {"weight": dict(zip(expected, expected, strict=True)), **state}
+    if any(f in state for f in dcp.MOMENTS):
+        fields.update({f: state.get(f, {}) for f in dcp.MOMENTS})
+    for key, shape in expected.items():
+        for field, keys in fields.items():
+            if key not in keys:
+                raise UserError(f"{where}: holds Adam's state but no {field} of {key}: the "
+                                f"optimizer state is incomplete (pass --weights-only)")
+            have = tuple(tensors[keys[key]].size)
+            if have != shape:
+                raise UserError(f"{where}: tensor {keys[key]} has shape {list(have)}, but the "
+                                f"model needs {list(shape)}: pass the --config it was trained "
+                                f"with")
+
+
+def _step(common: dict[str, Any], where: Path) -> int | None:
+    """Adam's step: every param group of every optimizer in `common.pt` holds it."""
+    steps = [group["step"] for groups in _find(common.get("optimizer"), "param_groups")
+             for group in groups if isinstance(group, dict) and "step" in group]
+    if not steps:
+        return None
+    if any(float(s) != float(steps[0]) for s in steps):
+        raise UserError(f"{where}: its param groups are at Adam steps "
+                        f"{sorted({float(s) for s in steps})}: they must agree")
+    return int(float(steps[0]))
+
+
+def _find(node: Any, field: str) -> Iterator[Any]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from [value] if key == field else _find(value, field)
+    elif isinstance(node, list | tuple):
+        for value in node:
+            yield from _find(value, field)
+
+
+def _hyperparameters(common: dict[str, Any]) -> dict[str, Any]:
+    """lr, betas and eps of the run's param groups, the weight decay of matrices and of norms
+    (Megatron's no-decay group, `wd_mult` 0, holds norms and biases), and the clipping norm."""
+    groups = [g for gs in _find(common.get("optimizer"), "param_groups") for g in gs
+              if isinstance(g, dict)]
+    out: dict[str, Any] = {}
+    if groups:
+        first = groups[0]
+        out.update({f: float(first[f]) for f in ("lr", "eps") if f in first})
+        if "betas" in first:
+            out["betas"] = [float(b) for b in first["betas"]]
+        decays = [float(g.get("weight_decay", 0.0)) * float(g.get("wd_mult", 1.0))
+                  for g in groups]
+        out["weight_decay_matrix"], out["weight_decay_norm"] = max(decays), min(decays)
+    clip = getattr(common.get("args"), "clip_grad", None)
+    if isinstance(clip, int | float) and clip > 0:
+        out["clip_norm"] = float(clip)
+    return out
+
+
+def import_megatron_core(directory: str | Path, out: str | Path, *,
+                         config: LlamaConfig | None = None, weights_only: bool = False,
+                         tokenizer: Any = None) -> Path:
+    """A hotjax checkpoint of the torch_dist checkpoint at `directory` (its root or one
+    iteration's): weights, and Adam's moments and step where saved per parameter (unless
+    `weights_only`); `config` defaults to the model the run's args record."""
+    import torch
+
+    from hotjax.checkpoint import store
+
+    store.check_new_directory(out)
+    iteration = iteration_directory(directory)
+    where = iteration / ".metadata"
+    metadata, tensors = _tensors(iteration)
+    common = read_common(iteration / "common.pt")
+    if EMBED not in tensors:
+        raise UserError(f"{where}: lacks tensor {EMBED}: not a Megatron GPT checkpoint")
+    rows = int(tensors[EMBED].size[0])
+    config = model_config(iteration, common, rows, config)
+    expected = _expected(config, rows, _norms(tensors, where))
+    state = _classify(tensors, expected, weights_only, where)
+    if weights_only:
+        state = {f: keys for f, keys in state.items() if f == "param"}
+    _check_shapes(tensors, expected, state, config, where)
+    moment_fields = [f for f in dcp.MOMENTS if f in state]
+    step = _step(common, iteration / "common.pt") if moment_fields else None
+    if moment_fields and step is None:
+        raise UserError(f"{iteration / 'common.pt'}: its optimizer's param groups record no "
+                        f"step, though the checkpoint holds Adam's moments: copy the whole "
+                        f"checkpoint directory, or pass --weights-only")
+    # Master weights where the optimizer keeps them (fp32 under a bf16 run), else the model's.
+    sources = {"weight": {k: state.get("param", {}).get(k, k) for k in expected},
+               **{f: state[f] for f in moment_fields}}
+    dcp.check_files(iteration, metadata, {k for keys in sources.values() for k in keys.values()})
+
+    trees = {field: jax.tree.map(lambda s: np.empty(s.shape, np.float32),
+                                 abstract_params(config)) for field in sources}
+    for field, keys in sources.items():
+        for model_key, key in keys.items():
+            info = tensors[key]
+            loaded = {key: torch.empty(tuple(info.size), dtype=info.properties.dtype)}
+            dcp.load(iteration, loaded)
+            x = loaded.pop(key).to(torch.float32).numpy()
+            for path, value in _unfuse(model_key, x, config):
+                node = trees[field]
+                for part in path[:-1]:
+                    node = node[part]
+                node[path[-1]][...] = value
+            del x
+    iteration_number = common.get("iteration")
+    foreign = {"format": f"megatron-core {BACKEND}", "naming": "megatron-core",
+               "checkpoint": str(iteration), "iteration": iteration_number
+               if isinstance(iteration_number, int) else None}
+    moments = {f: trees[f] for f in moment_fields} or None
+    return dcp.save_trees(
+        out, config, trees["weight"], moments,
+        step if moments else (iteration_number if isinstance(iteration_number, int) else 0),
+        _hyperparameters(common), source=f"import-megatron-core {iteration}", foreign=foreign,
+        tokenizer=tokenizer)

@@ -1,0 +1,145 @@
+"""The Megatron-Core side of tests/test_checkpoint_megatron_core.py: gloo processes on CPU build
+Megatron-Core's `GPTModel` as a LLaMA (RMSNorm, SwiGLU, rotary, GQA: 8 query heads in 4 groups,
+no biases, the local layer spec), wrap it for Megatron's distributed optimizer (Adam), take two
+optimizer steps on random gradients (its forward pass needs CUDA), and save what Megatron-LM's
+`--ckpt-format torch_dist` saves: `DIR/iter_0000002/` (`model`, `optimizer`, `args`,
+`iteration` through `dist_checkpointing.save`) and `DIR/latest_checkpointed_iteration.txt`.
+Each rank also writes `DIR/local_{rank}.pt`: its parameters as the modules hold them and, per
+parameter, Adam's state, the reference the test compares the import with.
+
+    python tests/megatron_core_save.py DIR TP DP TIED OPTIM_FORMAT
+
+OPTIM_FORMAT is the distributed optimizer's `distrib_optim_sharding_type`: fully_reshardable
+(Megatron-LM's --dist-ckpt-optim-fully-reshardable: per-parameter tensors) or dp_reshardable
+(its default: the optimizer's flat buckets).
+"""
+
+import argparse
+import functools
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+VOCAB, LAYERS, D, HEADS, GROUPS, FFN, SEQ = 256, 2, 64, 8, 4, 176, 128
+ITERATION = 2
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.1
+
+
+def _on_cpu() -> None:
+    """Megatron-Core places its optimizer's buffers and checks on CUDA by name; a CPU build of
+    torch runs the same code with those redirected to the host."""
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    tensor_type = torch.Tensor.type
+
+    def as_cuda_type(self, *args, **kwargs):  # "torch.FloatTensor" -> "torch.cuda.FloatTensor"
+        name = tensor_type(self, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
+
+    torch.Tensor.type = as_cuda_type
+    for factory in ("tensor", "zeros", "empty", "ones", "full"):
+        original = getattr(torch, factory)
+
+        @functools.wraps(original)
+        def on_host(*args, _original=original, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return _original(*args, **kwargs)
+
+        setattr(torch, factory, on_host)
+
+
+def _args(tp: int, dp: int, tied: bool) -> argparse.Namespace:
+    """The fields of Megatron-LM's args that describe this model, as its checkpoints hold them."""
+    return argparse.Namespace(
+        num_layers=LAYERS, hidden_size=D, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+        group_query_attention=True, num_query_groups=GROUPS, kv_channels=D // HEADS,
+        norm_epsilon=1e-5, rotary_base=10000, untie_embeddings_and_output_weights=not tied,
+        seq_length=SEQ, max_position_embeddings=SEQ, padded_vocab_size=VOCAB,
+        position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, data_parallel_size=dp,
+        ckpt_format="torch_dist", use_distributed_optimizer=True, params_dtype=torch.float32,
+        lr=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
+        weight_decay=WEIGHT_DECAY, iteration=ITERATION)
+
+
+def _run(rank: int, world: int, port: int, out: str, tp: int, tied: bool, fmt: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    _on_cpu()
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    parallel_state.initialize_model_parallel(tp, 1)
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=D, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        ffn_hidden_size=FFN, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=True,
+        tensor_model_parallel_size=tp, params_dtype=torch.float32)
+    torch.manual_seed(0)
+    model = GPTModel(config=config,
+                     transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=tied)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
+        weight_decay=WEIGHT_DECAY, use_distributed_optimizer=True,
+        params_dtype=torch.float32), [ddp])
+    # The same gradients on every rank, as a run's all-reduces leave them: replicated
+    # parameters (the norms) stay equal across tensor-parallel ranks.
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(ITERATION):
+        ddp.zero_grad_buffer()
+        for p in ddp.parameters():
+            p.main_grad.copy_(torch.randn(p.main_grad.shape, generator=generator))
+        assert optimizer.step()[0]
+
+    metadata = {"distrib_optim_sharding_type": fmt}
+    model_state = model.sharded_state_dict(metadata=metadata)
+    state = {"model": model_state,
+             "optimizer": optimizer.sharded_state_dict(model_state, metadata=metadata),
+             "args": _args(tp, world // tp, tied), "iteration": ITERATION,
+             "checkpoint_version": 3.0}
+    iteration = Path(out) / f"iter_{ITERATION:07d}"
+    iteration.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(state, str(iteration), content_metadata=metadata)
+
+    (inner,) = optimizer.chained_optimizers
+    local = {}
+    for name, p in model.named_parameters():
+        local[name] = p.detach().clone()
+        if world == tp:  # no data parallelism: each rank's optimizer holds its whole parameters
+            for field, x in inner._get_main_param_and_optimizer_states(p).items():
+                if field != "step":
+                    local[f"{field}/{name}"] = x.detach().reshape(p.shape).clone()
+    torch.save(local, Path(out) / f"local_{rank}.pt")
+    torch.distributed.barrier()
+    if rank == 0:
+        (Path(out) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    out, tp, dp, tied, fmt = sys.argv[1:6]
+    world = int(tp) * int(dp)
+    mp.spawn(_run, args=(world, _free_port(), out, int(tp), tied == "tied", fmt), nprocs=world)

@@ -2,14 +2,18 @@
 
     python scripts/bench_memory.py [--json] [--quick] [--model llama2-7b] [--rows 8]
                                    [--seq-len 4096] [--strategies "A; B"] [--policies none,full]
+                                   [--accumulate local,sharded] [--home STRATEGY]
                                    [--device-memory 80]
 
 For each strategy and each remat policy (`models.llama.REMAT_POLICIES`) the bucket's gradient
 micro-step on a micro-batch of `--rows` rows of `--seq-len` tokens is compiled ahead of time and
 XLA's memory analysis read: its per-device peak (compute-dtype weights, the fp32 gradient
 accumulator in the bucket's layout, the micro-batch and every temporary). Added to it are the
-home's resident bytes under the same strategy (fp32 master weights, AdamW moments and the fp32
-gradient sum), which stay on every device while a bucket runs; the total is compared with
+home's resident bytes (fp32 master weights, AdamW moments and the fp32 gradient sum) under the
+same strategy, or under `--home` (a table's home, for one of its buckets), which stay on every
+device while a bucket runs. `--accumulate`: the bucket's gradient sums as each data shard's
+partial sum reduced once per bucket (`local`), or split over the data axes (`sharded`:
+`hotjax.step`). The total is compared with
 `--device-memory` GiB (80: an A100/H100). Nothing is allocated or run, so the 7B model needs no
 accelerator: on a CPU-only machine the step is compiled for 8 simulated devices, and the figures
 are XLA:CPU's plan (its fusions and buffer reuse, the blockwise attention kernel); XLA:GPU plans
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 import time
@@ -47,11 +52,12 @@ GiB, MiB = 2**30, 2**20
 
 
 def measure(config: LlamaConfig, strategy: Strategy, policy: str,
-            devices: tuple[jax.Device, ...], shape: tuple[int, int]) -> dict:
+            devices: tuple[jax.Device, ...], shape: tuple[int, int],
+            accumulate: str = "local") -> dict:
     """Compile seconds and XLA's per-device bytes of one micro-step, compiled and not run."""
     from hotjax.step import bucket_step, step_memory
 
-    step = bucket_step(dataclasses.replace(config, remat=policy), strategy, devices)
+    step = bucket_step(dataclasses.replace(config, remat=policy), strategy, devices, accumulate)
     started = time.perf_counter()
     compiled = step.compiled(shape)
     compile_s = time.perf_counter() - started
@@ -67,7 +73,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     from hotjax.optim import OptimConfig
     from hotjax.step import home
     from models.llama import REMAT_POLICIES, padded_vocab, preset
-    from sharding.strategy import Strategy
+    from sharding.strategy import ACCUMULATE, Strategy
 
     if args.rows < 1 or args.seq_len < 1:
         raise UserError(f"--rows {args.rows} --seq-len {args.seq_len}: both must be positive")
@@ -77,6 +83,9 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     if unknown or not policies or not strategies:
         raise UserError(f"--policies {args.policies!r}: choose from {', '.join(REMAT_POLICIES)}"
                         if unknown or not policies else "--strategies: give at least one")
+    modes = _split(args.accumulate, ",")
+    if not modes or set(modes) - set(ACCUMULATE):
+        raise UserError(f"--accumulate {args.accumulate!r}: choose from {', '.join(ACCUMULATE)}")
     devices = tuple(jax.devices())
     model = preset(args.model)
     # As training does: the vocabulary padded so that it splits over tensor-parallel ranks.
@@ -84,15 +93,21 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     shape = (args.rows, args.seq_len)
 
     results = []
-    total = len(strategies) * len(policies)
+    total = len(strategies) * len(policies) * len(modes)
+    homes = {}
     for strategy in strategies:
-        resident = home(config, OptimConfig(), strategy, devices).resident_bytes()
-        for policy in policies:
-            progress.print(f"[{len(results) + 1}/{total}] compiling {strategy}, remat {policy} "
-                           f"({args.rows} x {args.seq_len} tokens)...", markup=False,
-                           highlight=False)
-            entry = {"strategy": str(strategy), "remat": policy,
-                     **measure(config, strategy, policy, devices, shape),
+        home_strategy = Strategy.parse(args.home) if args.home else strategy
+        if home_strategy not in homes:
+            homes[home_strategy] = home(config, OptimConfig(), home_strategy,
+                                        devices).resident_bytes()
+        resident = homes[home_strategy]
+        for policy, accumulate in itertools.product(policies, modes):
+            progress.print(f"[{len(results) + 1}/{total}] compiling {strategy}, remat {policy}, "
+                           f"{accumulate} sums ({args.rows} x {args.seq_len} tokens)...",
+                           markup=False, highlight=False)
+            entry = {"strategy": str(strategy), "remat": policy, "accumulate": accumulate,
+                     "home": str(home_strategy),
+                     **measure(config, strategy, policy, devices, shape, accumulate),
                      "resident_bytes": resident}
             entry["total_bytes"] = entry["step_peak_bytes"] + resident
             entry["fits"] = entry["total_bytes"] <= args.device_memory * GiB
@@ -125,16 +140,19 @@ def print_table(report: dict, console: Console) -> None:
                         f"({model['params'] / 1e9:.2f}B params, {model['compute_dtype']}), "
                         f"{report['rows']} rows x {report['seq_len']} tokens, compiled not run",
                   title_justify="left")
-    for column in ("strategy", "remat", "compile s", f"step peak {unit}", f"resident {unit}",
-                   f"total {unit}", f"fits {limit:g} GiB"):
-        table.add_column(column, justify="left" if column in ("strategy", "remat") else "right")
+    for column in ("strategy", "remat", "sums", "compile s", f"step peak {unit}",
+                   f"resident {unit}", f"total {unit}", f"fits {limit:g} GiB"):
+        table.add_column(column, justify="left" if column in ("strategy", "remat", "sums")
+                         else "right")
     for r in report["results"]:
-        table.add_row(escape(r["strategy"]), r["remat"], f"{r['compile_s']:.1f}",
+        table.add_row(escape(r["strategy"]), r["remat"], r["accumulate"], f"{r['compile_s']:.1f}",
                       f"{r['step_peak_bytes'] / scale:.2f}", f"{r['resident_bytes'] / scale:.2f}",
                       f"{r['total_bytes'] / scale:.2f}", "yes" if r["fits"] else "[red]no[/]")
     console.print(table)
     console.print("step peak: XLA's planned peak of the micro-step (compute-dtype weights, fp32 "
-                  "gradient accumulator, micro-batch, temporaries); resident: the home's fp32 "
+                  "gradient accumulator, micro-batch, temporaries); sums: the gradient sums "
+                  "(local: each data shard's, reduced once per bucket; sharded: split over the "
+                  "data axes); resident: the home's fp32 "
                   "weights, AdamW moments and gradient sum; total = step peak + resident.")
     console.print(f"compile-only: nothing was allocated or run. Compiled by XLA:{m['platform']} "
                   f"for {m['devices']} {m['device_kind']} devices ({m['cpus']} CPUs, "
@@ -164,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: %(default)s)")
     parser.add_argument("--policies", help="remat policies, comma-separated (default: every "
                         "one of models.llama.REMAT_POLICIES)")
+    parser.add_argument("--accumulate", default="local", help="gradient sums, comma-separated: "
+                        "local (per data shard, reduced once per bucket), sharded (split over "
+                        "the data axes) (default: %(default)s)")
+    parser.add_argument("--home", help="the home strategy whose resident state is added "
+                        "(default: each strategy's own)")
     parser.add_argument("--device-memory", type=float, default=80.0,
                         help="GiB per device that the total is compared with (default: "
                         "%(default)s)")

@@ -236,6 +236,8 @@ def test_simulate_hotspa() -> None:
     # never cost more than concatenating without masking, or padding one sequence per row.
     assert seconds["static, masked"] >= seconds["plan"] * (1 - 1e-3)
     assert seconds["static, masked"] <= seconds["static, no masking"] <= seconds["static, padded"]
-    # The paper's tables need more than the 72 GiB JAX is given of an 80 GiB A800 here: their
-    # data=8 bucket holds a replicated fp32 accumulator beside replicated weights.
-    assert seconds["paper c1"] is None and seconds["paper c2"] is None
+    # The paper's tables fit the 72 GiB JAX is given of an 80 GiB A800 here only because their
+    # data=8 bucket can split its fp32 gradient sum over data (a whole one per device does not
+    # fit beside replicated weights); the plan is at least as fast as either.
+    for table in ("paper c1", "paper c2"):
+        assert seconds[table] is not None and seconds[table] >= seconds["plan"] * (1 - 1e-3)

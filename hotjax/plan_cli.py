@@ -118,23 +118,38 @@ def _plan(args: argparse.Namespace) -> None:
             out.print(f"table written to {args.out}", markup=False)
 
 
+def profile_path() -> Path:
+    """Where this machine's measured profile is cached: per kind and count of devices and
+    processes, and per cost-model version (a profile's constants are fitted through the model,
+    so another version's are not read)."""
+    import re
+
+    import jax
+
+    from hotjax import cache_root
+    from sharding.cost import COST_MODEL_VERSION
+
+    devices = jax.devices()
+    kind = re.sub(r"[^A-Za-z0-9]+", "-", devices[0].device_kind).strip("-").lower()
+    return (cache_root() / "profiles" / f"cost-model-v{COST_MODEL_VERSION}"
+            / f"{kind}-{len(devices)}x{jax.process_count()}.toml")
+
+
 def local_profile(console, measure: bool = False):
     """This machine's profile: measured once per kind and count of devices, then read from the
     cache (`$HOTJAX_CACHE/profiles`); `measure` measures again. In a run of several processes,
     process 0's cache decides for all (their hosts' caches may differ), so that all measure
     together or all plan with process 0's profile."""
-    import re
     import tomllib
 
     import jax
 
-    from hotjax import cache_root, distributed
+    from hotjax import distributed
     from hotjax.measure import measure_profile, profile_toml
     from sharding.profile import parse_profile
 
     devices = jax.devices()
-    kind = re.sub(r"[^A-Za-z0-9]+", "-", devices[0].device_kind).strip("-").lower()
-    path = cache_root() / "profiles" / f"{kind}-{len(devices)}x{jax.process_count()}.toml"
+    path = profile_path()
     cached = path.read_text() if path.exists() and not measure and distributed.is_main() else ""
     if jax.process_count() > 1:
         cached = distributed.from_process_0(cached)

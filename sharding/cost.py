@@ -97,6 +97,11 @@ from sharding.planner import SwitchPlan
 from sharding.profile import Profile
 from sharding.strategy import MESH_AXES, Strategy, fit_to_model, partial_axes, ways
 
+# Bumped whenever a change to this model changes what a measured profile's fitted constants
+# mean (they are fitted through `micro_step_time`): cached profiles of another version are
+# measured again (`hotjax.plan_cli.profile_path`). 2: one gradient reduction per bucket,
+# pipelines without whole-stage recompute, the LM head shared by stage groups.
+COST_MODEL_VERSION = 2
 FP32, INT32 = 4, 4
 BATCH_ARRAYS = 4  # tokens, segment ids, positions, targets
 ADAM_MOMENTS = 2

@@ -263,6 +263,7 @@ def test_plan_measures_the_devices_of_every_process_as_nodes(tmp_path):
     """`hotjax launch ... -- plan --measure` profiles 2 processes x 2 devices as 2 nodes of 2:
     groups inside a process are intra-node, groups spanning both are inter-node; process 0
     alone reports and writes the table, for the 4 devices."""
+    from sharding.cost import COST_MODEL_VERSION
     from sharding.profile import load_profile
     from sharding.table import load_table
 
@@ -279,7 +280,8 @@ def test_plan_measures_the_devices_of_every_process_as_nodes(tmp_path):
         return done.stdout + done.stderr
 
     output = plan("--measure", "--out", str(tmp_path / "planned.toml"))
-    profile = load_profile(tmp_path / "cache" / "profiles" / "cpu-4x2.toml")
+    profile = load_profile(tmp_path / "cache" / "profiles" /
+                           f"cost-model-v{COST_MODEL_VERSION}" / "cpu-4x2.toml")
     assert (profile.name, profile.nodes, profile.devices_per_node) == ("measured-cpu-2x2", 2, 2)
     for name, bandwidths in profile.collectives:
         assert [g for g, _ in bandwidths.intra] == [2], name

@@ -14,7 +14,9 @@ import pytest
 
 from hotjax import plan
 from hotjax.cli import main
+from hotjax.plan_cli import profile_path
 from models.llama import preset
+from sharding.cost import COST_MODEL_VERSION
 from sharding.profile import load_profile
 from sharding.table import load_table
 
@@ -153,12 +155,17 @@ def test_strategies_auto_plans_for_this_machine_and_trains_like_one_device(tmp_p
                                                                            monkeypatch, capsys):
     """`--strategies auto` plans with this machine's cached profile (here the A800 numbers for
     one node of the 8 simulated devices) and trains the same losses as one device."""
-    profiles = tmp_path / "cache" / "profiles"
-    profiles.mkdir(parents=True)
+    monkeypatch.setenv("HOTJAX_CACHE", str(tmp_path / "cache"))
+    cached = profile_path()
+    assert cached.relative_to(tmp_path / "cache").parts == (
+        "profiles", f"cost-model-v{COST_MODEL_VERSION}", "cpu-8x1.toml")
+    cached.parent.mkdir(parents=True)
     text = (ROOT / "sharding" / "profiles" / "a800-4x8.toml").read_text()
     text = text.replace('platform = "gpu"', 'platform = "cpu"').replace("nodes = 4", "nodes = 1")
-    (profiles / "cpu-8x1.toml").write_text(text)
-    monkeypatch.setenv("HOTJAX_CACHE", str(tmp_path / "cache"))
+    cached.write_text(text)
+    # A profile cached under another cost model is not read (it would plan on the A800's).
+    stale = cached.parent.parent / "cpu-8x1.toml"
+    stale.write_text(text.replace("a800-4x8", "stale"))
     run = ["train", "--model", "tiny", "--tokenizer", "bytes", "--compute-dtype", "float32",
            "--context", "512", "--batch-tokens", "2048", "--steps", "2"]
     losses = {}

@@ -19,6 +19,7 @@ from hotjax.config import (
     DEFAULT_WARMUP_STEPS,
     RunConfig,
     at_least,
+    memory_size,
 )
 from hotjax.preemption import REQUEUE_EXIT, Preempted, StopSignals, parse_signal
 from models.errors import UserError
@@ -132,10 +133,10 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--metrics-jsonl", metavar="PATH", help="one JSON object per step")
     train.add_argument("--log-every", type=int, default=_RUN.log_every,
                        help="print a line every N steps")
-    train.add_argument("--device-memory", type=float, metavar="MiB",
-                       help="per-device memory budget: the model state and every compiled step "
-                       "must fit, as XLA's memory analysis reports them; micro-batches are "
-                       "sized to it")
+    train.add_argument("--device-memory", type=memory_size, metavar="SIZE",
+                       help="per-device memory budget, like 80GiB or 512MiB (a bare number is "
+                       "MiB): the model state and every compiled step must fit, as XLA's memory "
+                       "analysis reports them; micro-batches are sized to it")
     train.add_argument("--bucket-timings", action="store_true", help="time each bucket's "
                        "compute and switches (waits for the devices after each bucket)")
     train.add_argument("--balance", action=argparse.BooleanOptionalAction, default=_RUN.balance,

@@ -5,8 +5,10 @@ Free of JAX imports, so the command line can read its defaults before JAX starts
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
+import re
 
 from models.errors import UserError
 
@@ -118,3 +120,24 @@ def positive(flag: str, value: float | None) -> None:
     floats, and neither trains."""
     if value is not None and not (math.isfinite(value) and value > 0):
         raise UserError(f"{flag} {value}: pass a finite number above 0")
+
+
+# Memory sizes on the command line, in MiB: binary units, and the decimal ones GPU makers quote.
+MEMORY_UNITS = {"KiB": 2**-10, "MiB": 1.0, "GiB": 2**10, "TiB": 2**20,
+                "KB": 1e3 / 2**20, "MB": 1e6 / 2**20, "GB": 1e9 / 2**20, "TB": 1e12 / 2**20}
+
+
+def memory_size(text: str) -> float:
+    """An argparse type: a memory size such as `80GiB`, `512MiB` or `80GB` (a bare number is
+    MiB), as MiB."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", text)
+    unit = (found[2] or "MiB") if found else None
+    if unit not in MEMORY_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a memory size: give a positive number with a unit, like 80GiB, "
+            f"512MiB or 80GB (a bare number is MiB)")
+    size = float(found[1]) * MEMORY_UNITS[unit]
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a memory size above 0")
+    return size
+

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from hotjax.config import RunConfig, at_least, positive
+from hotjax.config import RunConfig, at_least, memory_size, positive
 from models.errors import UserError
 
 _RUN = RunConfig()
@@ -28,8 +28,11 @@ def register(commands: argparse._SubParsersAction) -> None:
                           "devices now (matmuls, attention, collectives) and cache the profile")
     plan.add_argument("--devices", type=int, help="devices to plan for (default: all of the "
                       "profile's)")
-    plan.add_argument("--memory-gib", type=float, help="memory budget per device (default: the "
-                      "profile's device memory)")
+    memory = plan.add_mutually_exclusive_group()
+    memory.add_argument("--device-memory", type=memory_size, metavar="SIZE",
+                        help="memory budget per device, like 80GiB (a bare number is MiB; "
+                        "default: what the profile's allocator gives of its device memory)")
+    memory.add_argument("--memory-gib", type=float, help="the same in GiB (the older form)")
     source = plan.add_mutually_exclusive_group()
     source.add_argument("--lengths", metavar="STATS.json", help="the document lengths of a "
                         "corpus, as `hotjax data stats --json` saves them")
@@ -80,7 +83,8 @@ def _plan(args: argparse.Namespace) -> None:
     profile = load_profile(args.profile) if args.profile else local_profile(console,
                                                                             args.measure)
     devices = args.devices or profile.num_devices
-    budget = int((args.memory_gib * 2**30) if args.memory_gib else profile.memory_bytes)
+    budget = int(args.device_memory * 2**20 if args.device_memory
+                 else args.memory_gib * 2**30 if args.memory_gib else profile.memory_bytes)
     documents, described, vocab = _document_lengths(args, console)
     # The model as training builds it: the tokenizer's vocabulary, padded to split evenly.
     config = preset(args.model)

@@ -3,7 +3,7 @@
     python scripts/bench_memory.py [--json] [--quick] [--model llama2-7b] [--rows 8]
                                    [--seq-len 4096] [--strategies "A; B"] [--policies none,full]
                                    [--accumulate local,sharded] [--home STRATEGY]
-                                   [--device-memory 80]
+                                   [--device-memory 80GiB]
 
 For each strategy and each remat policy (`models.llama.REMAT_POLICIES`) the bucket's gradient
 micro-step on a micro-batch of `--rows` rows of `--seq-len` tokens is compiled ahead of time and
@@ -13,11 +13,11 @@ home's resident bytes (fp32 master weights, AdamW moments and the fp32 gradient 
 same strategy, or under `--home` (a table's home, for one of its buckets), which stay on every
 device while a bucket runs. `--accumulate`: the bucket's gradient sums as each data shard's
 partial sum reduced once per bucket (`local`), or split over the data axes (`sharded`:
-`hotjax.step`). The total is compared with
-`--device-memory` GiB (80: an A100/H100). Nothing is allocated or run, so the 7B model needs no
-accelerator: on a CPU-only machine the step is compiled for 8 simulated devices, and the figures
-are XLA:CPU's plan (its fusions and buffer reuse, the blockwise attention kernel); XLA:GPU plans
-the same program with its own fusions and kernels, so its figures may differ. `--quick`: the
+`hotjax.step`). The total is compared with `--device-memory` (80GiB: an A100/H100; a bare
+number is MiB). Nothing is allocated or run, so the 7B model needs no accelerator: on a CPU-only
+machine the step is compiled for 8 simulated devices, and the figures are XLA:CPU's plan (its
+fusions and buffer reuse, the blockwise attention kernel); XLA:GPU plans the same program with
+its own fusions and kernels, so its figures may differ. `--quick`: the
 `tiny` model on rows of 1024 tokens (a smoke test).
 """
 
@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quick_option import machine, parse_args, report  # noqa: E402  (beside this script)
 
+from hotjax.config import memory_size  # noqa: E402
 from models.errors import UserError  # noqa: E402
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
                      **measure(config, strategy, policy, devices, shape, accumulate),
                      "resident_bytes": resident}
             entry["total_bytes"] = entry["step_peak_bytes"] + resident
-            entry["fits"] = entry["total_bytes"] <= args.device_memory * GiB
+            entry["fits"] = entry["total_bytes"] <= args.device_memory * MiB
             results.append(entry)
             progress.print(f"    compiled in {entry['compile_s']:.1f} s: step peak "
                            f"{_size(entry['step_peak_bytes'])} + resident {_size(resident)} = "
@@ -122,7 +123,8 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
         "model": {"preset": args.model, "params": config.num_params(),
                   "vocab_size": config.vocab_size, "compute_dtype": config.compute_dtype,
                   "attention": config.attention},
-        "rows": args.rows, "seq_len": args.seq_len, "device_memory_gib": args.device_memory,
+        "rows": args.rows, "seq_len": args.seq_len,
+        "device_memory_gib": args.device_memory * MiB / GiB,
         "results": results,
     }
 
@@ -187,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the data axes) (default: %(default)s)")
     parser.add_argument("--home", help="the home strategy whose resident state is added "
                         "(default: each strategy's own)")
-    parser.add_argument("--device-memory", type=float, default=80.0,
-                        help="GiB per device that the total is compared with (default: "
-                        "%(default)s)")
+    parser.add_argument("--device-memory", type=memory_size, default="80GiB", metavar="SIZE",
+                        help="memory per device that the total is compared with, like 80GiB "
+                        "(a bare number is MiB; default: %(default)s)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document to stdout (the table goes to stderr)")
     args = parse_args(parser, argv, QUICK)

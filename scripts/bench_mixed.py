@@ -1,7 +1,7 @@
 """The headline: real tokens/s of a hot-switched strategy table against one static strategy, on
 the same mini-batches of mixed-length documents, under a per-device memory budget.
 
-    python scripts/bench_mixed.py [--json] [--quick] [--steps 2] [--device-memory MiB]
+    python scripts/bench_mixed.py [--json] [--quick] [--steps 2] [--device-memory SIZE]
                                   [--table T.toml] [--strategy S | --candidates "S1; S2"]
                                   [--processes 2]
 
@@ -55,6 +55,7 @@ from quick_option import (  # noqa: E402  (beside this script)
     report,
 )
 
+from hotjax.config import memory_size  # noqa: E402
 from models.errors import UserError  # noqa: E402
 
 if TYPE_CHECKING:
@@ -414,9 +415,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the longest bucket, in tokens (default: %(default)s)")
     parser.add_argument("--batch-tokens", type=int, default=12288,
                         help="real tokens per mini-batch, at most (default: %(default)s)")
-    parser.add_argument("--device-memory", type=float, metavar="MiB",
-                        help=f"per-device memory budget (default: {DEVICE_MEMORY_MIB} on 8 "
-                        f"devices, else {PROCESS_DEVICE_MEMORY_MIB})")
+    parser.add_argument("--device-memory", type=memory_size, metavar="SIZE",
+                        help=f"per-device memory budget, like 6GiB (a bare number is MiB; "
+                        f"default: {DEVICE_MEMORY_MIB} MiB on 8 devices, else "
+                        f"{PROCESS_DEVICE_MEMORY_MIB} MiB)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed steps first (default: %(default)s)")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hotjax.cli import main
+from hotjax.config import memory_size
 
 # A tiny model on byte tokens in fp32, over pieces of the standard library of mixed lengths.
 TINY_RUN = ["train", "--model", "tiny", "--tokenizer", "bytes", "--batch-tokens", "2048",
@@ -112,7 +113,7 @@ def long_rows(tmp_path_factory, corpus) -> list[dict]:
 
 
 @pytest.mark.parametrize("flags, remat", [
-    (["--device-memory", "1024"], "none"),  # the cheapest policy that fits the budget
+    (["--device-memory", "1GiB"], "none"),  # the cheapest policy that fits the budget
     (["--remat", "full"], "full"),
     (["--remat", "dots", "--attention-block", "512"], "dots"),
 ])
@@ -253,3 +254,10 @@ def test_bad_input_is_one_line_without_traceback(case, tmp_path):
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("hotjax: error:")]
     assert len(errors) == 1 and expected in errors[0], result.stderr
+
+
+@pytest.mark.parametrize("text, mib", [("1024", 1024), ("1GiB", 1024), ("80GiB", 81920),
+                                       ("0.5GiB", 512), ("80GB", 80e9 / 2**20),
+                                       ("512 MiB", 512), ("2TiB", 2 * 2**20)])
+def test_memory_sizes_take_a_unit_and_a_bare_number_is_mib(text, mib):
+    assert memory_size(text) == pytest.approx(mib)

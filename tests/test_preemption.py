@@ -171,8 +171,11 @@ BAD_NUMBERS = [
     (["--keep-every", "0"], "--keep-every 0: pass a positive number"),
     (["--log-every", "0"], "--log-every 0: pass a positive number"),
     (["--vocab-size", "0"], "--vocab-size 0: pass a positive number"),
-    (["--device-memory", "-5"], "--device-memory -5.0: pass a finite number above 0"),
-    (["--device-memory", "nan"], "--device-memory nan: pass a finite number above 0"),
+    (["--device-memory", "-5"], "argument --device-memory: '-5' is not a memory size: give a "
+     "positive number with a unit, like 80GiB, 512MiB or 80GB (a bare number is MiB): see "
+     "hotjax train --help"),
+    (["--device-memory", "nan"], "argument --device-memory: 'nan' is not a memory size"),
+    (["--device-memory", "0GiB"], "argument --device-memory: '0GiB': give a memory size above 0"),
     (["--initial-loss-scale", "0"], "--initial-loss-scale 0.0: pass a finite number above 0"),
     (["--loss-scale", "-8"], "--loss-scale -8: give dynamic, off or a number above 0"),
     (["--loss-scale-period", "0"], "--loss-scale-period 0: pass a positive number"),
@@ -183,6 +186,8 @@ BAD_NUMBERS = [
 ]
 OTHER_COMMANDS = [
     (["plan", "--memory-gib", "nan"], "--memory-gib nan: pass a finite number above 0"),
+    (["plan", "--device-memory", "80XB"], "argument --device-memory: '80XB' is not a memory "
+     "size"),
     (["plan", "--vocab-size", "0"], "--vocab-size 0: pass a positive number"),
     (["data", "stats", "--vocab-size", "-2"], "--vocab-size -2: pass a positive number"),
     (["strategy", "show", "data=8", "--context", "0"], "--context 0: pass a positive number"),

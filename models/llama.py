@@ -238,19 +238,15 @@ class Llama(nnx.Module):
             return constrain(x_BxTxD, ("batch", "seq", "embed"))
 
         layer_axes = {k: axes[1:] for k, axes in param_axes(cfg)["layers"].items()}
+        block = _rematerialised(block, cfg.remat)
         stacked = nnx.to_pure_dict(nnx.state(self.layers))
         rows = (segment_ids_BxT, positions_BxT, cos_BxTxH, sin_BxTxH)
         pipeline = None if placement is None else placement.pipeline
         if pipeline is None:
-            block = _rematerialised(block, cfg.remat)
             x_BxTxD, _ = jax.lax.scan(lambda x, w: (block(x, w, rows), None), x_BxTxD, stacked)
         else:
-            # In a pipeline "full" recomputes each stage from its input (one forward more, as
-            # for a layer); "dots" and "none" apply to each layer as without one.
-            staged = cfg.remat == "full"
-            block = block if staged else _rematerialised(block, cfg.remat)
             x_BxTxD = gpipe(block, x_BxTxD, stacked, rows, *pipeline, constrain=constrain,
-                            remat_stages=staged)
+                            remat_stages=cfg.remat == "full")
             # Every stage group holds the pipeline's output: each takes its share of the rows
             # through the final norm, the LM head and the loss, instead of all of them.
             constrain = placement.across_stages

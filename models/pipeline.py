@@ -10,9 +10,9 @@ shift into a collective permute between neighbouring stages), runs every stage o
 and collects the micro-batch the last stage finished. In the first and last S - 1 iterations
 some stages work on nothing that reaches the output: the bubble, (S - 1) / (M + S - 1) of the
 stage-iterations. The backward pass is the scan's own, run in reverse. What a stage keeps for
-it follows the remat policy: every iteration's activations as the layers' policy saves them, or
-under `remat_stages` (the model's "full" policy) only each iteration's stage input, the whole
-stage recomputed in the backward pass.
+it follows the layers' remat policy: every iteration's activations as the policy saves them, or
+under `remat_stages` (the "full" policy) only each iteration's stage input, the stage's layers
+recomputed in the backward pass.
 
 After the pipeline every stage group holds its output; the model then gives each group a share
 of the rows for the final norm, LM head and loss (`Placement.across_stages`), so that work is

@@ -6,8 +6,8 @@ micro-batches. Each row is one causal document (a bucket's worst case); counts a
 
 Time (seconds per micro-step; `MicroStepTime` keeps each term):
 - Matmuls: 2 FLOPs per weight per token forward, 4 backward (Kaplan et al. 2020, "Scaling laws",
-  §2.1: C = 6N per token); a rematerialised forward (remat "full": each layer's, or in a
-  pipeline each stage's) adds 2 more. The layers' work divides by S; after a pipeline
+  §2.1: C = 6N per token); a rematerialised forward (remat "full", and a pipeline stage's
+  checkpoint under remat "full") adds 2 more. The layers' work divides by S; after a pipeline
   each stage group takes 1/S of the rows through the LM head.
 - Attention: 4·N·H FLOPs per visible (query, key) pair forward, 2.5x that backward
   (FlashAttention-2's five matmuls against two: Dao 2023, arXiv:2307.08691), counted over the
@@ -66,8 +66,7 @@ Memory (bytes per device at the micro-step's peak; `MicroStepMemory` keeps each 
 - Activations saved for the backward pass: per layer and token, `SAVED` arrays of each width by
   remat policy, for each of a pipeline's M + S - 1 iterations with the scan's carry (the stage
   slot and the M finished micro-batches); under remat "full" a pipeline keeps only each
-  iteration's stage input and recomputes one micro-batch's stage at a time, every layer's
-  activations kept while it does.
+  iteration's stage input and recomputes one micro-batch's layers at a time.
 - The backward pass's working set (`WORKING`): logits-sized fp32 arrays, activation gradients,
   a layer's gradients or its recomputed activations.
 Which arrays exist and how many was read off XLA's buffer assignment of the compiled micro-step,
@@ -261,9 +260,8 @@ def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int,
     M, S = s.microbatches, s.stages
     tokens, inner = s.tokens / M, s.inner_tokens / M  # one pipeline micro-batch (M = 1: all)
     activations = s.layers * per_token(SAVED[config.remat], tokens, inner)
-    if S > 1 and config.remat == "full":  # each iteration's stage input; a stage recomputed
-        activations = (s.layers * per_token(SAVED["none"], tokens, inner)
-                       + (M + S - 1) * tokens * D * held)
+    if S > 1 and config.remat == "full":  # each iteration's stage input; layers recomputed
+        activations += (M + S - 1) * tokens * D * held
     elif S > 1:  # every iteration's activations as the policy saves them, and its carry
         activations = (M + S - 1) * (activations + (M + 1) * tokens * D * held)
     head_rows = _head_share(s)
@@ -331,9 +329,9 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     D, H, N, K, F, V = (config.dim, config.head_dim, config.n_heads, config.n_kv_heads,
                         config.ffn_dim, config.vocab_size)
     S, M = s.stages, s.microbatches
-    # Of each layer's matmuls: "full" recomputes each layer (a pipeline: each stage) once.
-    forwards = 1 + (config.remat == "full")
-    attention_forwards = 1 + (config.remat != "none")
+    staged = S > 1 and config.remat == "full"  # a pipeline recomputing whole stages
+    forwards = 1 + (config.remat == "full") + staged  # of each layer's matmuls
+    attention_forwards = 1 + (config.remat != "none") + staged
 
     def gemms(widths: Iterable[tuple[float, float]]) -> float:
         """Seconds per token of GEMMs [tokens, k] x [k, n] of (k, n) `widths`, forward once."""

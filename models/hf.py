@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from models.errors import UserError
 from models.llama import Llama, LlamaConfig, RopeScaling, abstract_params, bind
@@ -164,19 +164,56 @@ def hf_tensor_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             for key, i, name, fan_in in _layout(cfg)}
 
 
+def hf_tensors(key: str, x: np.ndarray, cfg: LlamaConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """The HF LLaMA tensors (C-contiguous, x's dtype) of one hotjax parameter `key` (`embed`,
+    `layers/wq`, ...; stacked layers give one tensor per layer)."""
+    layer = key.removeprefix("layers/")
+    for k, i, name, fan_in in _layout(cfg):
+        if k == layer and (i is None) == (layer == key):
+            t = x if i is None else x[i]
+            yield name, np.ascontiguousarray(t.reshape(_hf_shape(t.shape, fan_in)[::-1]).T
+                                             if fan_in else t)
+
+
+def param_keys(cfg: LlamaConfig) -> list[str]:
+    """The hotjax parameters as `hf_tensors` names them: `embed`, `layers/wq`, ..."""
+    return [f"layers/{k}" if isinstance(v, dict) else k
+            for k, v in abstract_params(cfg).items()
+            for k in (v if isinstance(v, dict) else [k])]
+
+
 def params_to_hf_state(params: dict[str, Any], cfg: LlamaConfig) -> dict[str, np.ndarray]:
     """HF LLaMA tensors (C-contiguous, params' dtype) of a hotjax pure-dict params tree."""
     host = jax.tree.map(np.asarray, params)
-    state = {}
-    for key, i, name, fan_in in _layout(cfg):
-        x = host[key] if i is None else host["layers"][key][i]
-        state[name] = np.ascontiguousarray(x.reshape(_hf_shape(x.shape, fan_in)[::-1]).T
-                                           if fan_in else x)
-    return state
+    state = dict(t for key in param_keys(cfg) for t in hf_tensors(
+        key, host["layers"][key[7:]] if key.startswith("layers/") else host[key], cfg))
+    return {name: state[name] for name in hf_tensor_shapes(cfg)}  # HF file order
 
 
-def hf_state_to_params(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig) -> dict[str, Any]:
-    """The hotjax params tree (fp32 numpy) of HF LLaMA tensors, checked against `cfg`."""
+class LazyTensors(Mapping[str, np.ndarray]):
+    """Tensors by name whose shapes are known up front, each read by `read(name)` when it is
+    accessed (and not kept)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str], np.ndarray]):
+        self.shapes, self._read = shapes, read
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.shapes:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def hf_param_makers(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig) -> dict[str, Any]:
+    """The hotjax params tree, each leaf a function that reads and converts its HF tensors
+    (fp32 numpy; a stacked layer parameter filled layer by layer): names and shapes are
+    checked against `cfg` at once (a `LazyTensors` without reading any), tensors read when a
+    leaf is made, so that a whole tree is never held."""
     expected = [name for _, _, name, _ in _layout(cfg)]
     missing = [name for name in expected if name not in tensors]
     if missing:
@@ -189,46 +226,60 @@ def hf_state_to_params(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig) -> d
         raise UserError(f"checkpoint has {len(unexpected)} tensor(s) that a LLaMA with this "
                         f"config.json lacks: {_some(unexpected)}")
     shapes = abstract_params(cfg)
-    params: dict[str, Any] = {}
-    layers: dict[str, list[np.ndarray]] = {key: [] for key in _LAYER}
+    found = tensors.shapes if isinstance(tensors, LazyTensors) else {
+        name: tensors[name].shape for name in expected}
+    parts: dict[str, list[tuple[str, int]]] = {}
     for key, i, name, fan_in in _layout(cfg):
         shape = shapes[key].shape if i is None else shapes["layers"][key].shape[1:]
-        x = tensors[name]
-        if x.shape != _hf_shape(shape, fan_in):
+        if tuple(found[name]) != _hf_shape(shape, fan_in):
             raise UserError(f"tensor {name}: config.json implies shape "
-                            f"{_hf_shape(shape, fan_in)}, found {x.shape}")
-        x = x.astype(np.float32, copy=False)
-        x = np.ascontiguousarray(x.T.reshape(shape) if fan_in else x)
-        if i is None:
-            params[key] = x
-        else:
-            layers[key].append(x)
-    params["layers"] = {key: np.stack(xs) for key, xs in layers.items()}
-    return params
+                            f"{_hf_shape(shape, fan_in)}, found {tuple(found[name])}")
+        parts.setdefault(key if i is None else f"layers/{key}", []).append((name, fan_in))
+
+    def make(key: str) -> np.ndarray:
+        stacked = key.startswith("layers/")
+        out = np.empty((shapes["layers"][key[7:]] if stacked else shapes[key]).shape, np.float32)
+        for i, (name, fan_in) in enumerate(parts[key]):
+            target = out[i] if stacked else out
+            x = tensors[name]
+            target[...] = x.T.reshape(target.shape) if fan_in else x
+            del x
+        return out
+
+    makers = {key: functools.partial(make, key) for key in parts}
+    return {**{k: m for k, m in makers.items() if not k.startswith("layers/")},
+            "layers": {k[7:]: m for k, m in makers.items() if k.startswith("layers/")}}
+
+
+def hf_state_to_params(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig) -> dict[str, Any]:
+    """The hotjax params tree (fp32 numpy) of HF LLaMA tensors, checked against `cfg`."""
+    return jax.tree.map(lambda make: make(), hf_param_makers(tensors, cfg))
 
 
 def _some(names: list[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
 
 
-class _TensorFiles(Mapping[str, np.ndarray]):
-    """The tensors of a (possibly sharded) safetensors checkpoint, read from disk on access."""
+def _tensor_files(files: dict[str, Path]) -> LazyTensors:
+    """The tensors of a (possibly sharded) safetensors checkpoint, `files` naming the file of
+    each: shapes read from the headers, each tensor from disk when it is accessed."""
+    shapes = {}
+    for file in sorted(set(files.values())):
+        try:
+            with safe_open(file, framework="numpy") as f:
+                shapes.update({n: tuple(f.get_slice(n).get_shape()) for n in f.keys()  # noqa: SIM118
+                               if files.get(n) == file})
+        except SafetensorError as e:
+            raise UserError(f"{file}: not a readable safetensors file ({e})") from None
 
-    def __init__(self, files: dict[str, Path]):
-        self._files = files  # tensor name -> the file that holds it
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        with safe_open(self._files[name], framework="numpy") as f:
+    def read(name: str) -> np.ndarray:
+        with safe_open(files[name], framework="numpy") as f:
             return f.get_tensor(name)
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._files)
-
-    def __len__(self) -> int:
-        return len(self._files)
+    return LazyTensors({n: shapes[n] for n in files if n in shapes}, read)
 
 
-def _read_json(file: Path) -> dict[str, Any]:
+def read_json(file: Path) -> dict[str, Any]:
     if not file.is_file():
         raise UserError(f"{file}: not found")
     try:
@@ -237,23 +288,24 @@ def _read_json(file: Path) -> dict[str, Any]:
         raise UserError(f"{file}: not valid JSON ({e})") from None
 
 
-def _tensor_files(path: Path) -> _TensorFiles:
+def hf_tensors_of(path: Path) -> LazyTensors:
+    """The tensors of the Hugging Face directory `path`, read when accessed."""
     single, index = path / WEIGHTS_FILE, path / INDEX_FILE
     if single.is_file():
         try:
             with safe_open(single, framework="numpy") as f:
-                return _TensorFiles(dict.fromkeys(f.keys(), single))
+                return _tensor_files(dict.fromkeys(f.keys(), single))
         except SafetensorError as e:
             raise UserError(f"{single}: not a readable safetensors file ({e})") from None
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise UserError(f"{index}: lacks a weight_map")
         files = {name: path / file for name, file in weight_map.items()}
         absent = sorted({f.name for f in files.values() if not f.is_file()})
         if absent:
             raise UserError(f"{index}: names missing shard file(s) {_some(absent)}")
-        return _TensorFiles(files)
+        return _tensor_files(files)
     raise UserError(f"{path}: holds neither {WEIGHTS_FILE} nor {INDEX_FILE} "
                     "(hotjax reads safetensors checkpoints only)")
 
@@ -263,21 +315,12 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32") -> Llama
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"{path}: no such checkpoint directory")
-    cfg = config_from_hf(_read_json(path / CONFIG_FILE), compute_dtype=dtype)
-    params = hf_state_to_params(_tensor_files(path), cfg)
+    cfg = config_from_hf(read_json(path / CONFIG_FILE), compute_dtype=dtype)
+    params = hf_state_to_params(hf_tensors_of(path), cfg)
     return bind(cfg, jax.tree.map(jnp.asarray, params))  # no random init of what we overwrite
 
 
-def _shards(tensors: dict[str, np.ndarray], max_bytes: int | None) -> list[dict[str, np.ndarray]]:
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, x in tensors.items():
-        if max_bytes is not None and shards[-1] and size + x.nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = x
-        size += x.nbytes
-    return shards
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 def save_hf_checkpoint(model: Llama, path: str | os.PathLike, dtype: str = "float32",
@@ -285,26 +328,73 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike, dtype: str = "floa
                        eos_token_id: int | None = None) -> None:
     """Write `model` as a Hugging Face LLaMA directory, weights in `dtype`, sharded when they
     exceed `max_shard_bytes`; `transformers.LlamaForCausalLM.from_pretrained` loads it."""
-    cfg = model.config
-    np_dtype = jnp.dtype(_check_dtype(dtype))
     params = nnx.to_pure_dict(nnx.state(model))
-    tensors = {name: x.astype(np_dtype) for name, x in params_to_hf_state(params, cfg).items()}
+    leaves = ((key, params["layers"][key[7:]] if key.startswith("layers/") else params[key])
+              for key in param_keys(model.config))
+    write_hf_directory(path, model.config, leaves, dtype, max_shard_bytes,
+                       bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+
+
+def write_hf_directory(path: str | os.PathLike, cfg: LlamaConfig,
+                       params: Iterable[tuple[str, Any]], dtype: str = "float32",
+                       max_shard_bytes: int | None = None, *, bos_token_id: int | None = None,
+                       eos_token_id: int | None = None) -> None:
+    """A Hugging Face LLaMA directory of `cfg`'s parameters, given one at a time as (key,
+    array) for every key of `param_keys` in any order: each is converted and written where the
+    safetensors headers (laid out up front) place its tensors, then dropped, so that host memory
+    holds one parameter at a time. Weights in `dtype`, in files of at most `max_shard_bytes`."""
+    np_dtype = jnp.dtype(_check_dtype(dtype))
+    shapes = hf_tensor_shapes(cfg)
+    sizes = {name: math.prod(shape) * np_dtype.itemsize for name, shape in shapes.items()}
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in shapes:  # HF file order, as save_pretrained shards
+        if max_shard_bytes is not None and shards[-1] and size + sizes[name] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += sizes[name]
+    files = [WEIGHTS_FILE] if len(shards) == 1 else [
+        f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     # As save_pretrained does: a stale single file would shadow new shards, and vice versa.
     for stale in [*path.glob("model-*-of-*.safetensors"), path / WEIGHTS_FILE, path / INDEX_FILE]:
         stale.unlink(missing_ok=True)
-    shards = _shards(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        save_file(tensors, path / WEIGHTS_FILE, metadata=_METADATA)
-    else:
-        weight_map = {}
-        for k, shard in enumerate(shards, 1):
-            file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, path / file, metadata=_METADATA)
-            weight_map.update(dict.fromkeys(shard, file))
-        index = {"metadata": {"total_size": sum(x.nbytes for x in tensors.values())},
-                 "weight_map": weight_map}
+    where: dict[str, tuple[Any, int]] = {}  # tensor -> (open file, its data's offset)
+    opened = []
+    try:
+        for file, names in zip(files, shards, strict=True):
+            header, offset = {}, 0
+            for name in names:
+                header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shapes[name]),
+                                "data_offsets": [offset, offset + sizes[name]]}
+                offset += sizes[name]
+            text = json.dumps({"__metadata__": _METADATA, **header}).encode()
+            text += b" " * (-len(text) % 8)  # as safetensors pads, so that data is aligned
+            f = open(path / file, "wb")  # noqa: SIM115 - closed below, all together
+            opened.append(f)
+            f.write(len(text).to_bytes(8, "little") + text)
+            f.truncate(8 + len(text) + offset)
+            where.update({name: (f, 8 + len(text) + header[name]["data_offsets"][0])
+                          for name in names})
+        written = set()
+        for key, x in params:
+            for name, t in hf_tensors(key, np.asarray(x), cfg):
+                f, at = where[name]
+                f.seek(at)
+                # As bytes: a buffer of bfloat16 (ml_dtypes) is refused.
+                f.write(np.ascontiguousarray(t.astype(np_dtype, copy=False)).view(np.uint8))
+                written.add(name)
+        if written != set(shapes):
+            raise AssertionError(f"parameters missing: {_some(sorted(set(shapes) - written))}")
+    finally:
+        for f in opened:
+            f.close()
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {name: file for file, names in zip(files, shards, strict=True)
+                                for name in names}}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     hf_config = config_to_hf(cfg, dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")

@@ -1,31 +1,38 @@
 """Checkpoint throughput beside the disk's own: save and restore GB/s of a training state, a
 sequential write and read of the same bytes in the same run, restore onto the same mesh vs a
-new one, how long an async save holds up training, and `ckpt import-dcp` / `export-dcp` of a
-PyTorch Distributed Checkpoint (DCP).
+new one, how long an async save holds up training; and every conversion's GB/s and peak host
+memory: `ckpt import-hf` / `export-hf` of a Hugging Face safetensors LLaMA, `import-dcp` /
+`export-dcp` of a PyTorch Distributed Checkpoint (DCP), `export-universal` / `import-deepspeed`
+of a DeepSpeed universal directory.
 
-    python scripts/bench_ckpt.py [--model small] [--dir DIR] [--repeats 3] [--dcp-gb 1.25]
-                                 [--json] [--quick]
+    python scripts/bench_ckpt.py [--model small] [--dir DIR] [--repeats 3] [--dcp-gb 2]
+                                 [--hf-gb 2] [--conversions-only] [--json] [--quick]
 
 Reads are cold: every file is flushed and dropped from the page cache first (fadvise). The
 state is saved from `--strategy` (home) on all devices (8 simulated ones on a CPU machine).
-The DCP checkpoint is written by torch itself (not timed): a LLaMA of vocabulary 32000 and
-width 768 with as many layers as make its fp32 weights and AdamW moments reach `--dcp-gb`, in
-Hugging Face naming, from several writer threads (a `.distcp` file each, as several ranks
-write). Its import is timed end to end against a cold read of as many bytes, its export
-against a write.
-`--quick`: the `tiny` model (and DCP checkpoint), one repeat, two steps (a smoke test).
+Each conversion runs once, as the real command (`hotjax.cli.main(["ckpt", ...])`) in a fresh
+process, timed end to end (the process's start included) against a cold read of its input or
+an fsynced write of its output; its peak RSS is the process's own (VmHWM as it exits), beside
+that of `ckpt inspect` (the same imports, no tensor read). The foreign checkpoints are written
+first, not timed: a LLaMA of vocabulary 32000 and width 768 (12 heads, MLP 2048) with as many layers
+as make `--hf-gb` of fp32 weights (safetensors files of at most 1 GB, Hugging Face's index
+beside them), and `--dcp-gb` of fp32 weights and AdamW moments, which torch saves from
+several writer threads (a `.distcp` file each, as several ranks write). `export-universal`
+converts the DCP import; `import-deepspeed` reads what it wrote.
+`--quick`: the `tiny` model (and foreign checkpoints), one repeat, two steps (a smoke test).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes.util
 import dataclasses
 import json
+import math
 import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,9 +48,12 @@ if TYPE_CHECKING:
     from models.llama import LlamaConfig
 
 CHUNK = 64 << 20
-QUICK = {"model": "tiny", "repeats": 1, "steps": 2, "seq_len": 64, "dcp_gb": 0}
+QUICK = {"model": "tiny", "repeats": 1, "steps": 2, "seq_len": 64, "dcp_gb": 0, "hf_gb": 0}
 DCP_WRITERS = 4  # torch's writer threads: one .distcp file each
 DCP_BYTES_PER_PARAM = 12  # fp32 weight, exp_avg and exp_avg_sq
+HF_BYTES_PER_PARAM = 4  # fp32 weight
+HF_SHARD_BYTES = 1 << 30
+ROOT = Path(__file__).resolve().parent.parent  # where `python -m hotjax.cli` runs
 
 
 def _drop_cache(path: Path) -> None:
@@ -83,9 +93,10 @@ def _bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
 
-def dcp_config(gb: float) -> LlamaConfig:
-    """The LLaMA whose DCP checkpoint holds at least `gb` GB: vocabulary 32000, width 768 (12
-    heads, MLP 2048) and as many layers as that takes; for `gb` 0 the `tiny` preset."""
+def foreign_config(gb: float, bytes_per_param: int) -> LlamaConfig:
+    """The LLaMA whose checkpoint of `bytes_per_param` per parameter holds at least `gb` GB:
+    vocabulary 32000, width 768 (12 heads, MLP 2048) and as many layers as that takes; for
+    `gb` 0 the `tiny` preset."""
     from models.llama import LlamaConfig, preset
 
     if gb <= 0:
@@ -93,8 +104,48 @@ def dcp_config(gb: float) -> LlamaConfig:
     base = LlamaConfig(vocab_size=32000, dim=768, n_layers=0, n_heads=12, n_kv_heads=12,
                        ffn_dim=2048)
     layer = dataclasses.replace(base, n_layers=1).num_params() - base.num_params()
-    wanted = gb * 1e9 / DCP_BYTES_PER_PARAM - base.num_params()
+    wanted = gb * 1e9 / bytes_per_param - base.num_params()
     return dataclasses.replace(base, n_layers=max(1, -int(-wanted // layer)))
+
+
+def write_config(directory: Path, config: LlamaConfig) -> Path:
+    from models.hf import CONFIG_FILE, config_to_hf
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_FILE).write_text(json.dumps(config_to_hf(config, "float32")))
+    return directory / CONFIG_FILE
+
+
+def write_hf(directory: Path, config: LlamaConfig) -> None:
+    """A Hugging Face LLaMA directory of random fp32 weights of `config`, as `save_pretrained`
+    shards it: files of at most `HF_SHARD_BYTES` and an index (one file if they fit)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from models.hf import INDEX_FILE, WEIGHTS_FILE, hf_tensor_shapes
+
+    write_config(directory, config)
+    rng = np.random.default_rng(0)
+    shapes = hf_tensor_shapes(config)
+    total = sum(4 * math.prod(s) for s in shapes.values())
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        if shards[-1] and size + 4 * math.prod(shape) > HF_SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += 4 * math.prod(shape)
+    weight_map = {}
+    for k, names in enumerate(shards, 1):
+        file = WEIGHTS_FILE if len(shards) == 1 else (
+            f"model-{k:05d}-of-{len(shards):05d}.safetensors")
+        save_file({n: rng.standard_normal(shapes[n], np.float32) for n in names},
+                  directory / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+    if len(shards) > 1:
+        (directory / INDEX_FILE).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}))
 
 
 def write_dcp(directory: Path, config: LlamaConfig) -> None:
@@ -123,48 +174,86 @@ def write_dcp(directory: Path, config: LlamaConfig) -> None:
                  storage_writer=dcp.FileSystemWriter(str(directory), thread_count=DCP_WRITERS))
 
 
-def _return_freed_heap() -> None:
-    """Give the heap that the last import freed back to the system, as a new process starts
-    without it: glibc keeps it, and each repeat would hold a GB or two more."""
-    libc = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
-    if trim:
-        trim(0)
+# The child's own peak, read as it exits: its VmHWM is its own memory's, while its ru_maxrss
+# would count the pages it shared with this process between fork and exec.
+_PEAK = """import atexit, sys
+def _peak():
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    with open(sys.argv[1], "w") as f:
+        f.write(str(kib * 1024))
+atexit.register(_peak)
+from hotjax.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
 
 
-def dcp_times(root: Path, config: LlamaConfig, repeats: int) -> dict:
-    """`import_dcp` of a DCP checkpoint from cold, `export_dcp` of what it made, and the disk's
-    cold read and fsynced write of as many bytes: medians of `repeats`."""
-    from hotjax.checkpoint.dcp import export_dcp, import_dcp
-
-    source, imported, exported = root / "dcp", root / "dcp-imported", root / "dcp-exported"
-    write_dcp(source, config)
-    nbytes, files = _bytes(source), len(list(source.glob("*.distcp")))
-    disk = [disk_baseline(root, nbytes) for _ in range(repeats)]
-    imports, exports, written = [], [], 0
-    for _ in range(repeats + 1):  # the first warms up (first loads and saves): not counted
-        _return_freed_heap()
-        _drop_cache(source)
+def run_ckpt(*args: str | Path, drop: Path | None = None) -> dict[str, float]:
+    """`hotjax ckpt *args` in a fresh process (one CPU device, the CLI's own): its seconds, end
+    to end, and its peak RSS in bytes. `drop` is dropped from the page cache first."""
+    if drop is not None:
+        _drop_cache(drop)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    with tempfile.NamedTemporaryFile("r", suffix=".peak") as peak:
         started = time.perf_counter()
-        step_dir = import_dcp(source, imported, config)
-        imports.append(time.perf_counter() - started)
-        _drop_cache(imported)
-        started = time.perf_counter()
-        export_dcp(step_dir, exported)
-        exports.append(time.perf_counter() - started)
-        written = _bytes(exported)
-        shutil.rmtree(imported)
-        shutil.rmtree(exported)
-    shutil.rmtree(source)
-    import_s, export_s = statistics.median(imports[1:]), statistics.median(exports[1:])
-    read_gb_s = statistics.median(d["read_gb_s"] for d in disk)
-    return {"bytes": nbytes, "files": files, "params": config.num_params(),
-            "layers": config.n_layers,
-            "import": {"seconds": import_s, "gb_s": nbytes / import_s / 1e9},
-            "export": {"seconds": export_s, "gb_s": written / export_s / 1e9, "bytes": written},
-            "disk_read_gb_s": read_gb_s,
-            "disk_write_gb_s": statistics.median(d["write_gb_s"] for d in disk),
-            "import_vs_disk_read": nbytes / import_s / 1e9 / read_gb_s}
+        done = subprocess.run([sys.executable, "-c", _PEAK, peak.name, "ckpt", *map(str, args)],
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        seconds = time.perf_counter() - started
+        if done.returncode != 0:
+            raise RuntimeError(f"hotjax ckpt {' '.join(map(str, args))} failed:\n{done.stderr}")
+        return {"seconds": seconds, "peak_rss_bytes": int(peak.read())}
+
+
+def _conversion(run: dict[str, float], nbytes: int, disk_gb_s: float) -> dict[str, float]:
+    return {**run, "bytes": nbytes, "gb_s": nbytes / run["seconds"] / 1e9,
+            "disk_gb_s": disk_gb_s}
+
+
+def conversions(root: Path, hf_gb: float, dcp_gb: float) -> dict:
+    """Each conversion of a Hugging Face directory of `hf_gb` and a DCP checkpoint of `dcp_gb`
+    (and of the DeepSpeed universal directory exported from its import): seconds, GB/s of the
+    larger side against the disk's cold read (imports) or fsynced write (exports), peak RSS."""
+    hf_config, dcp_config = foreign_config(hf_gb, HF_BYTES_PER_PARAM), foreign_config(
+        dcp_gb, DCP_BYTES_PER_PARAM)
+    hf, dcp = root / "hf", root / "dcp"
+    write_hf(hf, hf_config)
+    write_dcp(dcp, dcp_config)
+    config_json = write_config(root / "dcp-config", dcp_config)
+    largest = max(_bytes(hf), _bytes(dcp))
+    disk = disk_baseline(root, largest)
+    read, write = disk["read_gb_s"], disk["write_gb_s"]
+    out: dict = {"disk_read_gb_s": read, "disk_write_gb_s": write}
+
+    hf_bytes = _bytes(hf)
+    imported = _conversion(run_ckpt("import-hf", hf, root / "hf-in", drop=hf), hf_bytes, read)
+    baseline = run_ckpt("inspect", root / "hf-in")
+    run = run_ckpt("export-hf", root / "hf-in", root / "hf-out", drop=root / "hf-in")
+    out["baseline_rss_bytes"] = baseline["peak_rss_bytes"]
+    out["hf"] = {"bytes": hf_bytes, "layers": hf_config.n_layers,
+                 "params": hf_config.num_params(), "import": imported,
+                 "export": _conversion(run, _bytes(root / "hf-out"), write)}
+    for path in ("hf", "hf-in", "hf-out"):
+        shutil.rmtree(root / path)
+
+    dcp_bytes = _bytes(dcp)
+    run = run_ckpt("import-dcp", dcp, root / "dcp-in", "--config", config_json, drop=dcp)
+    imported = _conversion(run, dcp_bytes, read)
+    run = run_ckpt("export-dcp", root / "dcp-in", root / "dcp-out", drop=root / "dcp-in")
+    out["dcp"] = {"bytes": dcp_bytes, "files": len(list(dcp.glob("*.distcp"))),
+                  "params": dcp_config.num_params(), "layers": dcp_config.n_layers,
+                  "import": imported, "export": _conversion(run, _bytes(root / "dcp-out"), write),
+                  "disk_read_gb_s": read, "disk_write_gb_s": write,
+                  "import_vs_disk_read": imported["gb_s"] / read}
+    run = run_ckpt("export-universal", root / "dcp-in", root / "ds", drop=root / "dcp-in")
+    exported = _conversion(run, _bytes(root / "ds"), write)
+    run = run_ckpt("import-deepspeed", root / "ds", root / "ds-in", "--config", config_json,
+                   drop=root / "ds")
+    out["deepspeed"] = {"bytes": _bytes(root / "ds"), "export_universal": exported,
+                        "import": _conversion(run, _bytes(root / "ds"), read)}
+    for path in ("dcp", "dcp-config", "dcp-in", "dcp-out", "ds", "ds-in"):
+        shutil.rmtree(root / path)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,9 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="train steps per blocking run")
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--dcp-gb", type=float, default=1.25,
+    parser.add_argument("--dcp-gb", type=float, default=2.0,
                         help="the DCP checkpoint's size at least, weights and AdamW moments "
-                             "(default: %(default)s, 8 layers; 0: the tiny model's)")
+                             "(default: %(default)s, 17 layers; 0: the tiny model's)")
+    parser.add_argument("--hf-gb", type=float, default=2.0,
+                        help="the Hugging Face checkpoint's size at least, fp32 weights "
+                             "(default: %(default)s, 64 layers; 0: the tiny model's)")
+    parser.add_argument("--conversions-only", action="store_true",
+                        help="only the imports and exports (no training state is saved)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object to stdout (the table goes to stderr)")
     args = parse_args(parser, argv, QUICK)
@@ -187,6 +281,36 @@ def main(argv: list[str] | None = None) -> int:
     from hotjax.cli import start_jax
 
     start_jax(None)
+    import jax
+
+    devices = jax.devices()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench_ckpt_")).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    result = {
+        "hardware": {"cpus": os.cpu_count(), "platform": devices[0].platform,
+                     "device_kind": devices[0].device_kind,
+                     "devices": len(devices), "machine": platform.machine(),
+                     "python": sys.version.split()[0], "jax": jax.__version__},
+        **({} if args.conversions_only else state_times(args, root)),
+        "conversions": conversions(root, args.hf_gb, args.dcp_gb),
+    }
+    result["dcp"] = result["conversions"]["dcp"]
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    from rich.console import Console
+
+    # With --json the table goes to stderr; into a file or a pipe, rich would wrap it at 80.
+    console = Console(stderr=args.json, width=150)
+    if not args.conversions_only:
+        _table(result, console)
+    _conversions_table(result, console)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def state_times(args: argparse.Namespace, root: Path) -> dict:
+    """Save and restore of `--model`'s training state, and training held up by async saves."""
     import jax
     import numpy as np
 
@@ -219,8 +343,6 @@ def main(argv: list[str] | None = None) -> int:
     float(metrics["loss"])
     nbytes = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
     record = meta_lib.record(step=0, source="bench", items=[], model=config.to_dict())
-    root = Path(args.dir or tempfile.mkdtemp(prefix="bench_ckpt_")).absolute()
-    root.mkdir(parents=True, exist_ok=True)
 
     disk = [disk_baseline(root, nbytes) for _ in range(args.repeats)]
     ckpt = root / "ck"
@@ -270,16 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     step_alone, _ = loop(False)
     step_saving, held = loop(True)
     shutil.rmtree(root / "loop-True", ignore_errors=True)
-    dcp = dcp_times(root, dcp_config(args.dcp_gb), args.repeats)
-    if not args.dir:
-        shutil.rmtree(root, ignore_errors=True)
-
     gb = nbytes / 1e9
-    result = {
-        "hardware": {"cpus": os.cpu_count(), "platform": devices[0].platform,
-                     "device_kind": devices[0].device_kind,
-                     "devices": len(devices), "machine": platform.machine(),
-                     "python": sys.version.split()[0], "jax": jax.__version__},
+    return {
         "model": args.model, "home": args.strategy, "state_bytes": nbytes,
         "disk_bytes": disk_bytes, "batch": [rows, seq],
         "disk": {"write_gb_s": statistics.median(d["write_gb_s"] for d in disk),
@@ -290,15 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         "training": {"step_s": step_alone, "step_s_saving_every_step": step_saving,
                      "blocked_per_save_s": statistics.median(held),
                      "steps": args.steps},
-        "dcp": dcp,
     }
-    from rich.console import Console
-
-    # With --json the table goes to stderr; into a file or a pipe, rich would wrap it at 80.
-    _table(result, Console(stderr=args.json, width=150))
-    if args.json:
-        print(json.dumps(result, indent=2))
-    return 0
 
 
 def _table(r: dict, console: Console) -> None:
@@ -326,11 +432,34 @@ def _table(r: dict, console: Console) -> None:
     table.add_row("train step, no save", f"{t['step_s']:.3f}", "", "")
     table.add_row("train step + async save each step", f"{t['step_s_saving_every_step']:.3f}",
                   "", "")
-    d = r["dcp"]
-    of = f"{d['bytes'] / 1e6:.0f} MB in {d['files']} .distcp files, {d['layers']} layers"
-    row(f"DCP import ({of}), end to end", d["import"], d["disk_read_gb_s"], "cold read")
-    row(f"DCP export of that import ({d['export']['bytes'] / 1e6:.0f} MB)", d["export"],
-        d["disk_write_gb_s"], "write+fsync")
+    console.print(table)
+
+
+def _conversions_table(r: dict, console: Console) -> None:
+    from rich.table import Table
+
+    c, hw = r["conversions"], r["hardware"]
+    base = c["baseline_rss_bytes"]
+    table = Table(title=f"conversions, each a fresh `hotjax ckpt` process ({hw['cpus']} cores); "
+                        f"peak RSS of `ckpt inspect` (no tensor read): {base / 1e9:.2f} GB")
+    for column in ("what", "GB", "seconds", "GB/s", "disk alone, GB/s", "peak RSS, GB",
+                   "above inspect, GB", "of the checkpoint"):
+        table.add_column(column, justify="right")
+
+    def row(what: str, x: dict, checkpoint: int, how: str) -> None:
+        above = x["peak_rss_bytes"] - base
+        table.add_row(what, f"{x['bytes'] / 1e9:.2f}", f"{x['seconds']:.1f}", f"{x['gb_s']:.3f}",
+                      f"{x['disk_gb_s']:.3f} ({how})", f"{x['peak_rss_bytes'] / 1e9:.2f}",
+                      f"{above / 1e9:.2f}", f"{above / checkpoint:.2f}x")
+
+    hf, dcp, ds = c["hf"], c["dcp"], c["deepspeed"]
+    row(f"import-hf ({hf['layers']} layers, fp32)", hf["import"], hf["bytes"], "cold read")
+    row("export-hf of that import", hf["export"], hf["bytes"], "write+fsync")
+    row(f"import-dcp ({dcp['layers']} layers, {dcp['files']} .distcp files)", dcp["import"],
+        dcp["bytes"], "cold read")
+    row("export-dcp of that import", dcp["export"], dcp["bytes"], "write+fsync")
+    row("export-universal of that import", ds["export_universal"], dcp["bytes"], "write+fsync")
+    row("import-deepspeed of that universal directory", ds["import"], dcp["bytes"], "cold read")
     console.print(table)
     console.print(f"hardware: {hw['devices']} {hw['platform']} device(s) ({hw['device_kind']}), "
                   f"{hw['cpus']} CPUs, {hw['machine']}, python {hw['python']}, jax {hw['jax']}",

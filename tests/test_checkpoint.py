@@ -370,3 +370,56 @@ def test_ckpt_errors_exit_2_without_a_traceback_in_a_new_process(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == (f"hotjax: error: {tmp_path / 'missing'}: no such "
                                      f"checkpoint directory")
+
+
+# A process's own peak resident memory (VmHWM), written to argv[1] as it exits: its ru_maxrss
+# would count the pages it shared with pytest between fork and exec.
+_PEAK = """import atexit, sys
+def _peak():
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    with open(sys.argv[1], "w") as f:
+        f.write(str(kib * 1024))
+atexit.register(_peak)
+from hotjax.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _peak_bytes(tmp_path: Path, *args: str | Path) -> int:
+    """`hotjax *args` in a fresh process; its peak RSS, bytes."""
+    file = tmp_path / "peak"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    done = subprocess.run([sys.executable, "-c", _PEAK, file, *map(str, args)], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return int(file.read_text())
+
+
+def test_import_and_export_hf_hold_one_parameter_at_a_time_not_the_checkpoint(tmp_path):
+    # 32 layers: the largest parameter (w_gate, stacked) is a fifth of the checkpoint; reading
+    # and writing whole trees held three times the checkpoint at the peak.
+    from safetensors.numpy import save_file
+
+    from models.hf import CONFIG_FILE, WEIGHTS_FILE, config_to_hf, hf_tensor_shapes
+
+    config = LlamaConfig(vocab_size=512, dim=384, n_layers=32, n_heads=6, n_kv_heads=6,
+                         ffn_dim=1024, compute_dtype="float32")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    rng = np.random.default_rng(0)
+    tensors = {name: rng.standard_normal(shape, np.float32)
+               for name, shape in hf_tensor_shapes(config).items()}
+    nbytes = sum(x.nbytes for x in tensors.values())
+    largest = abstract_params(config)["layers"]["w_gate"]
+    largest_bytes = largest.size * 4
+    save_file(tensors, hf / WEIGHTS_FILE, metadata={"format": "pt"})
+    del tensors
+    (hf / CONFIG_FILE).write_text(json.dumps(config_to_hf(config, "float32")))
+
+    imported = _peak_bytes(tmp_path, "ckpt", "import-hf", hf, tmp_path / "ck")
+    resting = _peak_bytes(tmp_path, "ckpt", "inspect", tmp_path / "ck")
+    exported = _peak_bytes(tmp_path, "ckpt", "export-hf", tmp_path / "ck", tmp_path / "out")
+    for peak in (imported, exported):
+        assert peak - resting < 4 * largest_bytes < nbytes, (peak - resting, nbytes)
+    assert load_hf_checkpoint(tmp_path / "out").config.n_layers == 32

@@ -11,14 +11,21 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint import store
 from hotjax.data import load_tokenizer
 from models.errors import UserError
-from models.hf import CONFIG_FILE, config_from_hf, load_hf_checkpoint, save_hf_checkpoint
-from models.llama import LlamaConfig, abstract_params, bind, param_axes, preset
+from models.hf import (
+    CONFIG_FILE,
+    config_from_hf,
+    hf_param_makers,
+    hf_tensors_of,
+    param_keys,
+    read_json,
+    write_hf_directory,
+)
+from models.llama import LlamaConfig, abstract_params, param_axes, preset
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | None = None) -> Path:
@@ -26,13 +33,16 @@ def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | None = None)
     (`--tokenizer`, else the directory's tokenizer.json if any) is recorded."""
     store.check_new_directory(out)
     hf_dir = Path(hf_dir).absolute()
-    model = load_hf_checkpoint(hf_dir, dtype="float32")
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+    if not hf_dir.is_dir():
+        raise UserError(f"{hf_dir}: no such checkpoint directory")
+    config = config_from_hf(read_json(hf_dir / CONFIG_FILE))
+    params = store.pending(hf_param_makers(hf_tensors_of(hf_dir), config),
+                           abstract_params(config))
     if tokenizer is None and (hf_dir / "tokenizer.json").is_file():
         tokenizer = str(hf_dir / "tokenizer.json")
     record = meta_lib.record(
         step=0, source=f"import-hf {hf_dir}", items=[store.PARAMS],
-        model=model.config.to_dict(),
+        model=config.to_dict(),
         tokenizer=meta_lib.tokenizer_record(load_tokenizer(tokenizer, None)) if tokenizer
         else None)
     return store.save_weights(out, params, record)
@@ -45,18 +55,14 @@ def export_hf(path: str | Path, out: str | Path, dtype: str = "float32") -> Path
     step_dir = store.find(path)
     meta = meta_lib.read(step_dir)
     config = LlamaConfig.from_dict(meta["model"])
-    targets = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
-                           abstract_params(config))
-    params = store.restore(step_dir, {store.PARAMS: targets}).arrays[store.PARAMS]
     vocab = meta_lib.real_vocab(meta)
-    if vocab < config.vocab_size:
-        params = jax.tree.map(lambda x, axes: x[tuple(slice(0, vocab) if a == "vocab"
-                                                      else slice(None) for a in axes)],
-                              params, param_axes(config))
-        config = dataclasses.replace(config, vocab_size=vocab)
+    axes = {store.array_path(p): a for p, a in jax.tree_util.tree_flatten_with_path(
+        param_axes(config), is_leaf=lambda a: isinstance(a, tuple))[0]}
+    arrays = ((key, store.trim(x, axes[key], vocab)) for key, x in store.restore_each(
+        step_dir, store.PARAMS, param_keys(config)))
     tokenizer = meta.get("tokenizer") or {}
-    save_hf_checkpoint(bind(config, params), out, dtype, bos_token_id=tokenizer.get("bos_id"),
-                       eos_token_id=tokenizer.get("eos_id"))
+    write_hf_directory(out, dataclasses.replace(config, vocab_size=vocab), arrays, dtype,
+                       bos_token_id=tokenizer.get("bos_id"), eos_token_id=tokenizer.get("eos_id"))
     return out
 
 

@@ -14,21 +14,19 @@ suffix that is a parameter's name, so wrappers and prefixes (`model.`, `app.`, `
   (`get_state_dict` with or without `flatten_optimizer_state_dict`); hyperparameters from
   `param_groups` are recorded, not applied: the hotjax run keeps its own optimizer settings.
 
-torch is imported here only (the `torch` extra). Both directions hold whole tensors in host
-memory: importing a 1.27 GB checkpoint (weights and fp32 moments) peaked at about 4x that.
+torch is imported here only (the `torch` extra). An import reads one tensor at a time
+(`dcp.load` of one key) and writes one parameter at a time (`store.Pending`); an export
+restores one array at a time, but torch's writer takes the whole state at once, so it holds
+the exported tensors (the checkpoint once) before it writes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import os
 import re
-import shutil
-import uuid
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +38,7 @@ from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint import store
 from hotjax.optim import OptimConfig, make_optimizer
 from models.errors import UserError
-from models.hf import hf_state_to_params, hf_tensor_shapes, params_to_hf_state
+from models.hf import LazyTensors, hf_param_makers, hf_tensor_shapes, hf_tensors, param_keys
 from models.llama import LlamaConfig, abstract_params, param_axes
 from models.options import CHECKPOINT_NAMINGS
 
@@ -149,11 +147,12 @@ def _group_field(parts: list[str]) -> tuple[str, str] | None:
 
 @dataclasses.dataclass(frozen=True)
 class TorchState:
-    """A DCP checkpoint's LLaMA state, Hugging Face-named, in fp32 numpy."""
+    """A DCP checkpoint's LLaMA state, Hugging Face-named, in fp32 numpy, each tensor read
+    when it is accessed."""
 
     naming: str
-    weights: dict[str, np.ndarray]
-    moments: dict[str, dict[str, np.ndarray]] | None  # exp_avg / exp_avg_sq -> HF tensors
+    weights: Mapping[str, np.ndarray]  # read when accessed (`LazyTensors`)
+    moments: dict[str, Mapping[str, np.ndarray]] | None  # exp_avg / exp_avg_sq -> HF tensors
     step: int
     hyperparameters: dict[str, Any]  # from param_groups: what the torch run used
 
@@ -220,20 +219,29 @@ def read_dcp(directory: str | Path, config: LlamaConfig, naming: str | None = No
     groups = {key: _group_field(parts[key]) for key in metadata.state_dict_metadata
               if key not in tensors}
     groups = {key: g for key, g in groups.items() if g is not None}
+    # The steps and param groups are read now (small); weights and moments one tensor at a
+    # time, when the checkpoint is written.
     state: dict[str, Any] = {e.key: torch.empty(e.shape, dtype=tensors[e.key].properties.dtype)
-                             for e in entries.values()}
+                             for e in entries.values() if e.field == "step"}
     state.update(dict.fromkeys(groups))
     load(directory, state)
 
-    def host(entry: _Entry) -> np.ndarray:
-        x = state[entry.key].to(torch.float32).numpy()
-        heads = _rotary_heads(entry.hf_name, config)
-        return interleaved_to_halves(x, heads) if naming == "torchtitan" and heads else x
+    def field(name: str) -> LazyTensors:
+        def read(hf_name: str) -> np.ndarray:
+            entry = entries[name, hf_name]
+            one = {entry.key: torch.empty(entry.shape,
+                                          dtype=tensors[entry.key].properties.dtype)}
+            load(directory, one)
+            x = one.pop(entry.key).to(torch.float32).numpy()
+            heads = _rotary_heads(hf_name, config)
+            return interleaved_to_halves(x, heads) if naming == "torchtitan" and heads else x
 
-    weights = {n: host(entries["weight", n]) for n in expected}
+        return LazyTensors(expected, read)
+
+    weights = field("weight")
     moments, step = None, 0
     if has_state:
-        moments = {f: {n: host(entries[f, n]) for n in expected} for f in MOMENTS}
+        moments = {f: field(f) for f in MOMENTS}
         steps = {n: float(state[entries["step", n].key].reshape(())) for n in expected}
         first = next(iter(expected))
         odd = next((n for n in expected if steps[n] != steps[first]), None)
@@ -359,10 +367,10 @@ def hyperparameters(values: dict[tuple[str, str], Any], names: dict[str, str]) -
 
 # ---------------------------------------------------------------------------- import
 
-def adam_state(config: LlamaConfig, params: Any, moments: dict[str, Any], step: int) -> Any:
+def adam_state(config: LlamaConfig, moments: dict[str, Any], step: int) -> Any:
     """hotjax's optimizer state (loss scaling off) holding torch AdamW's moments and step."""
     tx = make_optimizer(OptimConfig(), param_axes(config))
-    shapes = jax.eval_shape(tx.init, params)
+    shapes = jax.eval_shape(tx.init, abstract_params(config))
     count = np.asarray(step, np.int32)
 
     def fill(node: Any) -> Any:
@@ -393,9 +401,12 @@ def save_torch_state(out: str | Path, torch_state: TorchState, config: LlamaConf
                      source: str, foreign: dict[str, Any], tokenizer: Any = None) -> Path:
     """A hotjax checkpoint of a PyTorch run's state (from DCP or DeepSpeed): weights, and its
     AdamW moments and step if it has them; the run's hyperparameters are recorded."""
+    def tree(tensors: Mapping[str, np.ndarray]) -> Any:
+        return store.pending(hf_param_makers(tensors, config), abstract_params(config))
+
     moments = None if torch_state.moments is None else {
-        f: hf_state_to_params(m, config) for f, m in torch_state.moments.items()}
-    return save_trees(out, config, hf_state_to_params(torch_state.weights, config), moments,
+        f: tree(m) for f, m in torch_state.moments.items()}
+    return save_trees(out, config, tree(torch_state.weights), moments,
                       torch_state.step, torch_state.hyperparameters, source=source,
                       foreign=foreign, tokenizer=tokenizer)
 
@@ -405,11 +416,11 @@ def save_trees(out: str | Path, config: LlamaConfig, params: Any, moments: dict[
                foreign: dict[str, Any], tokenizer: Any = None) -> Path:
     """A hotjax checkpoint of a PyTorch run's parameters and, unless None, its AdamW moments
     (exp_avg and exp_avg_sq, trees shaped as `params`) and step; `hyperparameters` are
-    recorded, not applied."""
+    recorded, not applied. Leaves may be `store.Pending`, made one at a time as written."""
     items = {store.PARAMS: params}
     optimizer = None
     if moments is not None:
-        items[store.OPT_STATE] = adam_state(config, params, moments, step)
+        items[store.OPT_STATE] = adam_state(config, moments, step)
         optimizer = {"source": "torch.optim.AdamW", "loss_scaling": "off", **hyperparameters}
     record = meta_lib.record(
         step=step, source=source, items=list(items), model=config.to_dict(),
@@ -431,28 +442,31 @@ def export_dcp(path: str | Path, out: str | Path, *, naming: str = "hf",
     the recorded tokenizer's size is left out, as in `export-hf`."""
     torch, dcp = _torch()
     out = store.check_new_directory(out)
-    config, optim, params, adam = read_for_export(path)
+    source = ExportSource.of(path)
+    config, optim, step = source.config, source.optim, source.step
     names = foreign_names(config, naming)
-    torch_dtype = getattr(torch, dtype)
 
-    def tensors(tree: Any, as_dtype: Any) -> dict[str, Any]:
+    def tensors(field: str, as_dtype: Any) -> dict[str, Any]:
+        # torch's DCP writer takes the whole state at once: each array is converted to torch
+        # tensors as it is restored, and only those are kept.
         out = {}
-        for hf_name, x in params_to_hf_state(tree, config).items():
-            heads = _rotary_heads(hf_name, config)
-            if naming == "torchtitan" and heads:
-                x = halves_to_interleaved(x, heads)
-            out[names[hf_name]] = torch.from_numpy(np.ascontiguousarray(x)).to(as_dtype)
+        for key, x in source.arrays(field):
+            for hf_name, t in hf_tensors(key, x, config):
+                heads = _rotary_heads(hf_name, config)
+                if naming == "torchtitan" and heads:
+                    t = halves_to_interleaved(t, heads)
+                out[names[hf_name]] = torch.from_numpy(np.ascontiguousarray(t)).to(as_dtype)
+            del x
         return out
 
-    model = tensors(params, torch_dtype)
+    model = tensors(store.PARAMS, getattr(torch, dtype))
     state: dict[str, Any] = {"model": model} if naming == "hf" else dict(model)
-    if adam is not None:
-        step = int(adam.count)
+    if step is not None:
         lr = float(optim.schedule()(step))
         flat: dict[str, Any] = {}
-        for field, tree in zip(MOMENTS, (adam.mu, adam.nu), strict=True):
+        for field, moment in zip(MOMENTS, ("mu", "nu"), strict=True):
             flat.update({f"state.{name}.{field}": x
-                         for name, x in tensors(tree, torch.float32).items()})
+                         for name, x in tensors(moment, torch.float32).items()})
         for hf_name, name in names.items():
             flat[f"state.{name}.step"] = torch.tensor(float(step))
             decay = 0.0 if hf_name.endswith("norm.weight") else optim.weight_decay
@@ -460,39 +474,73 @@ def export_dcp(path: str | Path, out: str | Path, *, naming: str = "hf",
                      "weight_decay": decay, **_ADAMW_FLAGS}
             flat.update({f"param_groups.{name}.{k}": v for k, v in group.items()})
         state["optim" if naming == "hf" else "optimizer"] = flat
+
     def save(scratch: Path) -> None:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(scratch)), no_dist=True)
 
-    return write_atomically(out, save)
+    return store.write_atomically(out, save)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSource:
+    """A checkpoint to export: its model (vocabulary padding past the recorded tokenizer's size
+    left out), the optimizer it was written with and AdamW's step (None: weights only); its
+    arrays are restored one at a time (`arrays`), so that an export holds one."""
+
+    step_dir: Path
+    config: LlamaConfig
+    optim: OptimConfig
+    step: int | None
+    _adam: str | None  # where AdamW's state lies in `opt_state` (`1/0`)
+    _axes: dict[str, tuple[str, ...]]  # each parameter's logical axes, by key
+
+    @classmethod
+    def of(cls, path: str | Path) -> ExportSource:
+        step_dir = store.find(path)
+        meta = meta_lib.read(step_dir)
+        config = LlamaConfig.from_dict(meta["model"])
+        optim = _saved_optimizer(meta)
+        adam = step = None
+        if store.OPT_STATE in meta["items"]:
+            tx = make_optimizer(optim, param_axes(config))
+            shapes = jax.eval_shape(tx.init, abstract_params(config))
+            (adam,) = [store.array_path(p) for p, n in jax.tree_util.tree_flatten_with_path(
+                shapes, is_leaf=_is_adam)[0] if _is_adam(n)]
+            ((_, count),) = store.restore_each(step_dir, store.OPT_STATE, [f"{adam}/count"])
+            step = int(count)
+        axes = {store.array_path(p): a for p, a in jax.tree_util.tree_flatten_with_path(
+            param_axes(config), is_leaf=lambda a: isinstance(a, tuple))[0]}
+        config = dataclasses.replace(config, vocab_size=meta_lib.real_vocab(meta))
+        return cls(step_dir, config, optim, step, adam, axes)
+
+    def arrays(self, field: str) -> Iterator[tuple[str, np.ndarray]]:
+        """(parameter key, array) of every parameter (`field` "params") or AdamW moment ("mu",
+        "nu"), each restored on the host when its turn comes, vocabulary trimmed."""
+        item, prefix = (store.PARAMS, "") if field == store.PARAMS else (
+            store.OPT_STATE, f"{self._adam}/{field}/")
+        keys = param_keys(self.config)
+        for name, x in store.restore_each(self.step_dir, item, [prefix + k for k in keys]):
+            key = name.removeprefix(prefix)
+            yield key, store.trim(x, self._axes[key], self.config.vocab_size)
 
 
 def read_for_export(path: str | Path) -> tuple[LlamaConfig, OptimConfig, Any, Any]:
-    """A checkpoint's model (its vocabulary padding past the recorded tokenizer's size left
-    out), the optimizer it was written with, its parameters and its AdamW state
-    (`optax.ScaleByAdamState`, or None for a weights-only checkpoint), on the host."""
-    step_dir = store.find(path)
-    meta = meta_lib.read(step_dir)
-    config = LlamaConfig.from_dict(meta["model"])
-    host = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), abstract_params(config))
-    targets = {store.PARAMS: host}
-    optim = _saved_optimizer(meta)
-    if store.OPT_STATE in meta["items"]:
-        tx = make_optimizer(optim, param_axes(config))
-        targets[store.OPT_STATE] = jax.eval_shape(tx.init, host)
-    arrays = store.restore(step_dir, targets).arrays
-    params, adam = arrays[store.PARAMS], None
-    if store.OPT_STATE in arrays:
-        (adam,) = [n for n in jax.tree.leaves(arrays[store.OPT_STATE], is_leaf=_is_adam)
-                   if _is_adam(n)]
-    vocab = meta_lib.real_vocab(meta)
-    if vocab < config.vocab_size:
-        trim = functools.partial(_trim_vocab, axes=param_axes(config), vocab=vocab)
-        params = trim(params)
-        adam = adam and optax.ScaleByAdamState(adam.count, trim(adam.mu), trim(adam.nu))
-        config = dataclasses.replace(config, vocab_size=vocab)
-    return config, optim, params, adam
+    """A checkpoint's model, the optimizer it was written with, its parameters and its AdamW
+    state (`optax.ScaleByAdamState`, or None for a weights-only checkpoint), whole, on the
+    host (`ExportSource` gives them one at a time)."""
+    source = ExportSource.of(path)
+
+    def tree(field: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"layers": {}}
+        for key, x in source.arrays(field):
+            (out["layers"] if key.startswith("layers/") else out)[key.removeprefix("layers/")] = x
+        return out
+
+    adam = None if source.step is None else optax.ScaleByAdamState(
+        np.asarray(source.step, np.int32), tree("mu"), tree("nu"))
+    return source.config, source.optim, tree(store.PARAMS), adam
 
 
 def _is_adam(node: Any) -> bool:
@@ -512,25 +560,3 @@ def _saved_optimizer(meta: dict[str, Any]) -> OptimConfig:
                            warmup_steps=0, min_lr_ratio=1.0)
     fields = {f.name for f in dataclasses.fields(OptimConfig)}
     return OptimConfig(**{k: v for k, v in saved.items() if k in fields})
-
-
-def _trim_vocab(params: Any, axes: Any, vocab: int) -> Any:
-    """`params` (or a tree that mirrors them) without the vocabulary rows past `vocab`."""
-    return jax.tree.map(
-        lambda x, a: x[tuple(slice(0, vocab) if n == "vocab" else slice(None) for n in a)],
-        params, axes, is_leaf=lambda a: isinstance(a, tuple))
-
-
-def write_atomically(out: Path, write: Callable[[Path], None]) -> Path:
-    """`write` into a scratch directory beside `out`, renamed to `out` once complete."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    scratch.mkdir()
-    try:
-        write(scratch)
-        if out.exists():
-            out.rmdir()  # empty: check_new_directory saw to that
-        os.replace(scratch, out)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return out

@@ -34,7 +34,7 @@ from hotjax.checkpoint import dcp
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint.dcp import MOMENTS, TorchState
 from models.errors import UserError
-from models.hf import hf_tensor_shapes
+from models.hf import LazyTensors, hf_tensor_shapes
 from models.llama import LlamaConfig
 
 FIELDS = ("fp32", *MOMENTS)  # a universal parameter directory's files, besides step.pt
@@ -470,8 +470,8 @@ def torch_state(checkpoint: DeepSpeedCheckpoint, config: LlamaConfig) -> TorchSt
                         f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}: not a "
                         f"checkpoint of this model (pass its --config)")
 
-    def read(field: str) -> dict[str, np.ndarray]:
-        return {hf: checkpoint.tensor(found[hf], field) for hf in expected}
+    def read(field: str) -> LazyTensors:  # each tensor when the import writes it
+        return LazyTensors(expected, lambda hf: checkpoint.tensor(found[hf], field))
 
     moments = None if checkpoint.step is None else {f: read(f) for f in MOMENTS}
     return TorchState("hf", read("fp32"), moments, checkpoint.step or 0,

@@ -5,7 +5,7 @@ derives one), rebuilt into logical tensors and written as a checkpoint.
 The parent reads only the files' headers, checks them against the manifest and plans one task
 per logical tensor (per layer); worker processes, given tasks balanced by bytes, read the
 slices, reassemble and cross-check them, and return Hugging Face-named tensors, which
-`models.hf.hf_state_to_params` turns into our parameter tree. Workers import neither JAX nor
+`models.hf.hf_param_makers` turns into our parameter tree. Workers import neither JAX nor
 Orbax. Every inconsistency names the rank file and the tensor.
 """
 
@@ -454,12 +454,15 @@ def import_manifest(manifest: Manifest, out: str | Path, workers: int | None, *,
     weights-only checkpoint at `out`, recording `source` and the `layout` that wrote it."""
     from hotjax.checkpoint import meta as meta_lib
     from hotjax.checkpoint import store
-    from models.hf import hf_state_to_params, hf_tensor_shapes
+    from models.hf import hf_param_makers, hf_tensor_shapes
+    from models.llama import abstract_params
 
     config = model_config(manifest)
     tasks = plan(manifest, config.n_layers, hf_tensor_shapes(config))
+    # The workers' tensors come back whole (about the checkpoint once); each parameter is
+    # stacked from them only when it is written.
     tensors = run_tasks(tasks, workers or min(os.cpu_count() or 1, 8, len(tasks)))
-    params = hf_state_to_params(tensors, config)
+    params = store.pending(hf_param_makers(tensors, config), abstract_params(config))
     record = meta_lib.record(step=manifest.step, source=source, items=[store.PARAMS],
                              model=config.to_dict(), written_from={"foreign": layout})
     return store.save_weights(out, params, record)

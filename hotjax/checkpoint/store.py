@@ -16,13 +16,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import logging
+import math
 import os
 import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Mapping
+import uuid
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from orbax.checkpoint import checkpoint_managers as keep_policies
 from orbax.checkpoint import type_handlers
 
@@ -40,19 +44,61 @@ PARAMS, OPT_STATE, META, DATA = "params", "opt_state", "meta", "data"
 TMP_MARK = ".orbax-checkpoint-tmp"
 
 
-def _array_handler() -> ocp.PyTreeCheckpointHandler:
+class Pending:
+    """A host array written when its turn comes: `make()` builds it, it is written and
+    fingerprinted, then dropped; so that an import holds one array at a time, not a tree."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, make: Callable[[], np.ndarray]):
+        self.shape, self.dtype, self.make = tuple(shape), np.dtype(dtype), make
+        self.ndim, self.size = len(self.shape), math.prod(self.shape)
+        self.fingerprint: int | None = None  # once written
+
+
+def pending(makers: Any, like: Any) -> Any:
+    """A tree of `Pending` arrays: `makers`' functions, shaped and typed as `like`'s leaves."""
+    return jax.tree.map(lambda make, s: Pending(s.shape, s.dtype, make), makers, like)
+
+
+class _OneAtATime(type_handlers.NumpyHandler):
+    """Writes host arrays one after another, `Pending` ones made just before: Orbax's own
+    handler copies every array first and writes them all at once."""
+
+    def __init__(self) -> None:
+        super().__init__(deepcopy_host_arrays=False)
+
+    async def _background_serialize(self, values, infos, args=None) -> None:  # noqa: ANN001
+        for value, info, arg in zip(values, infos, args or [None] * len(values), strict=True):
+            x = value
+            if isinstance(value, Pending):
+                x = value.make()
+                if x.shape != value.shape or x.dtype != value.dtype:
+                    raise AssertionError(f"{info.name}: made {x.shape} {x.dtype}, not "
+                                         f"{value.shape} {value.dtype}")
+                value.fingerprint = _host_fingerprint(x)
+            await super()._background_serialize([x], [info], [arg])
+            del x
+
+    async def _open_and_write(self, value: np.ndarray, tspec: dict[str, Any],
+                              ts_context: Any) -> None:
+        t = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
+        await t.write(value, can_reference_source_data_indefinitely=True).commit
+
+
+def _array_handler(one_at_a_time: bool = False) -> ocp.PyTreeCheckpointHandler:
     # Without the `_sharding` file Orbax would otherwise write, nothing of the writer's layout
     # is stored with the arrays (restoring from it fails on another device count anyway).
     # Host (numpy) arrays are written and read in the same format: imports and exports.
+    host = _OneAtATime() if one_at_a_time else type_handlers.NumpyHandler()
     registry = type_handlers.create_type_handler_registry(
         (jax.Array, type_handlers.ArrayHandler(enable_write_sharding_file=False)),
-        (np.ndarray, type_handlers.NumpyHandler()))
+        (np.ndarray, host), *([(Pending, host)] if one_at_a_time else []))
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_zarr3=True)
 
 
-def _handlers(items: tuple[str, ...] = (PARAMS, OPT_STATE, META, DATA)) -> dict[str, Any]:
-    return {item: ocp.JsonCheckpointHandler() if item in (META, DATA) else _array_handler()
-            for item in items}
+def _handlers(items: tuple[str, ...] = (PARAMS, OPT_STATE, META, DATA),
+              one_at_a_time: bool = False) -> dict[str, Any]:
+    return {item: ocp.JsonCheckpointHandler() if item in (META, DATA)
+            else _array_handler(one_at_a_time) for item in items}
 
 
 def array_path(path: tuple) -> str:
@@ -70,6 +116,19 @@ def _fingerprint(x: Any, xp: Any = jnp) -> Any:
     return xp.sum(bits * (2 * index + 1), dtype=xp.uint32)
 
 
+def _host_fingerprint(x: np.ndarray, block: int = 1 << 20) -> int:
+    """`_fingerprint` of a host array, a block of elements at a time: the same sum (mod 2**32),
+    without its temporaries of several times the array."""
+    flat = np.ravel(x)
+    flat = flat.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[flat.dtype.itemsize])
+    total = 0
+    for start in range(0, flat.size, block):
+        bits = flat[start:start + block].astype(np.uint32)
+        index = np.arange(start, start + bits.size, dtype=np.uint32)
+        total += int(np.sum(bits * (2 * index + 1), dtype=np.uint32))
+    return total % 2**32
+
+
 _device_fingerprints = jax.jit(lambda leaves: [_fingerprint(x) for x in leaves])
 
 
@@ -80,7 +139,7 @@ def _fingerprint_values(leaves: list[Any]) -> list[int]:
     if all(isinstance(x, np.ndarray) or (x.is_fully_addressable
                                          and {d.platform for d in x.devices()} == {"cpu"})
            for x in leaves):
-        return [int(_fingerprint(np.asarray(x), np)) for x in leaves]
+        return [_host_fingerprint(np.asarray(x)) for x in leaves]
     return [int(v) for v in jax.device_get(_device_fingerprints(leaves))]
 
 
@@ -305,34 +364,73 @@ def save_weights(directory: str | Path, params: Any, meta: dict[str, Any]) -> Pa
 
 def save_items(directory: str | Path, items: dict[str, Any], meta: dict[str, Any]) -> Path:
     """Writes a checkpoint of host arrays (`params`, and `opt_state` for one that resumes an
-    optimizer) at `meta['step']`, synchronously; complete or absent, as every save."""
+    optimizer) at `meta['step']`, synchronously; complete or absent, as every save. Leaves
+    may be `Pending`: each is made, written and dropped in turn, so that host memory holds one
+    array (and its encoded copy) at a time, whatever the checkpoint's size."""
     directory = check_new_directory(directory)
-    items = {item: jax.tree.map(np.asarray, tree) for item, tree in items.items()}
-    meta = {**meta, "items": list(items), "fingerprints": item_fingerprints(items)}
+    items = {item: jax.tree.map(lambda x: x if isinstance(x, Pending) else np.asarray(x), tree,
+                                is_leaf=lambda x: isinstance(x, Pending))
+             for item, tree in items.items()}
+    step = meta["step"]
+    meta = {**meta, "items": list(items)}
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False,
                                            save_root_metadata=False)
     args = {item: ocp.args.PyTreeSave(tree) for item, tree in items.items()}
-    with ocp.CheckpointManager(directory, options=options,
-                               item_handlers=_handlers((*items, META))) as manager:
-        manager.save(meta["step"], args=ocp.args.Composite(
-            **args, **{META: ocp.args.JsonSave(meta)}), force=True)
-    return directory / str(meta["step"])
+
+    def write(scratch: Path) -> None:
+        with ocp.CheckpointManager(scratch, options=options, item_handlers=_handlers(
+                (*items, META), one_at_a_time=True)) as manager:
+            manager.save(step, args=ocp.args.Composite(
+                **args, **{META: ocp.args.JsonSave({**meta, "fingerprints": {}})}), force=True)
+        # Fingerprints are known once every array was made and written: the metadata that
+        # Orbax wrote without them is replaced before the checkpoint appears.
+        prints = {item: {array_path(p): x.fingerprint if isinstance(x, Pending)
+                         else _host_fingerprint(x)
+                         for p, x in jax.tree_util.tree_flatten_with_path(
+                             tree, is_leaf=lambda x: isinstance(x, Pending))[0]}
+                  for item, tree in items.items()}
+        (scratch / str(step) / meta_lib.META_FILE).write_text(
+            json.dumps({**meta, "fingerprints": prints}))
+
+    write_atomically(directory, write)
+    return directory / str(step)
+
+
+def write_atomically(out: Path, write: Callable[[Path], None]) -> Path:
+    """`write` into a scratch directory beside `out`, renamed to `out` once complete."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    scratch.mkdir()
+    try:
+        write(scratch)
+        if out.exists():
+            out.rmdir()  # empty: check_new_directory saw to that
+        os.replace(scratch, out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out
 
 
 def saved_arrays(step_dir: Path, item: str) -> dict[str, jax.ShapeDtypeStruct]:
     """Shape and dtype of every array of one item, read from Orbax's metadata alone."""
     if not (step_dir / item).is_dir():
         raise UserError(f"{step_dir / item}: not found: the checkpoint lacks its {item}")
+    leaves = jax.tree_util.tree_flatten_with_path(_saved_tree(step_dir, item))[0]
+    return {array_path(p): jax.ShapeDtypeStruct(tuple(m.shape), m.dtype) for p, m in leaves}
+
+
+def _saved_tree(step_dir: Path, item: str) -> Any:
+    """The tree of one item's array metadata (shape, dtype), as Orbax saved it."""
+    if not (step_dir / item).is_dir():
+        raise UserError(f"{step_dir / item}: not found: the checkpoint lacks its {item}")
     handler = _array_handler()
     try:
-        tree = handler.metadata(step_dir / item).tree
+        return handler.metadata(step_dir / item).tree
     except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types
         raise UserError(f"{step_dir / item / '_METADATA'}: unreadable "
                         f"({meta_lib.first_line(e)}): the checkpoint is damaged") from None
     finally:
         handler.close()
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {array_path(p): jax.ShapeDtypeStruct(tuple(m.shape), m.dtype) for p, m in leaves}
 
 
 class Restored(NamedTuple):
@@ -350,6 +448,46 @@ class _Read:
     stored: jax.ShapeDtypeStruct
     args: type_handlers.ArrayRestoreArgs
     exact: bool  # read at its saved shape (not padded or trimmed), so its fingerprint holds
+
+
+def restore_each(path: str | Path, item: str,
+                 names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+    """Arrays `names` (`layers/wq`, `1/0/mu/embed`) of one item, restored one at a time on the
+    host, checked against their fingerprints: the others are Orbax placeholders, not read, so
+    that an export holds one array."""
+    step_dir = find(path)
+    expected = meta_lib.read(step_dir)["fingerprints"].get(item, {})
+    saved = _saved_tree(step_dir, item)
+    found = {array_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise UserError(f"{step_dir / item}: lacks {', '.join(missing[:3])}: written for "
+                        f"another model or optimizer")
+    for name in names:
+        def only(make: Callable[[Any], Any], name: str = name) -> Any:
+            return jax.tree_util.tree_map_with_path(
+                lambda keys, m: make(m) if array_path(keys) == name else ocp.PLACEHOLDER, saved)
+
+        args = ocp.args.PyTreeRestore(
+            item=only(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype)),
+            restore_args=only(lambda m: type_handlers.RestoreArgs(restore_type=np.ndarray,
+                                                                  dtype=m.dtype)))
+        try:
+            with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**_handlers((item,)))) as c:
+                out = c.restore(step_dir, args=ocp.args.Composite(**{item: args}))[item]
+        except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types
+            raise UserError(_damage(e, step_dir)) from None
+        (x,) = [x for p, x in jax.tree_util.tree_flatten_with_path(out)[0]
+                if array_path(p) == name]
+        if name in expected and _host_fingerprint(x) != expected[name]:
+            raise UserError(f"{step_dir / item}: array {name} does not match its fingerprint: "
+                            f"the checkpoint is damaged: resume from another one")
+        yield name, x
+
+
+def trim(x: np.ndarray, axes: tuple[str, ...], vocab: int) -> np.ndarray:
+    """`x` without the vocabulary rows past `vocab` (`axes`: its logical axes)."""
+    return x[tuple(slice(0, vocab) if a == "vocab" else slice(None) for a in axes)]
 
 
 def restore(path: str | Path, targets: Mapping[str, Any], *,

@@ -5,7 +5,7 @@ ZeRO stage and data-parallel size, fp32 weights, AdamW moments and step included
 The layout is `ds_to_universal`'s (`checkpoint.deepspeed` reads it): `latest_universal` naming
 `global_step{N}`, which holds `zero/{name}/{fp32,exp_avg,exp_avg_sq,step}.pt` per parameter
 under Hugging Face names, `zero/optimizer_state.pt`, and the model-states files DeepSpeed's
-loader opens (for ZeRO-1/2 and for ZeRO-3). Whole tensors are held in host memory.
+loader opens (for ZeRO-1/2 and for ZeRO-3). One parameter is held in host memory at a time.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from hotjax.checkpoint import dcp, store
 from hotjax.checkpoint.deepspeed import FIELDS
 from models.errors import UserError
-from models.hf import hf_tensor_shapes, params_to_hf_state
+from models.hf import hf_tensor_shapes, hf_tensors
 
 # The DeepSpeed release whose file layout this writes (its loader checks for one).
 FORMAT_VERSION = "0.19.8"
@@ -31,23 +31,26 @@ def export_universal(path: str | Path, out: str | Path) -> Path:
     except ImportError:
         raise UserError("DeepSpeed checkpoints need torch: pip install 'hotjax[torch]'") from None
     out = store.check_new_directory(out)
-    config, optim, params, adam = dcp.read_for_export(path)
-    step = int(adam.count) if adam is not None else 0
+    source = dcp.ExportSource.of(path)
+    config, optim, step = source.config, source.optim, source.step or 0
     tag = f"global_step{step}"
 
     def write(scratch: Path) -> None:
         zero = scratch / tag / "zero"
         zero.mkdir(parents=True)
-        # A weights-only checkpoint resumes as a fresh AdamW: zero moments at step 0.
-        moments = (adam.mu, adam.nu) if adam is not None else (None, None)
-        for field, tree in zip(FIELDS, (params, *moments), strict=True):
-            for name, x in params_to_hf_state(params if tree is None else tree, config).items():
-                x = np.zeros_like(x) if tree is None else x
-                (zero / name).mkdir(exist_ok=True)
-                torch.save({"cat_dim": 0, "param": torch.from_numpy(
-                    np.ascontiguousarray(x, np.float32))}, zero / name / f"{field}.pt")
-                if field == "fp32":
-                    torch.save(torch.tensor(float(step)), zero / name / "step.pt")
+        # One array restored, converted and saved at a time. A weights-only checkpoint resumes
+        # as a fresh AdamW: zero moments at step 0.
+        for field, which in zip(FIELDS, (store.PARAMS, "mu", "nu"), strict=True):
+            zeros = source.step is None and field != "fp32"
+            for key, x in source.arrays(store.PARAMS if zeros else which):
+                for name, t in hf_tensors(key, x, config):
+                    (zero / name).mkdir(exist_ok=True)
+                    t = np.ascontiguousarray(np.zeros_like(t) if zeros else t, np.float32)
+                    torch.save({"cat_dim": 0, "param": torch.from_numpy(t)},
+                               zero / name / f"{field}.pt")
+                    if field == "fp32":
+                        torch.save(torch.tensor(float(step)), zero / name / "step.pt")
+                del x
         group = {"lr": float(optim.schedule()(step)), "betas": (optim.b1, optim.b2),
                  "eps": optim.eps, "params": []}
         shapes = dict(hf_tensor_shapes(config))
@@ -67,4 +70,4 @@ def export_universal(path: str | Path, out: str | Path) -> Path:
             torch.save(model_states, scratch / tag / name)
         (scratch / "latest_universal").write_text(tag)
 
-    return dcp.write_atomically(out, write)
+    return store.write_atomically(out, write)

@@ -204,8 +204,9 @@ class Search:
     def micro_step(self, strategy: Strategy, max_len: int, home_bytes: int, rows: int
                    ) -> _MicroStep | None:
         """The quickest way to run `rows` rows of `max_len` under `strategy` beside
-        `home_bytes` of home state: for each remat policy, micro-steps of as many rows as fit
-        (and no more than the rows need), the policy whose micro-steps take least in all."""
+        `home_bytes` of home state: for each remat policy and gradient accumulation
+        (`ACCUMULATE`), micro-steps of as many rows as fit (and no more than the rows need), the
+        pair whose micro-steps and bucket reduction take least in all."""
         best = None
         for remat, accumulate in itertools.product(REMAT_POLICIES, ACCUMULATE):
             line = self._memory_line(strategy, max_len, remat, accumulate)

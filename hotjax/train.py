@@ -4,8 +4,9 @@ A single `--strategy` is the one-bucket table whose home is that strategy, on th
 For each mini-batch, the fp32 master weights are cast to the compute dtype once; then, bucket by
 bucket in the planned order (empty buckets skipped), the weights are hot-switched into the
 bucket's layout, its rows run as micro-batches of one fixed shape (as many micro-steps as this
-mini-batch needs, gradients accumulated in fp32 in the bucket's layout), and the sums are
-switched home and added. One optimizer update then divides by the mini-batch's real target count,
+mini-batch needs, each data shard's gradients accumulated in its own fp32 partial sum, or in a
+split sum where those do not fit: `hotjax.step`), and the sums are reduced once into the home's
+layout and added. One optimizer update then divides by the mini-batch's real target count,
 so the update is the one a single strategy computes on the same data (HotSPa's lossless
 property). Nothing waits for the devices inside a step unless per-bucket timings are asked for.
 """

@@ -174,20 +174,6 @@ def write_dcp(directory: Path, config: LlamaConfig) -> None:
                  storage_writer=dcp.FileSystemWriter(str(directory), thread_count=DCP_WRITERS))
 
 
-# The child's own peak, read as it exits: its VmHWM is its own memory's, while its ru_maxrss
-# would count the pages it shared with this process between fork and exec.
-_PEAK = """import atexit, sys
-def _peak():
-    with open("/proc/self/status") as f:
-        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    with open(sys.argv[1], "w") as f:
-        f.write(str(kib * 1024))
-atexit.register(_peak)
-from hotjax.cli import main
-sys.exit(main(sys.argv[2:]))
-"""
-
-
 def run_ckpt(*args: str | Path, drop: Path | None = None) -> dict[str, float]:
     """`hotjax ckpt *args` in a fresh process (one CPU device, the CLI's own): its seconds, end
     to end, and its peak RSS in bytes. `drop` is dropped from the page cache first."""
@@ -196,8 +182,8 @@ def run_ckpt(*args: str | Path, drop: Path | None = None) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     with tempfile.NamedTemporaryFile("r", suffix=".peak") as peak:
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", _PEAK, peak.name, "ckpt", *map(str, args)],
-                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+        done = subprocess.run([sys.executable, "-m", "hotjax.peak", peak.name, "ckpt",
+                               *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
         seconds = time.perf_counter() - started
         if done.returncode != 0:

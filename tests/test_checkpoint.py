@@ -372,25 +372,11 @@ def test_ckpt_errors_exit_2_without_a_traceback_in_a_new_process(tmp_path):
                                      f"checkpoint directory")
 
 
-# A process's own peak resident memory (VmHWM), written to argv[1] as it exits: its ru_maxrss
-# would count the pages it shared with pytest between fork and exec.
-_PEAK = """import atexit, sys
-def _peak():
-    with open("/proc/self/status") as f:
-        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    with open(sys.argv[1], "w") as f:
-        f.write(str(kib * 1024))
-atexit.register(_peak)
-from hotjax.cli import main
-sys.exit(main(sys.argv[2:]))
-"""
-
-
 def _peak_bytes(tmp_path: Path, *args: str | Path) -> int:
     """`hotjax *args` in a fresh process; its peak RSS, bytes."""
     file = tmp_path / "peak"
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-    done = subprocess.run([sys.executable, "-c", _PEAK, file, *map(str, args)], env=env,
+    done = subprocess.run([sys.executable, "-m", "hotjax.peak", file, *map(str, args)], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return int(file.read_text())

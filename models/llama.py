@@ -242,6 +242,7 @@ class Llama(nnx.Module):
         stacked = nnx.to_pure_dict(nnx.state(self.layers))
         rows = (segment_ids_BxT, positions_BxT, cos_BxTxH, sin_BxTxH)
         pipeline = None if placement is None else placement.pipeline
+        on_rows = constrain  # the activations after the layers
         if pipeline is None:
             x_BxTxD, _ = jax.lax.scan(lambda x, w: (block(x, w, rows), None), x_BxTxD, stacked)
         else:
@@ -249,8 +250,8 @@ class Llama(nnx.Module):
                             remat_stages=cfg.remat == "full")
             # Every stage group holds the pipeline's output: each takes its share of the rows
             # through the final norm, the LM head and the loss, instead of all of them.
-            constrain = placement.across_stages
-            x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
+            on_rows = placement.across_stages
+            x_BxTxD = on_rows(x_BxTxD, ("batch", "seq", "embed"))
 
         x_BxTxD = _rms_norm(x_BxTxD, self.final_norm[...].astype(cfg.dtype), cfg.norm_eps)
         head_DxV = embed_VxD.T if cfg.tie_embeddings else constrain(
@@ -258,7 +259,7 @@ class Llama(nnx.Module):
         wide = accumulating(cfg.dtype)
         logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD.astype(wide), head_DxV.astype(wide),
                                   preferred_element_type=jnp.float32)
-        return constrain(logits_BxTxV, ("batch", "inner_seq", "vocab"))
+        return on_rows(logits_BxTxV, ("batch", "inner_seq", "vocab"))
 
 
 def _rematerialised(block: Callable, policy: str) -> Callable:

@@ -1,9 +1,37 @@
-"""hotjax: hot-switched parallelism for LLaMA training on mixed-length data."""
+"""hotjax: hot-switched parallelism for LLaMA training on mixed-length data.
+
+The library a training script uses (see `examples/train_llama.py`):
+
+    import hotjax
+
+    hotjax.start_jax(devices=8)   # first: settles the device count, the compilation cache
+    with hotjax.Run(hotjax.RunConfig(model="tiny", strategies="auto")) as run:
+        state, step = run.initial_state()
+        state, metrics = run.step(state)
+
+`Run`, `RunConfig`, `resumed_config`, `train`, `StrategyTable`, `Strategy` and `load_table` are
+imported on first use, so that importing `hotjax` does not start JAX.
+"""
 
 import os
 from pathlib import Path
 
 __version__ = "0.1.0"
+
+# Public names -> the module that defines them (PEP 562: imported when first asked for).
+_LAZY = {"Run": "hotjax.run", "train": "hotjax.run", "resumed_config": "hotjax.run",
+         "RunConfig": "hotjax.config",
+         "StrategyTable": "sharding.table", "load_table": "sharding.table",
+         "Strategy": "sharding.strategy"}
+__all__ = ["cache_root", "simulate_cpu_devices", "start_jax", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hotjax' has no attribute {name!r}")
 
 
 def cache_root() -> Path:
@@ -25,3 +53,32 @@ def simulate_cpu_devices(count: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     missing = [f for f in _PATIENT_CPU_COLLECTIVES if f.split("=")[0] not in flags]
     os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+
+
+SIMULATED_CPU_DEVICES = 8
+
+
+def start_jax(devices: int | None = None,
+              processes: tuple[str | None, int | None, int | None, int] = (None, None, None, 30),
+              ) -> None:
+    """Call before anything else starts JAX: settles the device count, joins the other
+    processes of a run of several, then turns on the persistent compilation cache.
+
+    On a CPU-only machine `devices` (default 8) simulated devices are made; only the CPU
+    backend reads the variable, and only before JAX starts, so on an accelerator it is inert.
+    `processes` is (coordinator, process count, process id, heartbeat seconds), as `hotjax
+    launch` passes them."""
+    from hotjax.config import at_least
+
+    at_least("--devices", devices, 1)
+    at_least("--heartbeat-timeout", processes[3], 1)
+    simulate_cpu_devices(devices or SIMULATED_CPU_DEVICES)
+    from sharding.profile import set_allocator_fraction
+
+    set_allocator_fraction()  # on a GPU, the memory plans count on (before the backend starts)
+    from hotjax import distributed
+
+    distributed.initialize(*processes)
+    from hotjax.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()

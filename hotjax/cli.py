@@ -12,46 +12,22 @@ import sys
 import typing
 from collections.abc import Sequence
 
-from hotjax import simulate_cpu_devices
+from hotjax import SIMULATED_CPU_DEVICES, start_jax
 from hotjax.config import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_MODEL,
     DEFAULT_WARMUP_STEPS,
     RunConfig,
-    at_least,
     memory_size,
 )
 from hotjax.preemption import REQUEUE_EXIT, Preempted, StopSignals, parse_signal
 from models.errors import UserError
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 
-SIMULATED_CPU_DEVICES = 8
 # Modules with a `register(commands)` function, each adding one command group.
 COMMAND_MODULES: tuple[str, ...] = ("hotjax.strategy_cli", "hotjax.data.cli", "hotjax.plan_cli",
                                     "hotjax.checkpoint.cli", "hotjax.launch")
 _RUN = RunConfig()  # the defaults
-
-
-def start_jax(devices: int | None,
-              processes: tuple[str | None, int | None, int | None, int] = (None, None, None, 30),
-              ) -> None:
-    """Settle the device count, then turn on the persistent compilation cache.
-
-    On a CPU-only machine `devices` (default 8) simulated devices are made; only the CPU
-    backend reads the variable, and only before JAX starts, so on an accelerator it is inert.
-    """
-    at_least("--devices", devices, 1)
-    at_least("--heartbeat-timeout", processes[3], 1)
-    simulate_cpu_devices(devices or SIMULATED_CPU_DEVICES)
-    from sharding.profile import set_allocator_fraction
-
-    set_allocator_fraction()  # on a GPU, the memory plans count on (before the backend starts)
-    from hotjax import distributed
-
-    distributed.initialize(*processes)  # (coordinator, num_processes, process_id, heartbeat)
-    from hotjax.compile_cache import enable_compilation_cache
-
-    enable_compilation_cache()
 
 
 def add_process_options(command: argparse.ArgumentParser) -> None:

@@ -50,12 +50,14 @@ from sharding.cost import (
     document_pairs,
     micro_step_memory,
     micro_step_time,
+    most_sharded,
     resident_bytes,
     visible_pairs,
 )
 from sharding.planner import boxes_from_strategy
 from sharding.profile import Profile
 from sharding.strategy import ACCUMULATE, MESH_AXES, Strategy, fit_to_model, ways
+from sharding.table import Bucket, StrategyTable
 
 MIN_BUCKET = 512  # the shortest bucket boundary considered
 MAX_STAGES = 8
@@ -90,19 +92,10 @@ class Plan:
     def seconds(self) -> float:
         return sum(b.seconds for b in self.buckets) + self.switch_seconds
 
-    def toml(self, header: str = "") -> str:
-        """The plan as a strategy table `hotjax train --strategies` loads."""
-        lines = [f"# {line}" for line in header.splitlines()]
-        for b in self.buckets:
-            mesh = ", ".join(f"{a} = {n}" for a, n in b.strategy.axes.items() if n > 1)
-            lines += ["", "[[bucket]]", f"max_len = {b.max_len}",
-                      f"mesh = {{ {mesh or 'data = 1'} }}", f'rules = "{b.strategy.rules.name}"',
-                      f"micro_rows = {b.micro_rows}", f'remat = "{b.remat}"']
-            if b.strategy.balanced:
-                lines.append("balanced = true")
-            if b.strategy.microbatches:
-                lines.append(f"microbatches = {b.strategy.microbatches}")
-        return "\n".join(lines).lstrip("\n") + "\n"
+    def table(self, source: str = "hotjax plan") -> StrategyTable:
+        """The plan as the strategy table `hotjax train --strategies` runs, home included."""
+        return StrategyTable(tuple(Bucket(b.max_len, b.strategy, b.micro_rows, b.remat)
+                                   for b in self.buckets), source, self.home)
 
 
 def typical_batch(lengths: np.ndarray, batch: int) -> np.ndarray:
@@ -414,7 +407,7 @@ def _best_for_home(search: Search, lengths: np.ndarray, cuts: list[int], home_by
 def _as_plan(search: Search, chosen: Sequence[Choice]) -> Plan:
     """Buckets with their switches: the weights from home through each bucket in turn, and
     each bucket's fp32 gradients home (in the reverse direction, twice the bytes of bf16)."""
-    home = min((c.strategy for c in chosen), key=lambda s: search.resident[s])
+    home = most_sharded([c.strategy for c in chosen], search.config)
     running = [c.strategy for c in chosen if c.rows]
     weights = sum(search.switch_seconds(a, b) for a, b in itertools.pairwise([home, *running]))
     widen = 4 / search.config.dtype.itemsize

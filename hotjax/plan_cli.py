@@ -60,7 +60,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from hotjax.cli import processes, start_jax
+    from hotjax import start_jax
+    from hotjax.cli import processes
 
     for flag, value in (("--context", args.context), ("--max-buckets", args.max_buckets),
                         ("--devices", args.devices), ("--vocab-size", args.vocab_size)):
@@ -112,7 +113,7 @@ def _plan(args: argparse.Namespace) -> None:
                   f"{profile.name} ({budget / 2**30:.0f} GiB each), context {args.context}, "
                   f"{args.batch_sequences} sequences of {described} per step: predicted "
                   f"{found.seconds:.3f} s per step.")
-        Path(args.out).write_text(found.toml(header))
+        Path(args.out).write_text(found.table().toml(header))
     if args.json:
         print(json.dumps(report, indent=1))
     else:

@@ -46,7 +46,7 @@ def _show(args: argparse.Namespace) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from hotjax.cli import start_jax
+    from hotjax import start_jax
 
     at_least("--context", args.context, 1)
     # Enough simulated devices for the widest mesh (a table's meshes are not known yet).

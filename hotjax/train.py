@@ -38,6 +38,7 @@ from hotjax.step import (
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
 from models.options import REMAT_POLICIES
+from sharding.cost import most_sharded
 from sharding.planner import SwitchPlan, Topology, plan_switch, strategy_switches
 from sharding.strategy import Strategy, canonical_devices
 from sharding.switch import already_laid_out, job_topology, switch
@@ -100,7 +101,8 @@ class Trainer:
             spanning = (f"switches between layouts run as jax.device_put: the run spans "
                         f"{processes} processes, and the planner's executor works within one",)
         self.switch = functools.partial(switch, method=switch_method, topology=self.topology)
-        self.home = home(config, optim, home_strategy or most_sharded(table, config), devices)
+        home_strategy = home_strategy or table.home or most_sharded(table.strategies, config)
+        self.home = home(config, optim, home_strategy, devices)
         state = self.home.state_bytes()
         if device_memory is not None and state > device_memory * MiB:
             # Before any bucket is compiled: no micro-batch fits beside this state.
@@ -304,18 +306,6 @@ class Trainer:
                        "imbalance": float(np.average([b.imbalance for b in buckets],
                                                      weights=weights)),
                        "buckets": [dataclasses.asdict(b) for b in buckets]}
-
-
-def most_sharded(table: StrategyTable, config: LlamaConfig) -> Strategy:
-    """The table's strategy holding the fewest bytes of model state per device (the first
-    of equals): the home of the fp32 master weights and the optimizer state."""
-    from sharding.report import describe
-
-    def state_bytes(strategy: Strategy) -> int:
-        b = describe(strategy, config)["bytes_per_device"]
-        return b["params"] + b["optimizer"]
-
-    return min(table.strategies, key=state_bytes)
 
 
 def best_order(costs: dict[tuple[int, int], float], n: int, home: int = -1) -> list[int]:

@@ -284,11 +284,9 @@ def planned(config: LlamaConfig, devices: list, args: argparse.Namespace, length
     model and dtype (`--strategies auto` measures a reference model once per machine: on CPU
     attention's rate depends on the head width), and the table it plans for a typical step of
     these documents."""
-    import tomllib
 
     from hotjax import plan as plan_lib
     from hotjax.measure import measure_profile
-    from sharding.table import parse_table
 
     console.print("measuring this machine's profile on the model...", markup=False)
     profile = measure_profile(devices, model=config, quick=args.quick)
@@ -296,7 +294,7 @@ def planned(config: LlamaConfig, devices: list, args: argparse.Namespace, length
     found = plan_lib.plan(search, plan_lib.typical_batch(lengths, batch), args.context)
     console.print(f"auto: planned on profile {profile.name}, predicted "
                   f"{found.seconds * 1e3:,.1f} ms per typical step", markup=False)
-    return search, parse_table(tomllib.loads(found.toml()), METHODS["auto"])
+    return search, found.table(METHODS["auto"])
 
 
 def predict(search: Any, trainer: Trainer, method: str, lengths: list[np.ndarray]

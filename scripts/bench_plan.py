@@ -214,7 +214,6 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
     mini-batch has rows in every bucket (else seed 0). The cost model plans the table's
     micro-batches for those documents (`hotjax.plan.fixed_table`, switches included) and the
     trainer runs that plan: a warm-up step, then the median of `--repeats`."""
-    import tomllib
 
     from bench_mixed import document_lengths
 
@@ -222,7 +221,6 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
     from hotjax.data import MiniBatches, load_tokenizer, open_corpus
     from hotjax.optim import OptimConfig
     from hotjax.train import Trainer
-    from sharding.table import parse_table
 
     if len(strategies) > len(seq_lens):
         raise UserError(f"a table of {len(strategies)} buckets needs as many row lengths, and "
@@ -239,7 +237,7 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
     if found is None:
         raise UserError(f"the table {' | '.join(map(str, strategies))} does not fit the "
                         f"profile's memory: give smaller --tokens")
-    table = parse_table(tomllib.loads(found.toml()), "hot table")
+    table = found.table("hot table")
     name = " | ".join(f"<={n} {s}" for n, s in zip(max_lens, strategies, strict=True))
     progress.print(f"hot table {name}: compiling...", markup=False, highlight=False)
     trainer = Trainer(config, OptimConfig(warmup_steps=1, total_steps=args.repeats + 2), table,

@@ -88,7 +88,7 @@ def report(name: str, args: argparse.Namespace, run, print_table, devices: int |
     import json
     from pathlib import Path
 
-    from hotjax.cli import start_jax
+    from hotjax import start_jax
     from models.errors import UserError
 
     progress = console(stderr=True, width=width)

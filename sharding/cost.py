@@ -286,6 +286,12 @@ def resident_bytes(config: LlamaConfig, strategy: Strategy) -> int:
     return FP32 * (s.weights + ADAM_MOMENTS * s.moments + s.grad_sum)
 
 
+def most_sharded(strategies: Iterable[Strategy], config: LlamaConfig) -> Strategy:
+    """The strategy holding the fewest `resident_bytes` per device (the first of equals): the
+    home of a table that names none, for the trainer and the planner alike."""
+    return min(strategies, key=lambda s: resident_bytes(config, s))
+
+
 @dataclasses.dataclass(frozen=True)
 class MicroStepTime:
     """Seconds of one micro-step, per term; `seconds` is their sum (overlap already taken)."""

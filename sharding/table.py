@@ -1,15 +1,33 @@
-"""Strategy tables: which strategy runs each length bucket, read from TOML and validated once."""
+"""Strategy tables: which strategy runs each length bucket, and which holds the model state.
+
+One form on disk serves every writer and reader: `hotjax plan --out`, `--strategies auto`,
+the record each checkpoint keeps and `hotjax ckpt inspect` all write `StrategyTable.toml()` (or
+its `to_dict()`, the same data), and `parse_table` / `load_table` read any of them back into an
+equal table, home included:
+
+    home = { mesh = { fsdp = 8 }, rules = "fsdp" }   # optional: default, the most sharded
+
+    [[bucket]]
+    max_len = 1024
+    mesh = { data = 4, tensor = 2 }
+    rules = "megatron"          # a rule set's name, or an inline table (params, activations, ...)
+    micro_rows = 8              # rows per micro-step (gradient accumulation); default: fitted
+    remat = "dots"              # default: fitted to the memory budget
+    balanced = true             # context parallelism's load-balanced chunk order
+    microbatches = 4            # a pipeline's micro-batches per micro-step (with a stage axis)
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from models.errors import UserError
 from models.options import REMAT_POLICIES
-from sharding.strategy import Strategy
+from sharding.strategy import RULE_SETS, Rules, Strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +43,13 @@ class Bucket:
 
 @dataclasses.dataclass(frozen=True)
 class StrategyTable:
+    """Buckets by increasing `max_len`, and the `home` strategy that keeps the fp32 master
+    weights and optimizer state between them (None: the most sharded bucket's, chosen by
+    `sharding.cost.most_sharded`). `source` names where the table came from, for errors."""
+
     buckets: tuple[Bucket, ...]
-    source: str = "<table>"
+    source: str = dataclasses.field(default="<table>", compare=False)
+    home: Strategy | None = None
 
     @property
     def strategies(self) -> list[Strategy]:
@@ -44,12 +67,15 @@ class StrategyTable:
                         f"largest bucket ({self.max_len}): add a bucket or truncate the data")
 
     def check_devices(self, num_devices: int) -> None:
-        for i, bucket in enumerate(self.buckets, 1):
-            used = bucket.strategy.num_devices
+        named = [(self.source if len(self.buckets) == 1
+                  else f"{self.source}: bucket {i} (max_len {bucket.max_len})", bucket.strategy)
+                 for i, bucket in enumerate(self.buckets, 1)]
+        if self.home is not None:
+            named.append((f"{self.source}: home", self.home))
+        for where, strategy in named:
+            used = strategy.num_devices
             if used != num_devices:
-                where = (self.source if len(self.buckets) == 1
-                         else f"{self.source}: bucket {i} (max_len {bucket.max_len})")
-                raise UserError(f"{where}: mesh {bucket.strategy} uses {used} devices but "
+                raise UserError(f"{where}: mesh {strategy} uses {used} devices but "
                                 f"{num_devices} are in use: make its sizes multiply to "
                                 f"{num_devices}, or pass --devices {used}")
 
@@ -57,16 +83,82 @@ class StrategyTable:
     def single(cls, strategy: Strategy, max_len: int, source: str) -> StrategyTable:
         return cls((Bucket(max_len, strategy),), source)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The table's TOML form as data (what a checkpoint records): `parse_table` reads it
+        back into an equal table."""
+        out: dict[str, Any] = {} if self.home is None else {"home": strategy_dict(self.home)}
+        out["bucket"] = [{"max_len": b.max_len, **strategy_dict(b.strategy),
+                          **({"micro_rows": b.micro_rows} if b.micro_rows is not None else {}),
+                          **({"remat": b.remat} if b.remat is not None else {})}
+                         for b in self.buckets]
+        return out
+
+    def toml(self, header: str = "") -> str:
+        """The table as TOML, one line per key as people write tables, `header` as comments."""
+        data = self.to_dict()
+        lines = [f"# {line}" for line in header.splitlines()]
+        if "home" in data:
+            lines.append(f"home = {_inline(data['home'])}")
+        for bucket in data["bucket"]:
+            lines += ["", "[[bucket]]", *(f"{k} = {_inline(v)}" for k, v in bucket.items())]
+        return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def strategy_dict(strategy: Strategy) -> dict[str, Any]:
+    """A strategy as a table's entries write it: mesh, rules, balanced, microbatches."""
+    return {"mesh": {a: n for a, n in strategy.axes.items() if n > 1} or {"data": 1},
+            "rules": _rules_value(strategy.rules),
+            **({"balanced": True} if strategy.balanced else {}),
+            **({"microbatches": strategy.microbatches} if strategy.microbatches else {})}
+
+
+def _rules_value(rules: Rules) -> str | dict[str, Any]:
+    """A rule set by its name where it is one, else its mappings in full (an inline table)."""
+    if RULE_SETS.get(rules.name) == rules:
+        return rules.name
+    return {kind: {logical: list(axes) for logical, axes in mapping}
+            for kind in ("params", "activations", "grads", "optimizer")
+            if (mapping := getattr(rules, kind)) is not None}
+
+
+def _inline(value: Any) -> str:
+    """A TOML value on one line: an inline table, an array, a string (JSON's escapes are TOML's
+    basic string's), a boolean or a number."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_inline(v)}" for k, v in value.items()) + " }" \
+            if value else "{}"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_inline, value)) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
+def _parse_strategy(entry: dict[str, Any], where: str) -> Strategy:
+    mesh = entry.get("mesh")
+    if not isinstance(mesh, dict) or not mesh:
+        raise UserError(f"{where}: mesh must be a table like {{ data = 8 }}")
+    return Strategy.create(mesh, entry.get("rules"), where, entry.get("balanced", False),
+                           entry.get("microbatches"))
+
 
 def parse_table(data: dict[str, Any], source: str) -> StrategyTable:
-    """A table from its TOML form: `[[bucket]]` entries with `max_len`, `mesh` and `rules`."""
+    """A table from its TOML form: `[[bucket]]` entries with `max_len`, `mesh` and `rules`,
+    and optionally a `home`."""
     entries = data.get("bucket")
     if not isinstance(entries, list) or not entries:
         raise UserError(f"{source}: no [[bucket]] entries: add at least one with max_len and mesh")
-    unknown_top = set(data) - {"bucket"}
+    unknown_top = set(data) - {"bucket", "home"}
     if unknown_top:
         raise UserError(f"{source}: unknown key {sorted(unknown_top)[0]!r}: a table holds "
-                        f"[[bucket]] entries only")
+                        f"[[bucket]] entries and a home")
+    home = data.get("home")
+    if home is not None:
+        if not isinstance(home, dict) or set(home) - {"mesh", "rules", "balanced",
+                                                      "microbatches"}:
+            raise UserError(f"{source}: home must be a table with mesh and rules, like "
+                            f"home = {{ mesh = {{ fsdp = 8 }}, rules = \"fsdp\" }}")
+        home = _parse_strategy(home, f"{source}: home")
     buckets = []
     for i, entry in enumerate(entries, 1):
         where = f"{source}: bucket {i}"
@@ -86,9 +178,6 @@ def parse_table(data: dict[str, Any], source: str) -> StrategyTable:
             raise UserError(f"{where}: max_len {max_len} is not larger than bucket {i - 1}'s "
                             f"{buckets[-1].max_len}: list buckets by increasing max_len, "
                             f"without overlap")
-        mesh = entry.get("mesh")
-        if not isinstance(mesh, dict) or not mesh:
-            raise UserError(f"{where}: mesh must be a table like {{ data = 8 }}")
         micro_rows = entry.get("micro_rows")
         if micro_rows is not None and (not isinstance(micro_rows, int)
                                        or isinstance(micro_rows, bool) or micro_rows < 1):
@@ -97,10 +186,8 @@ def parse_table(data: dict[str, Any], source: str) -> StrategyTable:
         if remat is not None and remat not in REMAT_POLICIES:
             raise UserError(f"{where}: remat {remat!r}: choose one of "
                             f"{', '.join(map(repr, REMAT_POLICIES))}")
-        strategy = Strategy.create(mesh, entry.get("rules"), where, entry.get("balanced", False),
-                                   entry.get("microbatches"))
-        buckets.append(Bucket(max_len, strategy, micro_rows, remat))
-    return StrategyTable(tuple(buckets), source)
+        buckets.append(Bucket(max_len, _parse_strategy(entry, where), micro_rows, remat))
+    return StrategyTable(tuple(buckets), source, home)
 
 
 def load_table(path: str | Path) -> StrategyTable:

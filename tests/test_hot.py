@@ -16,9 +16,10 @@ import pytest
 
 from hotjax.data import Batch, ByteTokenizer, MiniBatch, MiniBatches, open_corpus
 from hotjax.optim import OptimConfig
-from hotjax.train import BucketMetrics, Trainer, best_order, most_sharded
+from hotjax.train import BucketMetrics, Trainer, best_order
 from models.errors import UserError
 from models.llama import PRESETS
+from sharding.cost import most_sharded
 from sharding.strategy import Strategy
 from sharding.table import Bucket, StrategyTable, parse_table
 
@@ -261,11 +262,17 @@ def test_bfloat16_hot_table_stays_within_bf16_rounding_of_one_device(devices, mi
         assert 2 * plan.bytes_moved == fp32.weight_plans[pair].bytes_moved
 
 
-def test_home_is_the_strategy_holding_the_least_state_per_device():
+def test_home_is_the_tables_or_the_strategy_holding_the_least_state_per_device(devices):
     # tensor=4 splits the matrices 4 ways, fsdp=2 only 2 ways, data=8 not at all.
-    assert most_sharded(TABLE, CONFIG) == TABLE.buckets[1].strategy
+    assert most_sharded(TABLE.strategies, CONFIG) == TABLE.buckets[1].strategy
+    assert Trainer(CONFIG, OPTIM, TABLE, devices).home.layout.strategy == \
+        TABLE.buckets[1].strategy
     uniform = StrategyTable(tuple(Bucket(m, Strategy.parse("data=8")) for m in MAX_LENS))
-    assert most_sharded(uniform, CONFIG) == Strategy.parse("data=8")
+    assert most_sharded(uniform.strategies, CONFIG) == Strategy.parse("data=8")
+    # A table that names its home keeps it (as `hotjax plan` writes them).
+    named = dataclasses.replace(TABLE, home=Strategy.parse("fsdp=8"))
+    assert Trainer(CONFIG, OPTIM, named, devices).home.layout.strategy == \
+        Strategy.parse("fsdp=8")
 
 
 def test_best_order_minimises_the_chain_of_switches():

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hotjax.cli import start_jax
+from hotjax import start_jax
 from models.options import CHECKPOINT_NAMINGS
 
 
@@ -254,6 +254,24 @@ def _import_shards(args: argparse.Namespace) -> None:
     print(f"wrote {import_megatron(args.source, args.out, config=config, workers=args.workers)}")
 
 
+def _print_table(record: dict[str, Any] | None, console: Any) -> None:
+    """The run's strategy table as the TOML `hotjax train --strategies` loads."""
+    from rich.markup import escape
+
+    from models.errors import UserError
+    from sharding.table import parse_table
+
+    if record is None:
+        console.print("[bold]strategy table[/]: none recorded")
+        return
+    try:
+        text = parse_table(record, "the recorded table").toml()
+    except UserError:  # written by an older hotjax, in another form
+        text = str(record)
+    console.print("[bold]strategy table[/] (TOML, as --strategies loads it):")
+    console.print(escape(text.rstrip()))
+
+
 def _print(info: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -270,7 +288,7 @@ def _print(info: dict[str, Any]) -> None:
     line("model", ", ".join(f"{k}={v}" for k, v in info["model"].items()))
     line("tokenizer", info.get("tokenizer"))
     line("written from", info.get("written_from") or "unknown")
-    line("strategy table", info.get("strategy_table"))
+    _print_table(info.get("strategy_table"), console)
     line("data", info.get("data"))
     line("data position", info.get("data_position"))
     line("optimizer", info.get("optimizer"))

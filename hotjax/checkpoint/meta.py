@@ -12,14 +12,14 @@ Free of JAX and Orbax, so `inspect` and the shard importer's workers stay light.
     seed            the run's seed: it initialised the parameters and orders the data
     data            what the data position refers to: {source, seq_len, batch_tokens, seed}
     optimizer       the `OptimConfig` fields, or null
-    strategy_table  {"bucket": [{max_len, mesh, rules}, ...]}, the TOML table's form, or null
+    strategy_table  the run's strategy table, home included, as `StrategyTable.to_dict()` writes it
+                    (`sharding.table.parse_table` loads it back), or null
     written_from    the layout that wrote it (for `inspect` only; restore never reads it)
     fingerprints    {item: {array path: uint32}}: see `store.fingerprints`
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -53,31 +53,14 @@ def tokenizer_record(tokenizer: Any) -> dict[str, Any]:
             for k in ("identity", "vocab_size", "bos_id", "eos_id", "pad_id")}
 
 
-def table_record(table: Any) -> dict[str, Any]:
-    """A strategy table in its TOML form, rules written out in full (`sharding.table`)."""
-    return {"bucket": [{"max_len": b.max_len,
-                        "mesh": {a: n for a, n in b.strategy.axes.items() if n > 1},
-                        "rules": rules_record(b.strategy.rules),
-                        **({"microbatches": b.strategy.microbatches}
-                           if b.strategy.microbatches else {})} for b in table.buckets]}
-
-
-def rules_record(rules: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": rules.name}
-    for field in dataclasses.fields(rules):
-        mapping = getattr(rules, field.name)
-        if field.name != "name" and mapping is not None:
-            out[field.name] = {logical: list(axes) for logical, axes in mapping}
-    return out
-
-
 def layout_record(layout: Any) -> dict[str, Any]:
     """The writer's layout, for `inspect`: strategy, mesh and devices."""
+    from sharding.table import strategy_dict
+
     devices = layout.mesh.devices.flat
     first = next(iter(devices))
     return {"strategy": str(layout.strategy),
-            "mesh": {a: n for a, n in layout.strategy.axes.items() if n > 1},
-            "rules": rules_record(layout.strategy.rules),
+            **strategy_dict(layout.strategy),
             "devices": int(layout.mesh.devices.size), "platform": first.platform,
             "processes": len({d.process_index for d in layout.mesh.devices.flat})}
 

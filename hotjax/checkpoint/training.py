@@ -30,7 +30,7 @@ def run_record(home: Home, *, tokenizer: Any, data: dict[str, Any], seed: int,
         step=0, source="train", items=[store.PARAMS, store.OPT_STATE],
         model=home.config.to_dict(), seed=seed, tokenizer=meta_lib.tokenizer_record(tokenizer),
         data={**data, "seed": seed}, optimizer=dataclasses.asdict(home.optim),
-        strategy_table=meta_lib.table_record(table),
+        strategy_table=table.to_dict(),
         written_from=meta_lib.layout_record(home.layout))
 
 

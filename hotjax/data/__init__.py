@@ -24,7 +24,7 @@ from hotjax.data.tokenizer import (
 
 # The iterators live in `stream`, which imports Grain, which imports JAX — and JAX reads the CPU
 # device count when imported. So `stream` loads on first use, and importing `hotjax.data` before
-# `hotjax.cli.start_jax` stays safe.
+# `hotjax.start_jax` stays safe.
 _STREAM = ("MiniBatch", "MiniBatches", "Share")
 
 

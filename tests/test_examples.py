@@ -1,0 +1,91 @@
+"""The examples a user starts from: a training script of one's own equals `hotjax train`, and
+a checkpoint written on 8 devices resumes on 4 under another strategy with the uninterrupted
+run's losses."""
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).parent.parent
+# A tiny model on byte tokens in fp32, over a hot-switched two-bucket table on 8 devices.
+FLAGS = ["--model", "tiny", "--tokenizer", "bytes", "--batch-tokens", "2048",
+         "--compute-dtype", "float32", "--seed", "5", "--steps", "4", "--strategies"]
+TABLE = """
+[[bucket]]
+max_len = 128
+mesh = { data = 8 }
+rules = "dp"
+
+[[bucket]]
+max_len = 256
+mesh = { data = 2, fsdp = 2, tensor = 2 }
+rules = "megatron"
+"""
+
+
+def _python(*args: str, cwd: Path, devices: int = 8) -> str:
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu",
+           "COLUMNS": "400"}
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _records(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """`hotjax train` and the example script on the same flags, side by side, the example
+    saving steps 2 and 4; then the restore example from its step 2 onto 4 devices."""
+    tmp = tmp_path_factory.mktemp("examples")
+    (tmp / "table.toml").write_text(TABLE)
+    corpus = tmp / "corpus.jsonl"
+    from hotjax.data import open_corpus
+
+    rng = np.random.default_rng(3)
+    text = "".join(open_corpus(None).read(i) for i in range(20))
+    starts, lengths = rng.integers(0, len(text) - 300, 400), rng.integers(10, 300, 400)
+    corpus.write_text("".join(json.dumps({"text": text[s:s + n]}) + "\n"
+                              for s, n in zip(starts, lengths, strict=True)))
+    flags = [*FLAGS, "table.toml", "--data", str(corpus)]
+
+    def cli() -> list[dict]:
+        _python("-m", "hotjax.cli", "train", *flags, "--metrics-jsonl", "cli.jsonl", cwd=tmp)
+        return [json.loads(line) for line in (tmp / "cli.jsonl").read_text().splitlines()]
+
+    def example() -> list[dict]:
+        return _records(_python(str(ROOT / "examples" / "train_llama.py"), *flags,
+                                "--devices", "8", "--ckpt-dir", "ck", "--save-every", "2",
+                                cwd=tmp))
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        cli_run, example_run = pool.map(lambda f: f(), (cli, example))
+    restored = _records(_python(str(ROOT / "examples" / "restore_on_new_mesh.py"),
+                                str(tmp / "ck" / "2"), "--devices", "4", "--strategy",
+                                "fsdp=2,tensor=2", cwd=tmp, devices=4))
+    return {"cli": cli_run, "example": example_run, "restored": restored}
+
+
+def test_the_training_script_equals_hotjax_train(runs):
+    cli, example = runs["cli"], runs["example"]
+    assert [r["step"] for r in example] == [r["step"] for r in cli] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["loss"] for r in example], [r["loss"] for r in cli],
+                               rtol=0, atol=1e-5)
+    assert cli[-1]["loss"] < cli[0]["loss"]
+    assert any(r["switched_mib"] > 0 for r in example)  # the two buckets hot-switched
+
+
+def test_a_checkpoint_from_8_devices_resumes_on_4_under_another_strategy(runs):
+    restored, uninterrupted = runs["restored"], runs["example"]
+    assert [r["step"] for r in restored] == [3, 4]
+    np.testing.assert_allclose([r["loss"] for r in restored],
+                               [r["loss"] for r in uninterrupted[2:]], rtol=0, atol=1e-5)

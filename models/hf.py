@@ -164,15 +164,30 @@ def hf_tensor_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             for key, i, name, fan_in in _layout(cfg)}
 
 
-def hf_tensors(key: str, x: np.ndarray, cfg: LlamaConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """The HF LLaMA tensors (C-contiguous, x's dtype) of one hotjax parameter `key` (`embed`,
-    `layers/wq`, ...; stacked layers give one tensor per layer)."""
+def _of_param(key: str, cfg: LlamaConfig) -> Iterator[tuple[int | None, str, int]]:
+    """(layer index or None, HF name, fan-in dims) of each HF tensor of hotjax parameter `key`."""
     layer = key.removeprefix("layers/")
     for k, i, name, fan_in in _layout(cfg):
         if k == layer and (i is None) == (layer == key):
-            t = x if i is None else x[i]
-            yield name, np.ascontiguousarray(t.reshape(_hf_shape(t.shape, fan_in)[::-1]).T
-                                             if fan_in else t)
+            yield i, name, fan_in
+
+
+def hf_tensors(key: str, x: np.ndarray, cfg: LlamaConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """The HF LLaMA tensors (C-contiguous, x's dtype) of one hotjax parameter `key` (`embed`,
+    `layers/wq`, ...; stacked layers give one tensor per layer)."""
+    for i, name, fan_in in _of_param(key, cfg):
+        t = x if i is None else x[i]
+        yield name, np.ascontiguousarray(t.reshape(_hf_shape(t.shape, fan_in)[::-1]).T
+                                         if fan_in else t)
+
+
+def hf_read_order(cfg: LlamaConfig) -> list[str]:
+    """The HF tensor names in the order `hf_param_makers`' leaves read them when made in the
+    order JAX flattens the tree (sorted keys), as a checkpoint writes it: by parameter, then
+    by layer."""
+    leaves = jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]
+    return [name for path, _ in leaves
+            for _, name, _ in _of_param("/".join(k.key for k in path), cfg)]
 
 
 def param_keys(cfg: LlamaConfig) -> list[str]:
@@ -201,6 +216,9 @@ class LazyTensors(Mapping[str, np.ndarray]):
         if name not in self.shapes:
             raise KeyError(name)
         return self._read(name)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensor
+        return name in self.shapes
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)

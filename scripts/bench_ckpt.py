@@ -3,7 +3,8 @@ sequential write and read of the same bytes in the same run, restore onto the sa
 new one, how long an async save holds up training; and every conversion's GB/s and peak host
 memory: `ckpt import-hf` / `export-hf` of a Hugging Face safetensors LLaMA, `import-dcp` /
 `export-dcp` of a PyTorch Distributed Checkpoint (DCP), `export-universal` / `import-deepspeed`
-of a DeepSpeed universal directory.
+of a DeepSpeed universal directory, `import-megatron-core` of a Megatron-Core torch_dist
+checkpoint and `import-shards --format megatron` of Megatron-LM rank files.
 
     python scripts/bench_ckpt.py [--model small] [--dir DIR] [--repeats 3] [--dcp-gb 2]
                                  [--hf-gb 2] [--conversions-only] [--json] [--quick]
@@ -18,7 +19,9 @@ first, not timed: a LLaMA of vocabulary 32000 and width 768 (12 heads, MLP 2048)
 as make `--hf-gb` of fp32 weights (safetensors files of at most 1 GB, Hugging Face's index
 beside them), and `--dcp-gb` of fp32 weights and AdamW moments, which torch saves from
 several writer threads (a `.distcp` file each, as several ranks write). `export-universal`
-converts the DCP import; `import-deepspeed` reads what it wrote.
+converts the DCP import; `import-deepspeed` reads what it wrote. The torch_dist checkpoint
+holds the DCP checkpoint's model and as many bytes (weights and Adam moments, per parameter);
+the Megatron-LM rank files (tp=2, pp=2) the Hugging Face checkpoint's model and bytes.
 `--quick`: the `tiny` model (and foreign checkpoints), one repeat, two steps (a smoke test).
 """
 
@@ -53,6 +56,8 @@ DCP_WRITERS = 4  # torch's writer threads: one .distcp file each
 DCP_BYTES_PER_PARAM = 12  # fp32 weight, exp_avg and exp_avg_sq
 HF_BYTES_PER_PARAM = 4  # fp32 weight
 HF_SHARD_BYTES = 1 << 30
+MEGATRON_TP, MEGATRON_PP = 2, 2  # the Megatron-LM rank files' layout
+MEGATRON_ITERATION = 5
 ROOT = Path(__file__).resolve().parent.parent  # where `python -m hotjax.cli` runs
 
 
@@ -174,6 +179,98 @@ def write_dcp(directory: Path, config: LlamaConfig) -> None:
                  storage_writer=dcp.FileSystemWriter(str(directory), thread_count=DCP_WRITERS))
 
 
+def megatron_args(config: LlamaConfig, tp: int, pp: int, rows: int) -> argparse.Namespace:
+    """The fields of Megatron-LM's args that describe `config`, as its checkpoints hold them."""
+    return argparse.Namespace(
+        num_layers=config.n_layers, hidden_size=config.dim, ffn_hidden_size=config.ffn_dim,
+        num_attention_heads=config.n_heads, group_query_attention=True,
+        num_query_groups=config.n_kv_heads, kv_channels=config.head_dim, norm_epsilon=1e-5,
+        rotary_base=10000, untie_embeddings_and_output_weights=not config.tie_embeddings,
+        seq_length=config.max_seq_len, max_position_embeddings=config.max_seq_len,
+        padded_vocab_size=rows, position_embedding_type="rope", normalization="RMSNorm",
+        swiglu=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def _padded_vocab(config: LlamaConfig, tp: int) -> int:
+    """Megatron's padded vocabulary: a multiple of 128 rows per tensor-parallel rank."""
+    return -(-config.vocab_size // (128 * tp)) * 128 * tp
+
+
+def write_megatron_core(directory: Path, config: LlamaConfig) -> None:
+    """A Megatron-Core torch_dist checkpoint of random fp32 weights and per-parameter Adam
+    moments of `config` (Megatron-LM's `--dist-ckpt-optim-fully-reshardable`), as
+    `dist_checkpointing.save` lays it out: `iter_0000005/` (`.metadata`, `.distcp` files,
+    `common.pt`, `metadata.json`) beside `latest_checkpointed_iteration.txt`."""
+    import numpy as np
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hotjax.checkpoint import megatron_core
+    from hotjax.checkpoint.megatron import NORMS
+
+    rows = _padded_vocab(config, 1)
+    shapes = megatron_core.tensor_shapes(config, rows, (NORMS[0][0], NORMS[1][0]))
+    iteration = directory / f"iter_{MEGATRON_ITERATION:07d}"
+    rng = np.random.default_rng(0)
+    state = {}
+    for key, shape in shapes.items():
+        state[key] = torch.from_numpy(rng.standard_normal(shape, np.float32))
+        state[f"optimizer.state.exp_avg.{key}"] = 1e-3 * torch.randn(shape)
+        state[f"optimizer.state.exp_avg_sq.{key}"] = 1e-6 * torch.rand(shape)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, no_dist=True,
+                 storage_writer=dcp.FileSystemWriter(str(iteration), thread_count=DCP_WRITERS))
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+               "step": MEGATRON_ITERATION}]
+    torch.save({"args": megatron_args(config, 1, 1, rows), "iteration": MEGATRON_ITERATION,
+                "optimizer": {"optimizer": {"param_groups": groups}}}, iteration / "common.pt")
+    (iteration / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    (directory / "latest_checkpointed_iteration.txt").write_text(f"{MEGATRON_ITERATION}\n")
+
+
+def write_megatron(directory: Path, config: LlamaConfig, tp: int, pp: int) -> None:
+    """Megatron-LM rank files (`mp_rank_XX_YYY/model_optim_rng.pt`, the torch format) of
+    random fp32 weights of `config` over `tp` tensor and `pp` pipeline ranks, as Megatron-Core
+    names and splits them (Transformer Engine's fused norms, a padded vocabulary)."""
+    import numpy as np
+    import torch
+
+    from hotjax.checkpoint.megatron import EMBED, FC1, FC2, FINAL_NORM, HEAD, NORMS, PROJ, QKV
+
+    rows = _padded_vocab(config, tp)
+    D, F, H = config.dim, config.ffn_dim, config.head_dim
+    N, K = config.n_heads, config.n_kv_heads
+    split = {QKV: ((N + 2 * K) * H // tp, D), PROJ: (D, N * H // tp), FC1: (2 * F // tp, D),
+             FC2: (D, F // tp)}
+    rng = np.random.default_rng(0)
+
+    def tensor(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.from_numpy(rng.standard_normal(shape, np.float32))
+
+    for s in range(pp):
+        layers = config.n_layers // pp + (s < config.n_layers % pp)
+        # Norms are replicated over tensor-parallel ranks (the import checks the copies agree).
+        replicated = {f"decoder.layers.{layer}.{name}": tensor((D,))
+                      for layer in range(layers) for name in (NORMS[0][0], NORMS[1][0])}
+        if s == pp - 1:
+            replicated[FINAL_NORM] = tensor((D,))
+        for t in range(tp):
+            model = {f"decoder.layers.{layer}.{name}": tensor(shape)
+                     for layer in range(layers) for name, shape in split.items()}
+            if s == 0:
+                model[EMBED] = tensor((rows // tp, D))
+            if s == pp - 1 and not config.tie_embeddings:
+                model[HEAD] = tensor((rows // tp, D))
+            file = (directory / f"iter_{MEGATRON_ITERATION:07d}" / f"mp_rank_{t:02d}_{s:03d}"
+                    / "model_optim_rng.pt")
+            file.parent.mkdir(parents=True)
+            torch.save({"args": megatron_args(config, tp, pp, rows),
+                        "iteration": MEGATRON_ITERATION, "model": {**model, **replicated}}, file)
+            del model
+    (directory / "latest_checkpointed_iteration.txt").write_text(f"{MEGATRON_ITERATION}\n")
+
+
 def run_ckpt(*args: str | Path, drop: Path | None = None) -> dict[str, float]:
     """`hotjax ckpt *args` in a fresh process (one CPU device, the CLI's own): its seconds, end
     to end, and its peak RSS in bytes. `drop` is dropped from the page cache first."""
@@ -239,6 +336,28 @@ def conversions(root: Path, hf_gb: float, dcp_gb: float) -> dict:
                         "import": _conversion(run, _bytes(root / "ds"), read)}
     for path in ("dcp", "dcp-config", "dcp-in", "dcp-out", "ds", "ds-in"):
         shutil.rmtree(root / path)
+    out.update(megatron_conversions(root, hf_config, dcp_config, read))
+    return out
+
+
+def megatron_conversions(root: Path, weights: LlamaConfig, with_adam: LlamaConfig,
+                         disk_gb_s: float) -> dict:
+    """`import-megatron-core` of a torch_dist checkpoint of `with_adam` (weights and Adam
+    moments) and `import-shards --format megatron` of Megatron-LM rank files of `weights`: their
+    seconds, GB/s against the disk's cold read, peak RSS."""
+    mc, mg = root / "mc", root / "mg"
+    write_megatron_core(mc, with_adam)
+    run = run_ckpt("import-megatron-core", mc, root / "mc-in", drop=mc)
+    out = {"megatron_core": {"bytes": _bytes(mc), "layers": with_adam.n_layers,
+                             "import": _conversion(run, _bytes(mc), disk_gb_s)}}
+    shutil.rmtree(mc)
+    shutil.rmtree(root / "mc-in")
+    write_megatron(mg, weights, MEGATRON_TP, MEGATRON_PP)
+    run = run_ckpt("import-shards", "--format", "megatron", mg, root / "mg-in", drop=mg)
+    out["megatron"] = {"bytes": _bytes(mg), "layers": weights.n_layers, "tp": MEGATRON_TP,
+                       "pp": MEGATRON_PP, "import": _conversion(run, _bytes(mg), disk_gb_s)}
+    shutil.rmtree(mg)
+    shutil.rmtree(root / "mg-in")
     return out
 
 
@@ -264,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="print one JSON object to stdout (the table goes to stderr)")
     args = parse_args(parser, argv, QUICK)
 
-    from hotjax.cli import start_jax
+    from hotjax import start_jax
 
     start_jax(None)
     import jax
@@ -446,6 +565,11 @@ def _conversions_table(r: dict, console: Console) -> None:
     row("export-dcp of that import", dcp["export"], dcp["bytes"], "write+fsync")
     row("export-universal of that import", ds["export_universal"], dcp["bytes"], "write+fsync")
     row("import-deepspeed of that universal directory", ds["import"], dcp["bytes"], "cold read")
+    mc, mg = c["megatron_core"], c["megatron"]
+    row(f"import-megatron-core (torch_dist, {mc['layers']} layers, Adam moments)", mc["import"],
+        mc["bytes"], "cold read")
+    row(f"import-shards --format megatron (tp={mg['tp']}, pp={mg['pp']}, {mg['layers']} "
+        f"layers, fp32)", mg["import"], mg["bytes"], "cold read")
     console.print(table)
     console.print(f"hardware: {hw['devices']} {hw['platform']} device(s) ({hw['device_kind']}), "
                   f"{hw['cpus']} CPUs, {hw['machine']}, python {hw['python']}, jax {hw['jax']}",

@@ -157,12 +157,19 @@ def test_tp2_pp2_zero_shard_set_imports_to_exactly_the_original_arrays(suffix, t
     assert all(jax.tree.leaves(same)), same
 
 
-def test_work_is_balanced_by_bytes():
-    sizes = [90, 70, 50, 40, 30, 20, 10, 10, 5]
-    bins = foreign.balance(sizes, 3)
-    assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
-    loads = [sum(sizes[i] for i in b) for b in bins]
-    assert max(loads) - min(loads) <= max(sizes) and max(loads) <= sum(sizes) / 3 + 10
+def test_tensors_read_in_any_order_equal_those_converted_ahead_by_workers(tmp_path, params):
+    # Workers convert tasks in the order the import reads them, a few ahead; a read out of that
+    # order starts its task at once; a task's other tensors wait until they are read.
+    from models.hf import hf_read_order
+
+    manifest = write_shard_set(tmp_path, "npz", params)
+    order = hf_read_order(TINY)
+    with foreign.Converted(_plan(manifest), 1) as converted:
+        inline = {name: converted.read(name) for name in order}
+    with foreign.Converted(_plan(manifest), 2, order) as converted:
+        ahead = {name: converted.read(name) for name in order[::-1]}
+    assert inline.keys() == ahead.keys() == set(params_to_hf_state(params, TINY))
+    assert all(np.array_equal(inline[name], ahead[name]) for name in order)
 
 
 def _plan(manifest: Path):
@@ -207,8 +214,8 @@ def test_replicas_that_differ_name_the_file_and_tensor(tmp_path, params):
     manifest = write_shard_set(tmp_path, "npz", params)
     bad = tmp_path / "tp1_pp1_dp0.npz"
     _rewrite(bad, "layers.0.mlp_norm", np.full(D, 3.0, np.float32))
-    with pytest.raises(UserError) as e:
-        foreign.run_tasks(_plan(manifest), workers=1)
+    with pytest.raises(UserError) as e, foreign.Converted(_plan(manifest), 1) as converted:
+        converted.read("model.layers.1.post_attention_layernorm.weight")  # stage 1's layer 0
     _one_line(e, bad, "layers.0.mlp_norm")
 
 

@@ -227,14 +227,21 @@ to = "lm_head.weight"
     return path
 
 
+def _converted(manifest) -> dict[str, np.ndarray]:
+    """Every HF tensor the manifest's shard set holds, converted in this process."""
+    shapes = hf_tensor_shapes(TINY)
+    with foreign.Converted(foreign.plan(manifest, TINY.n_layers, shapes), 1) as converted:
+        return {name: converted.read(name) for name in shapes}
+
+
 def test_a_hand_written_manifest_of_the_same_files_imports_the_same_tensors(checkpoint, tmp_path,
                                                                             params):
     manifest = _hand_written_manifest(checkpoint)
     shapes = hf_tensor_shapes(TINY)
-    by_hand = foreign.run_tasks(foreign.plan(load_manifest(manifest), TINY.n_layers, shapes), 1)
+    by_hand = _converted(load_manifest(manifest))
     derived = megatron.derive_manifest(checkpoint, TINY)
     assert derived.sizes == {"tp": TP, "pp": PP, "dp": 1} and derived.step == ITERATION
-    from_files = foreign.run_tasks(foreign.plan(derived, TINY.n_layers, shapes), 1)
+    from_files = _converted(derived)
     assert by_hand.keys() == from_files.keys() == shapes.keys()
     assert all(np.array_equal(by_hand[name], from_files[name]) for name in shapes)
     out = foreign.import_shards(manifest, tmp_path / "out", workers=1)
@@ -259,8 +266,7 @@ def test_the_model_is_read_from_megatrons_args_when_no_config_is_given(checkpoin
 def test_the_local_spec_with_separate_norms_reads_the_same(tmp_path, params, garbage):
     root = write_megatron(tmp_path, params, garbage, spec="local")
     shapes = hf_tensor_shapes(TINY)
-    tensors = foreign.run_tasks(foreign.plan(megatron.derive_manifest(root, TINY),
-                                             TINY.n_layers, shapes), 1)
+    tensors = _converted(megatron.derive_manifest(root, TINY))
     expected = params_to_hf_state(params, TINY)
     assert all(np.array_equal(tensors[name], expected[name]) for name in shapes)
 

@@ -3,10 +3,12 @@ PyTorch `.pt`), described by a manifest (format: `checkpoint.manifest`; `checkpo
 derives one), rebuilt into logical tensors and written as a checkpoint.
 
 The parent reads only the files' headers, checks them against the manifest and plans one task
-per logical tensor (per layer); worker processes, given tasks balanced by bytes, read the
-slices, reassemble and cross-check them, and return Hugging Face-named tensors, which
-`models.hf.hf_param_makers` turns into our parameter tree. Workers import neither JAX nor
-Orbax. Every inconsistency names the rank file and the tensor.
+per logical tensor (per layer); worker processes read the slices, reassemble and cross-check
+them, and return Hugging Face-named tensors, from which `models.hf.hf_param_makers` makes each
+parameter as the checkpoint writes it: the workers convert the tensors in the order the
+parameters need them, a few ahead, so that the parent holds a few tensors at a time, not the
+checkpoint. Workers import neither JAX nor Orbax. Every inconsistency names the rank
+file and the tensor.
 """
 
 from __future__ import annotations
@@ -357,8 +359,21 @@ def _segments(files: dict, t: int, s: int, part: int, name: str, offset: int,
 
 # ---------------------------------------------------------------------------- conversion
 
-def convert(task: Task) -> dict[str, np.ndarray]:
-    """One logical tensor, rebuilt from its ranks and split into its HF tensors."""
+def convert(task: Task, target: str) -> np.ndarray:
+    """HF tensor `target` of one logical tensor, rebuilt from its ranks, in memory of its own:
+    the rank files read are closed (a memory-mapped file's pages that were read stay resident
+    while it is open)."""
+    try:
+        x = _rebuild(task, target)
+        return np.ascontiguousarray(x) if x.flags.owndata else np.array(x, order="C")
+    finally:
+        for handle in _open.values():
+            if isinstance(handle, zipfile.ZipFile):
+                handle.close()
+        _open.clear()
+
+
+def _rebuild(task: Task, target: str) -> np.ndarray:
     spec = task.spec
     pieces = []
     for copies in task.ranks:
@@ -373,13 +388,12 @@ def convert(task: Task) -> dict[str, np.ndarray]:
         pieces.append(first.T if spec.transpose else first)
     whole = _merge(spec, pieces, task)
     whole = whole[tuple(slice(0, n) for n in spec.shape)]  # strip padding
-    out: dict[str, list[np.ndarray]] = {}
-    start = 0
-    for (_, width), target in zip(spec.split(), task.to, strict=True):
-        out.setdefault(target, []).append(whole[start:start + width])
+    parts, start = [], 0
+    for (_, width), to in zip(spec.split(), task.to, strict=True):
+        if to == target:
+            parts.append(whole[start:start + width])
         start += width
-    return {target: np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0])
-            for target, parts in out.items()}
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
 def _merge(spec: TensorSpec, pieces: list[np.ndarray], task: Task) -> np.ndarray:
@@ -405,36 +419,54 @@ def _merge(spec: TensorSpec, pieces: list[np.ndarray], task: Task) -> np.ndarray
     return total if spec.tp == "partial_sum" else total / np.asarray(len(pieces), total.dtype)
 
 
-def _convert_all(tasks: list[Task]) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for task in tasks:
-        out.update(convert(task))
-    return out
+class Converted:
+    """The Hugging Face-named tensors of `tasks`, each converted when it is read (`read`), from
+    its task's rank files, and not kept: so an import holds a few tensors, not the checkpoint.
+    (A task's other tensors, the K and V of a fused QKV, are rebuilt when they are read rather
+    than kept until then: the parameters are written one after another, so that they would
+    wait for a whole stacked parameter.) With `workers` > 1, that many processes convert the
+    next tensors ahead, in the order `order` names them. A context manager: leaving it ends
+    the processes."""
 
+    def __init__(self, tasks: list[Task], workers: int, order: Sequence[str] = ()):
+        self._tasks = tasks
+        self._task_of = {name: i for i, task in enumerate(tasks) for name in task.to}
+        self._order = iter(order)
+        self._ahead: dict[str, concurrent.futures.Future] = {}  # name -> its conversion
+        # Spawned, not forked: the parent may hold JAX's threads, which fork does not survive.
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn")) if workers > 1 else None
+        self._workers = workers
 
-def balance(sizes: Sequence[int], workers: int) -> list[list[int]]:
-    """Task indices per worker: largest first, each to the least-loaded worker (LPT)."""
-    bins: list[list[int]] = [[] for _ in range(max(1, workers))]
-    loads = [0] * len(bins)
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        k = loads.index(min(loads))
-        bins[k].append(i)
-        loads[k] += sizes[i]
-    return [b for b in bins if b]
+    def __enter__(self) -> Converted:
+        return self
 
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
 
-def run_tasks(tasks: list[Task], workers: int) -> dict[str, np.ndarray]:
-    """All tasks' tensors, converted by `workers` processes (in this one if 1)."""
-    groups = [[tasks[i] for i in group] for group in balance([t.nbytes for t in tasks], workers)]
-    if len(groups) <= 1:
-        return _convert_all(tasks)
-    # Spawned, not forked: the parent may hold JAX's threads, which fork does not survive.
-    context = multiprocessing.get_context("spawn")
-    out: dict[str, np.ndarray] = {}
-    with concurrent.futures.ProcessPoolExecutor(len(groups), mp_context=context) as pool:
-        for tensors in pool.map(_convert_all, groups):
-            out.update(tensors)
-    return out
+    def read(self, name: str) -> np.ndarray:
+        if self._pool is None:
+            return convert(self._tasks[self._task_of[name]], name)
+        self._start(name)  # at once if read out of order
+        self._fill()
+        x = self._ahead.pop(name).result()
+        self._fill()
+        return x
+
+    def _start(self, name: str) -> None:
+        if name not in self._ahead:
+            self._ahead[name] = self._pool.submit(convert, self._tasks[self._task_of[name]],
+                                                  name)
+
+    def _fill(self) -> None:
+        # Names read out of `order` may leave conversions here unread: they take the places of
+        # prefetched ones, so that memory stays bounded either way.
+        while len(self._ahead) < self._workers:
+            name = next(self._order, None)
+            if name is None:
+                return
+            self._start(name)
 
 
 def import_shards(manifest_path: str | Path, out: str | Path,
@@ -454,18 +486,20 @@ def import_manifest(manifest: Manifest, out: str | Path, workers: int | None, *,
     weights-only checkpoint at `out`, recording `source` and the `layout` that wrote it."""
     from hotjax.checkpoint import meta as meta_lib
     from hotjax.checkpoint import store
-    from models.hf import hf_param_makers, hf_tensor_shapes
+    from models.hf import LazyTensors, hf_param_makers, hf_read_order, hf_tensor_shapes
     from models.llama import abstract_params
 
     config = model_config(manifest)
-    tasks = plan(manifest, config.n_layers, hf_tensor_shapes(config))
-    # The workers' tensors come back whole (about the checkpoint once); each parameter is
-    # stacked from them only when it is written.
-    tensors = run_tasks(tasks, workers or min(os.cpu_count() or 1, 8, len(tasks)))
-    params = store.pending(hf_param_makers(tensors, config), abstract_params(config))
+    shapes = hf_tensor_shapes(config)
+    tasks = plan(manifest, config.n_layers, shapes)
     record = meta_lib.record(step=manifest.step, source=source, items=[store.PARAMS],
                              model=config.to_dict(), written_from={"foreign": layout})
-    return store.save_weights(out, params, record)
+    # Each parameter is made as it is written, from tensors converted as it reads them.
+    with Converted(tasks, workers or min(os.cpu_count() or 1, 8, len(tasks)),
+                   hf_read_order(config)) as converted:
+        tensors = LazyTensors(shapes, converted.read)
+        params = store.pending(hf_param_makers(tensors, config), abstract_params(config))
+        return store.save_weights(out, params, record)
 
 
 def model_config(manifest: Manifest) -> Any:

@@ -16,13 +16,15 @@ Adam's state is read where it is kept per parameter, `optimizer.state.{param,exp
 master weights are `fp32_param`); the distributed optimizer's default `dp_reshardable` format
 keeps flat buckets whose layout the checkpoint does not describe, and is not read.
 
-Tensors are read one at a time into the output trees: peak host memory is the output plus one
-tensor (two, for a bf16 tensor converted to fp32).
+Each parameter is written as soon as it is made (`store.Pending`), from a tensor read when the
+first of its parameters is made and dropped after the last: peak host memory is a few tensors,
+whatever the checkpoint's size.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pickle
 import re
@@ -32,10 +34,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
-from hotjax.checkpoint import dcp, megatron
+from hotjax.checkpoint import dcp, megatron, store
 from hotjax.checkpoint.megatron import EMBED, FC1, FC2, FINAL_NORM, HEAD, NORMS, PROJ, QKV
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params
@@ -153,7 +154,7 @@ def model_config(iteration: Path, common: dict[str, Any], rows: int,
     return megatron.config_from_args(args, file, rows)
 
 
-def _expected(config: LlamaConfig, rows: int, norms: tuple[str, str]) -> dict[str, tuple]:
+def tensor_shapes(config: LlamaConfig, rows: int, norms: tuple[str, str]) -> dict[str, tuple]:
     """Each model tensor's global shape in the checkpoint, by its key."""
     L, D, F, H = config.n_layers, config.dim, config.ffn_dim, config.head_dim
     N, K = config.n_heads, config.n_kv_heads
@@ -306,16 +307,54 @@ def _hyperparameters(common: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _Unfused:
+    """hotjax parameters made one at a time from the Megatron tensors they come from: a tensor
+    is read (fp32) when the first of its parameters is made, and dropped once the last one is,
+    so that host memory holds a few tensors at a time, never the checkpoint."""
+
+    def __init__(self, iteration: Path, tensors: dict[str, Any], config: LlamaConfig):
+        self.iteration, self.tensors, self.config = iteration, tensors, config
+        self._read: dict[str, dict[tuple, np.ndarray]] = {}  # DCP key -> its parameters left
+
+    def pending(self, keys: dict[str, str]) -> Any:
+        """The params tree of `store.Pending` leaves, each made from the tensor `keys` maps
+        its model key to (a model tensor, or Adam's state of it)."""
+        shapes = abstract_params(self.config)
+        tree: dict[str, Any] = {}
+        for model_key, key in keys.items():
+            # Shapes only: a broadcast scalar is a view of the tensor without its memory.
+            proxy = np.broadcast_to(np.float32(0), tuple(self.tensors[key].size))
+            for path, _ in _unfuse(model_key, proxy, self.config):
+                node = tree
+                for part in path[:-1]:
+                    node = node.setdefault(part, {})
+                like = shapes[path[0]] if len(path) == 1 else shapes[path[0]][path[1]]
+                node[path[-1]] = store.Pending(like.shape, np.float32,
+                                               functools.partial(self._take, model_key, key, path))
+        return tree
+
+    def _take(self, model_key: str, key: str, path: tuple) -> np.ndarray:
+        import torch
+
+        if key not in self._read:
+            info = self.tensors[key]
+            loaded = {key: torch.empty(tuple(info.size), dtype=info.properties.dtype)}
+            dcp.load(self.iteration, loaded)
+            x = loaded.pop(key).to(torch.float32).numpy()
+            self._read[key] = dict(_unfuse(model_key, x, self.config))
+        parts = self._read[key]
+        value = np.ascontiguousarray(parts.pop(path))
+        if not parts:
+            del self._read[key]
+        return value
+
+
 def import_megatron_core(directory: str | Path, out: str | Path, *,
                          config: LlamaConfig | None = None, weights_only: bool = False,
                          tokenizer: Any = None) -> Path:
     """A hotjax checkpoint of the torch_dist checkpoint at `directory` (its root or one
     iteration's): weights, and Adam's moments and step where saved per parameter (unless
     `weights_only`); `config` defaults to the model the run's args record."""
-    import torch
-
-    from hotjax.checkpoint import store
-
     store.check_new_directory(out)
     iteration = iteration_directory(directory)
     where = iteration / ".metadata"
@@ -325,7 +364,7 @@ def import_megatron_core(directory: str | Path, out: str | Path, *,
         raise UserError(f"{where}: lacks tensor {EMBED}: not a Megatron GPT checkpoint")
     rows = int(tensors[EMBED].size[0])
     config = model_config(iteration, common, rows, config)
-    expected = _expected(config, rows, _norms(tensors, where))
+    expected = tensor_shapes(config, rows, _norms(tensors, where))
     state = _classify(tensors, expected, weights_only, where)
     if weights_only:
         state = {f: keys for f, keys in state.items() if f == "param"}
@@ -341,20 +380,8 @@ def import_megatron_core(directory: str | Path, out: str | Path, *,
                **{f: state[f] for f in moment_fields}}
     dcp.check_files(iteration, metadata, {k for keys in sources.values() for k in keys.values()})
 
-    trees = {field: jax.tree.map(lambda s: np.empty(s.shape, np.float32),
-                                 abstract_params(config)) for field in sources}
-    for field, keys in sources.items():
-        for model_key, key in keys.items():
-            info = tensors[key]
-            loaded = {key: torch.empty(tuple(info.size), dtype=info.properties.dtype)}
-            dcp.load(iteration, loaded)
-            x = loaded.pop(key).to(torch.float32).numpy()
-            for path, value in _unfuse(model_key, x, config):
-                node = trees[field]
-                for part in path[:-1]:
-                    node = node[part]
-                node[path[-1]][...] = value
-            del x
+    unfused = _Unfused(iteration, tensors, config)
+    trees = {field: unfused.pending(keys) for field, keys in sources.items()}
     iteration_number = common.get("iteration")
     foreign = {"format": f"megatron-core {BACKEND}", "naming": "megatron-core",
                "checkpoint": str(iteration), "iteration": iteration_number

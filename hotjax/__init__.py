@@ -9,21 +9,21 @@ The library a training script uses (see `examples/train_llama.py`):
         state, step = run.initial_state()
         state, metrics = run.step(state)
 
-`Run`, `RunConfig`, `resumed_config`, `train`, `StrategyTable`, `Strategy` and `load_table` are
-imported on first use, so that importing `hotjax` does not start JAX.
+`Run`, `resumed_config`, `train`, `StrategyTable`, `Strategy` and `load_table` are imported on
+first use, so that importing `hotjax` does not start JAX (`RunConfig` is free of it).
 """
 
 import os
-from pathlib import Path
+
+from hotjax.config import RunConfig, cache_root
 
 __version__ = "0.1.0"
 
 # Public names -> the module that defines them (PEP 562: imported when first asked for).
 _LAZY = {"Run": "hotjax.run", "train": "hotjax.run", "resumed_config": "hotjax.run",
-         "RunConfig": "hotjax.config",
          "StrategyTable": "sharding.table", "load_table": "sharding.table",
          "Strategy": "sharding.strategy"}
-__all__ = ["cache_root", "simulate_cpu_devices", "start_jax", *_LAZY]
+__all__ = ["RunConfig", "cache_root", "simulate_cpu_devices", "start_jax", *_LAZY]
 
 
 def __getattr__(name: str):
@@ -32,11 +32,6 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hotjax' has no attribute {name!r}")
-
-
-def cache_root() -> Path:
-    """Where hotjax keeps trained tokenizers and compiled programs: `$HOTJAX_CACHE`."""
-    return Path(os.environ.get("HOTJAX_CACHE", "~/.cache/hotjax")).expanduser()
 
 
 # Simulated CPU devices are threads sharing a few cores: on a loaded machine one of them can
@@ -73,7 +68,7 @@ def start_jax(devices: int | None = None,
     at_least("--devices", devices, 1)
     at_least("--heartbeat-timeout", processes[3], 1)
     simulate_cpu_devices(devices or SIMULATED_CPU_DEVICES)
-    from sharding.profile import set_allocator_fraction
+    from hotjax.planning.profile import set_allocator_fraction
 
     set_allocator_fraction()  # on a GPU, the memory plans count on (before the backend starts)
     from hotjax import distributed

@@ -26,9 +26,9 @@ import dataclasses
 
 import numpy as np
 
+from hotjax.planning.cost import attention_kernel
 from models.attention import Tokens, block_edge, visible_blocks
 from models.llama import LlamaConfig
-from sharding.cost import attention_kernel
 
 EMPTY = -1  # a padding row's slot in a placement: no row of the batch
 ATTENTION_TRAINING = 3.5  # forward and backward, in forwards (FlashAttention-2: 2.5x backward)
@@ -38,7 +38,7 @@ MATMUL_TRAINING = 6  # FLOPs per weight and token, forward and backward (Kaplan 
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where a bucket's rows run: `order[k]` is the row in slot k (`EMPTY`: a padding row) of
-    micro-batches of `micro_rows` rows, each cut over `shards` data shards by position."""
+    micro-steps of `micro_rows` rows, each cut over `shards` data shards by position."""
 
     order: np.ndarray
     before: float  # imbalance in row order
@@ -50,7 +50,7 @@ def row_work(segment_ids_BxT: np.ndarray, positions_BxT: np.ndarray, config: Lla
              platform: str, seq_shards: int = 1) -> np.ndarray:
     """[B] estimated FLOPs of each row's training micro-step: the matmuls by tokens (every
     slot is computed, padding included) and attention by the block pairs the kernel that runs
-    on `platform` computes (`sharding.cost.attention_kernel`; rows split into `seq_shards`
+    on `platform` computes (`hotjax.planning.cost.attention_kernel`; rows split into `seq_shards`
     chunks): the blockwise kernel skips the blocks no document spans, JAX's Pallas kernel on GPU
     only those above the diagonal."""
     B, T = segment_ids_BxT.shape
@@ -77,8 +77,8 @@ def imbalance(work_S: np.ndarray, micro_rows: int, shards: int) -> float:
 
 
 def place(work_R: np.ndarray, micro_rows: int, shards: int, pad_work: float = 0.0) -> Placement:
-    """A placement of rows of estimated `work_R` in micro-batches of `micro_rows` rows over
-    `shards` data shards (padding rows, added to fill the last micro-batch, cost `pad_work`):
+    """A placement of rows of estimated `work_R` in micro-steps of `micro_rows` rows over
+    `shards` data shards (padding rows, added to fill the last micro-step, cost `pad_work`):
     micro-steps of similar rows, each row to its micro-step's least loaded shard with room."""
     rows = len(work_R)
     slots = rows + (-rows % micro_rows)

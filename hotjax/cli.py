@@ -25,7 +25,7 @@ from models.errors import UserError
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 
 # Modules with a `register(commands)` function, each adding one command group.
-COMMAND_MODULES: tuple[str, ...] = ("hotjax.strategy_cli", "hotjax.data.cli", "hotjax.plan_cli",
+COMMAND_MODULES: tuple[str, ...] = ("hotjax.strategy_cli", "hotjax.data.cli", "hotjax.planning.cli",
                                     "hotjax.checkpoint.cli", "hotjax.launch")
 _RUN = RunConfig()  # the defaults
 
@@ -112,7 +112,7 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--device-memory", type=memory_size, metavar="SIZE",
                        help="per-device memory budget, like 80GiB or 512MiB (a bare number is "
                        "MiB): the model state and every compiled step must fit, as XLA's memory "
-                       "analysis reports them; micro-batches are sized to it")
+                       "analysis reports them; micro-steps are sized to it")
     train.add_argument("--bucket-timings", action="store_true", help="time each bucket's "
                        "compute and switches (waits for the devices after each bucket)")
     train.add_argument("--balance", action=argparse.BooleanOptionalAction, default=_RUN.balance,

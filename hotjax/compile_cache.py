@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jax
 
-from hotjax import cache_root
+from hotjax.config import cache_root
 
 
 def enable_compilation_cache(path: str | Path | None = None) -> Path | None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
+from pathlib import Path
 
 from models.errors import UserError
 
@@ -141,3 +143,7 @@ def memory_size(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r}: give a memory size above 0")
     return size
 
+
+def cache_root() -> Path:
+    """Where hotjax keeps trained tokenizers and compiled programs: `$HOTJAX_CACHE`."""
+    return Path(os.environ.get("HOTJAX_CACHE", "~/.cache/hotjax")).expanduser()

@@ -16,7 +16,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hotjax import distributed
-from hotjax import plan as plan_lib
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint import store
 from hotjax.checkpoint.training import restore_state, run_record
@@ -32,13 +31,14 @@ from hotjax.data import (
     typical_rows,
 )
 from hotjax.optim import OptimConfig
-from hotjax.plan_cli import local_profile
+from hotjax.planning import search as plan_lib
+from hotjax.planning.measure import local_profile
+from hotjax.planning.profile import Profile
 from hotjax.preemption import Preempted, StopSignals
 from hotjax.step import TrainState
 from hotjax.train import Trainer
 from models.errors import UserError
-from models.llama import LlamaConfig, padded_vocab, preset
-from sharding.profile import Profile
+from models.llama import LlamaConfig, as_trained, preset
 from sharding.strategy import Strategy
 from sharding.table import StrategyTable, load_table
 
@@ -127,9 +127,8 @@ def plan_search(run: RunConfig, config: LlamaConfig, num_devices: int, lengths: 
 def model_config(run: RunConfig, model: LlamaConfig, vocab_size: int) -> LlamaConfig:
     """The model as `run` trains it: its vocabulary the tokenizer's (padded), its compute dtype
     and attention kernel the run's."""
-    return dataclasses.replace(model, vocab_size=padded_vocab(vocab_size),
-                               compute_dtype=run.compute_dtype, attention=run.attention,
-                               attention_block=run.attention_block)
+    return as_trained(model, vocab_size, compute_dtype=run.compute_dtype,
+                      attention=run.attention, attention_block=run.attention_block)
 
 
 def _model(run: RunConfig, resume: str | Path | None) -> tuple[str, LlamaConfig]:

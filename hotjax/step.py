@@ -1,7 +1,7 @@
 """The compiled pieces of a training step: the loss, one bucket's gradient micro-step, and the
 home state with its single update.
 
-A bucket's micro-step adds one micro-batch's fp32 gradients, loss sum and target count to an
+A bucket's micro-step adds one micro-step's rows's fp32 gradients, loss sum and target count to an
 accumulator held in the bucket's own layout (`Accumulator`); the home applies one update from
 the accumulated sums, divided by the mini-batch's real target count. Each piece is compiled once
 per (config, strategy, devices, accumulation, shape) and cached here, so trainers built again
@@ -65,7 +65,7 @@ class TrainState(NamedTuple):
 
 
 class Accumulator(NamedTuple):
-    """Sums over the micro-batches seen so far: fp32 gradients, loss and target count (each
+    """Sums over the micro-steps seen so far: fp32 gradients, loss and target count (each
     with a leading axis of data shards while they are a `local` bucket's partial sums)."""
 
     grads: Params
@@ -103,7 +103,7 @@ def balanced_order(seq_len: int, ways: int) -> np.ndarray:
     return np.concatenate([chunks[j] for i in range(ways) for j in (i, 2 * ways - 1 - i)])
 
 
-def micro_batches(layout: Layout, batch: Batch, micro_rows: int,
+def micro_step_inputs(layout: Layout, batch: Batch, micro_rows: int,
                   order: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:
     """A bucket's rows as host arrays of `micro_rows` rows each, ready to place under `layout`:
     targets made, columns in the strategy's order. Rows run in `order` (a multiple of
@@ -152,7 +152,7 @@ def _per_device_bytes(shapes: Params, shardings: Params) -> int:
 
 class BucketStep:
     """One bucket's strategy on devices: its layouts, and its gradient micro-step
-    `(compute params, accumulator, micro-batch, loss scale) -> accumulator` compiled once per
+    `(compute params, accumulator, micro-step inputs, loss scale) -> accumulator` compiled once per
     shape, accumulating as `accumulate` says (`ACCUMULATE`)."""
 
     def __init__(self, config: LlamaConfig, strategy: Strategy, devices: Sequence[jax.Device],
@@ -197,12 +197,12 @@ class BucketStep:
         return self._zeros()
 
     def compiled(self, shape: tuple[int, int]) -> jax.stages.Compiled:
-        """The micro-step for micro-batches of `shape` (rows, length); the accumulator is
+        """The micro-step for micro-steps of `shape` (rows, length); the accumulator is
         donated."""
         if shape not in self._compiled:
             rows = shape[0]
             if rows % self.layout.batch_shards:
-                raise UserError(f"micro-batches of {rows} rows do not split over the "
+                raise UserError(f"micro-steps of {rows} rows do not split over the "
                                 f"{self.layout.batch_shards} batch shards of "
                                 f"{self.layout.strategy}: use a multiple of "
                                 f"{self.layout.batch_shards}")

@@ -51,14 +51,15 @@ def _show(args: argparse.Namespace) -> None:
     at_least("--context", args.context, 1)
     # Enough simulated devices for the widest mesh (a table's meshes are not known yet).
     start_jax(None)
-    from models.llama import padded_vocab, preset
+    from hotjax.run import model_config
+    from models.llama import preset
     from sharding.report import describe
 
     buckets = _buckets(args.table, args.context)
-    # As `hotjax train` builds it: the vocabulary padded to split over tensor ranks.
+    # As `hotjax train` builds it with these flags (the preset's own vocabulary).
     model = preset(args.model)
-    config = dataclasses.replace(model, vocab_size=padded_vocab(model.vocab_size),
-                                 attention=args.attention)
+    config = model_config(RunConfig(model=args.model, attention=args.attention), model,
+                          model.vocab_size)
     import jax
     import numpy as np
 

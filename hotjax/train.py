@@ -3,7 +3,7 @@
 A single `--strategy` is the one-bucket table whose home is that strategy, on the same path.
 For each mini-batch, the fp32 master weights are cast to the compute dtype once; then, bucket by
 bucket in the planned order (empty buckets skipped), the weights are hot-switched into the
-bucket's layout, its rows run as micro-batches of one fixed shape (as many micro-steps as this
+bucket's layout, its rows run as micro-steps of one fixed shape (as many micro-steps as this
 mini-batch needs, each data shard's gradients accumulated in its own fp32 partial sum, or in a
 split sum where those do not fit: `hotjax.step`), and the sums are reduced once into the home's
 layout and added. One optimizer update then divides by the mini-batch's real target count,
@@ -26,6 +26,7 @@ import numpy as np
 from hotjax.balance import Placement, place, row_work
 from hotjax.data import Batch, MiniBatch
 from hotjax.optim import OptimConfig
+from hotjax.planning.cost import most_sharded
 from hotjax.step import (
     ACCUMULATE,
     Accumulator,
@@ -33,19 +34,18 @@ from hotjax.step import (
     TrainState,
     bucket_step,
     home,
-    micro_batches,
+    micro_step_inputs,
 )
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
 from models.options import REMAT_POLICIES
-from sharding.cost import most_sharded
-from sharding.planner import SwitchPlan, Topology, plan_switch, strategy_switches
 from sharding.strategy import Strategy, canonical_devices
 from sharding.switch import already_laid_out, job_topology, switch
 from sharding.table import StrategyTable
+from sharding.transfers import Topology, TransferSchedule, schedule_transfers, strategy_switches
 
 MiB = 2**20
-MAX_MICRO_UNITS = 64  # rows per batch shard in a micro-batch sized to memory, at the most
+MAX_MICRO_UNITS = 64  # rows per batch shard in a micro-step sized to memory, at the most
 
 
 @dataclasses.dataclass
@@ -76,14 +76,15 @@ class Trainer:
                  typical_rows: Sequence[float] | None = None, remat: str | None = None,
                  switch_method: str = "auto", topology: Topology | None = None,
                  balance: bool = True, timings: bool = False):
-        """`device_memory`: MiB per device that micro-batches are sized to (None: one row per
+        """`device_memory`: MiB per device that micro-steps are sized to (None: one row per
         batch shard); `typical_rows`, the rows a typical mini-batch puts in each bucket
         (`hotjax.data.typical_rows`), bounds them, so that a sparse bucket does not compute
         mostly empty rows. `remat`: the policy of buckets whose table entry names none (None:
         the cheapest that fits `device_memory`, or none without a budget). `switch_method`:
-        "plan" (the planner's fused transfers), "device_put" (JAX's own resharding) or "auto"
-        (whichever measures faster, per pair of layouts). `balance`: place each bucket's rows
-        so that its data shards have equal estimated work (`hotjax.balance`; off: in order).
+        "scheduled" (the transfer scheduler's fused messages), "device_put" (JAX's own
+        resharding) or "auto" (whichever measures faster, per pair of layouts). `balance`: place
+        each bucket's rows so that its data shards have equal estimated work (`hotjax.balance`;
+        off: in order).
         `timings`: wait for each bucket to report its compute and switch seconds (a host
         synchronisation per bucket)."""
         self.config, self.table, self.timings = config, table, timings
@@ -93,19 +94,19 @@ class Trainer:
         processes = len({d.process_index for d in devices})
         spanning = ()
         if processes > 1 and switch_method != "device_put":
-            # The planner's executor sends its messages within one process.
-            if switch_method == "plan":
-                raise UserError(f"planned switches run within one process and this run spans "
+            # The scheduler's executor sends its messages within one process.
+            if switch_method == "scheduled":
+                raise UserError(f"scheduled switches run within one process and this run spans "
                                 f"{processes}: use the device_put or auto switch method")
             switch_method = "device_put"
             spanning = (f"switches between layouts run as jax.device_put: the run spans "
-                        f"{processes} processes, and the planner's executor works within one",)
+                        f"{processes} processes, and the scheduler's executor works within one",)
         self.switch = functools.partial(switch, method=switch_method, topology=self.topology)
         home_strategy = home_strategy or table.home or most_sharded(table.strategies, config)
         self.home = home(config, optim, home_strategy, devices)
         state = self.home.state_bytes()
         if device_memory is not None and state > device_memory * MiB:
-            # Before any bucket is compiled: no micro-batch fits beside this state.
+            # Before any bucket is compiled: no micro-step fits beside this state.
             raise UserError(f"--device-memory {device_memory:g}: the home state needs "
                             f"{state / MiB:,.1f} MiB per device: use a more sharded strategy "
                             f"for it, or a larger budget")
@@ -114,29 +115,30 @@ class Trainer:
         self.buckets = [bucket for bucket, _ in fitted]
         self.micro_rows = [rows for _, rows in fitted]
         self.notes = tuple(dict.fromkeys(n for b in self.buckets for n in b.notes)) + spanning
-        # The planner's view of every switch a step can make: compute weights from home or a
-        # bucket into a bucket, and each bucket's fp32 gradients home (-1 stands for home).
+        # The transfer schedule of every switch a step can make: compute weights from home or
+        # a bucket into a bucket, and each bucket's fp32 gradients home (-1 stands for home).
         n = len(self.buckets)
-        self.weight_plans = {(a, b): self._plan(a, b, "param", config.dtype.itemsize)
+        self.weight_transfers = {(a, b): self._schedule(a, b, "param", config.dtype.itemsize)
                              for a in range(-1, n) for b in range(n) if a != b}
-        self.grad_plans = {b: self._plan(b, -1, "grad", 4) for b in range(n)}
-        self.order = best_order({k: p.estimated_seconds for k, p in self.weight_plans.items()}, n)
+        self.grad_transfers = {b: self._schedule(b, -1, "grad", 4) for b in range(n)}
+        self.order = best_order({k: t.estimated_seconds
+                                 for k, t in self.weight_transfers.items()}, n)
 
-    def _plan(self, source: int, target: int, kind: str, itemsize: int) -> SwitchPlan:
+    def _schedule(self, source: int, target: int, kind: str, itemsize: int) -> TransferSchedule:
         strategies = [self.buckets[i].layout.strategy if i >= 0 else self.home.layout.strategy
                       for i in (source, target)]
         ids = [d.id for d in canonical_devices(self.home.layout.mesh.devices.flat)]
         arrays = strategy_switches(param_axes(self.config), abstract_params(self.config),
                                    *strategies, ids, itemsize, source_kind=kind,
                                    target_kind=kind)
-        return plan_switch(arrays, self.topology)
+        return schedule_transfers(arrays, self.topology)
 
     def _fit(self, i: int, devices: tuple[jax.Device, ...], remat: str | None,
              device_memory: float | None, typical_rows: Sequence[float] | None
              ) -> tuple[BucketStep, int]:
-        """Bucket i's compiled step and rows per micro-batch. Its remat policy is the table's,
+        """Bucket i's compiled step and rows per micro-step. Its remat policy is the table's,
         else `remat`, else with a memory budget the cheapest policy whose smallest
-        micro-batch fits (recomputing more only when less does not fit), else none."""
+        micro-step fits (recomputing more only when less does not fit), else none."""
         spec = self.table.buckets[i]
         named = spec.remat or remat
         policies = (named,) if named else REMAT_POLICIES if device_memory else ("none",)
@@ -151,7 +153,7 @@ class Trainer:
 
     def _micro_rows(self, i: int, bucket: BucketStep, device_memory: float | None,
                     typical_rows: Sequence[float] | None) -> tuple[int, bool]:
-        """Bucket i's rows per micro-batch under `bucket`'s compiled step, and whether they fit
+        """Bucket i's rows per micro-step under `bucket`'s compiled step, and whether they fit
         `device_memory`: the table's rows, else the most that fit by XLA's memory analysis,
         else one row per batch shard (the fewest empty rows)."""
         spec = self.table.buckets[i]
@@ -215,7 +217,7 @@ class Trainer:
         micro = ", ".join(f"{r} x {b.max_len} (remat {s.config.remat}; {s.reduction})"
                           for r, b, s in zip(
             self.micro_rows, self.table.buckets, self.buckets, strict=True))
-        return f"home {self.home.layout.strategy}; buckets {order}; micro-batches {micro}"
+        return f"home {self.home.layout.strategy}; buckets {order}; micro-steps {micro}"
 
     def step(self, state: TrainState, minibatch: MiniBatch
              ) -> tuple[TrainState, dict[str, jax.Array], list[BucketMetrics]]:
@@ -236,13 +238,13 @@ class Trainer:
             if not batch.tokens.shape[0]:
                 continue  # nothing of this length this step: no switch, no compute
             placement = self._place(bucket, batch, rows)
-            micro = micro_batches(bucket.layout, batch, rows,
+            micro = micro_step_inputs(bucket.layout, batch, rows,
                                   placement.order if self.balance else None)
             started = time.perf_counter()
             moved = 0
             if not already_laid_out(compute, bucket.param_shardings):
                 compute = self.switch(compute, bucket.param_shardings)
-                moved += self.weight_plans[previous, i].bytes_moved
+                moved += self.weight_transfers[previous, i].bytes_moved
             previous = i
             switched = self._wait(compute)
             step = bucket.compiled((rows, batch.tokens.shape[1]))
@@ -255,7 +257,7 @@ class Trainer:
                 acc = bucket.reduce(acc, self.home.acc_shardings)
             else:
                 if not already_laid_out(acc.grads, self.home.acc_shardings.grads):
-                    moved += self.grad_plans[i].bytes_moved
+                    moved += self.grad_transfers[i].bytes_moved
                 acc = Accumulator(self.switch(acc.grads, self.home.acc_shardings.grads),
                                   *self.switch((acc.loss_sum, acc.targets),
                                                self.home.acc_shardings[1:]))

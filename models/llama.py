@@ -159,6 +159,15 @@ def padded_vocab(vocab_size: int, multiple: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def as_trained(config: LlamaConfig, vocab_size: int | None = None, **fields) -> LlamaConfig:
+    """`config` as training builds it: its embedding holds `vocab_size` (default: its own)
+    padded by `padded_vocab`, and `fields` (compute dtype, attention kernel, ...) replaced.
+    `hotjax train`, `hotjax plan`, `strategy show`, the profile measurement and the benchmarks
+    all size the model through this one function."""
+    return dataclasses.replace(config, vocab_size=padded_vocab(vocab_size or config.vocab_size),
+                               **fields)
+
+
 def _param(init: Array, axes: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(init, out_sharding=axes, eager_sharding=False)
 

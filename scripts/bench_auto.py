@@ -38,7 +38,7 @@ from quick_option import machine, parse_args, print_machine, report  # noqa: E40
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from hotjax.plan import Plan
+    from hotjax.planning.search import Plan
 
 QUICK = {"steps": 3, "rounds": 1, "batch_tokens": 2048, "compute_dtype": "float32",
          "tokenizer": "bytes"}
@@ -48,12 +48,12 @@ METHODS = ("default", "auto")
 def run(args: argparse.Namespace, progress: Console) -> dict:
     import jax
 
-    from hotjax import plan
     from hotjax.cli import main as hotjax
     from hotjax.cli import run_config as run_config_of
     from hotjax.config import RunConfig
     from hotjax.data import estimated_lengths, load_tokenizer, open_corpus
-    from hotjax.run import auto_search, model_config, strategy_table
+    from hotjax.planning import search as plan
+    from hotjax.run import model_config, plan_search, strategy_table
     from models.errors import UserError
     from models.llama import preset
 
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     corpus = open_corpus(run_config.data)
     tokenizer = load_tokenizer(run_config.tokenizer, corpus, vocab_size=run_config.vocab_size)
     config = model_config(run_config, preset(run_config.model), tokenizer.vocab_size)
-    search, typical = auto_search(run_config, config, len(devices),
+    search, typical = plan_search(run_config, config, len(devices),
                                   estimated_lengths(corpus, tokenizer), progress)
     predicted = {"auto": plan.plan(search, typical, context),
                  "default": plan.fixed_table(search, typical,

@@ -12,7 +12,6 @@ byte tokenizer (a smoke test: the tiny trainer is fast, so its ratio is no verdi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -59,13 +58,13 @@ def bench_trainer(minibatches: list[MiniBatch], vocab_size: int, model: str, ste
     from hotjax.compile_cache import enable_compilation_cache
     from hotjax.optim import OptimConfig
     from hotjax.train import Trainer
-    from models.llama import padded_vocab, preset
+    from models.llama import as_trained, preset
     from sharding.strategy import Strategy
     from sharding.table import StrategyTable
 
     enable_compilation_cache()
     devices = jax.devices()
-    config = dataclasses.replace(preset(model), vocab_size=padded_vocab(vocab_size))
+    config = as_trained(preset(model), vocab_size)
     strategy = Strategy.parse(f"data={len(devices)}")
     table = StrategyTable.single(strategy, minibatches[0].max_lens[-1], "bench_data")
     trainer = Trainer(config, OptimConfig(total_steps=steps + 1), table, devices)
@@ -153,7 +152,7 @@ def _print(report: dict, console: Console) -> None:
     table.add_row(f"trainer: {t['model']} ({t['params'] / 1e6:.1f}M), {t['strategy']}",
                   f"{t['tokens_per_s']:,.0f}", "1.0",
                   f"{t['steps']} steps after a {t['first_step_s']:.1f} s first step "
-                  f"({t['compute_dtype']}, micro-batches of {t['micro_rows']} x "
+                  f"({t['compute_dtype']}, micro-steps of {t['micro_rows']} x "
                   f"{report['context']})")
     console.print(table)
     verdict = ("no verdict (--quick)" if report["quick"]

@@ -6,7 +6,7 @@
                                    [--device-memory 80GiB]
 
 For each strategy and each remat policy (`models.llama.REMAT_POLICIES`) the bucket's gradient
-micro-step on a micro-batch of `--rows` rows of `--seq-len` tokens is compiled ahead of time and
+micro-step on a micro-step of `--rows` rows of `--seq-len` tokens is compiled ahead of time and
 XLA's memory analysis read: its per-device peak (compute-dtype weights, the fp32 gradient
 accumulator in the bucket's layout, the micro-batch and every temporary). Added to it are the
 home's resident bytes (fp32 master weights, AdamW moments and the fp32 gradient sum) under the
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
 
     from hotjax.optim import OptimConfig
     from hotjax.step import home
-    from models.llama import REMAT_POLICIES, padded_vocab, preset
+    from models.llama import REMAT_POLICIES, as_trained, preset
     from sharding.strategy import ACCUMULATE, Strategy
 
     if args.rows < 1 or args.seq_len < 1:
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     devices = tuple(jax.devices())
     model = preset(args.model)
     # As training does: the vocabulary padded so that it splits over tensor-parallel ranks.
-    config = dataclasses.replace(model, vocab_size=padded_vocab(model.vocab_size))
+    config = as_trained(model)
     shape = (args.rows, args.seq_len)
 
     results = []
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="llama2-7b", help="model preset (default: "
                         "%(default)s, in its compute dtype); its vocabulary is padded to a "
                         "multiple of 128")
-    parser.add_argument("--rows", type=int, default=8, help="rows per micro-batch")
+    parser.add_argument("--rows", type=int, default=8, help="rows per micro-step")
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens per row")
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                         help="strategies separated by ';', each like 'data=2,tensor=4,rules=NAME' "

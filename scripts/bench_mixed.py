@@ -22,7 +22,7 @@ documents whatever its bucket lengths or packing).
 (a real 2-device cluster, where simulated devices in one process share its cores): there every
 2-device strategy is a candidate for (a), and the hand-written table puts the short bucket under
 data parallelism and the long one under balanced context parallelism.
-Each is a `Trainer` with `device_memory`: a bucket's micro-batches hold the most rows that fit
+Each is a `Trainer` with `device_memory`: a bucket's micro-steps hold the most rows that fit
 the budget by XLA's memory analysis; a method any part of which does not fit is an error.
 Reported per method: median wall and CPU seconds per step, the cost model's predicted step
 (`hotjax.plan.fixed_table` on the mini-batch's documents), real tokens/s, the padding share of
@@ -36,7 +36,6 @@ timings compare methods on this machine only: 8 fake devices share its cores.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -109,7 +108,7 @@ def timed(fn: Callable, *args: Any) -> tuple[Any, float, float]:
 def build(table: StrategyTable, data: list[MiniBatch], args: argparse.Namespace,
           config: LlamaConfig, optim: OptimConfig, devices: list, balance: bool = True
           ) -> Trainer:
-    """The table's trainer, its micro-batches sized to the budget and to the rows `data`
+    """The table's trainer, its micro-steps sized to the budget and to the rows `data`
     puts in each bucket on average, checked and compiled."""
     from hotjax.train import Trainer
 
@@ -179,7 +178,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     from hotjax.data import MiniBatches, load_tokenizer, open_corpus
     from hotjax.optim import OptimConfig
     from hotjax.run import select_devices
-    from models.llama import padded_vocab, preset
+    from models.llama import as_trained, preset
     from sharding.strategy import Strategy
     from sharding.table import Bucket, StrategyTable, load_table
 
@@ -192,8 +191,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     dtype = args.compute_dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16")
     corpus = open_corpus(args.data)
     tokenizer = load_tokenizer(args.tokenizer, corpus)
-    config = dataclasses.replace(preset(args.model), vocab_size=padded_vocab(tokenizer.vocab_size),
-                                 compute_dtype=dtype)
+    config = as_trained(preset(args.model), tokenizer.vocab_size, compute_dtype=dtype)
     total = args.warmup + args.steps
     optim = OptimConfig(warmup_steps=1, total_steps=total + 1)
     table = load_table(args.table) if args.table else None
@@ -285,8 +283,8 @@ def planned(config: LlamaConfig, devices: list, args: argparse.Namespace, length
     attention's rate depends on the head width), and the table it plans for a typical step of
     these documents."""
 
-    from hotjax import plan as plan_lib
-    from hotjax.measure import measure_profile
+    from hotjax.planning import search as plan_lib
+    from hotjax.planning.measure import measure_profile
 
     console.print("measuring this machine's profile on the model...", markup=False)
     profile = measure_profile(devices, model=config, quick=args.quick)
@@ -301,7 +299,7 @@ def predict(search: Any, trainer: Trainer, method: str, lengths: list[np.ndarray
             ) -> float | None:
     """The cost model's mean step of `trainer`'s table over these mini-batches' documents
     (None where a bucket does not fit its memory model)."""
-    from hotjax import plan as plan_lib
+    from hotjax.planning import search as plan_lib
 
     table = [(b.max_len, s.layout.strategy) for b, s in zip(trainer.table.buckets,
                                                            trainer.buckets, strict=True)]
@@ -362,7 +360,7 @@ def print_report(report: dict, console: Console) -> None:
                         f"{report['device_memory']:g} MiB per device; medians of "
                         f"{report['steps']} steps after {report['warmup']} warm-up",
                   title_justify="left")
-    for column in ("method", "bucket: strategy (micro-batch rows)", "peak MiB", "pad %",
+    for column in ("method", "bucket: strategy (rows per micro-step)", "peak MiB", "pad %",
                    "imbalance", "step s", "predicted s", "CPU s", "switched MiB", "tokens/s",
                    "tokens/CPU-s"):
         table.add_column(column, justify="left" if column[0] in "mb" else "right")
@@ -434,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: a byte-level BPE trained on the corpus and cached)")
     parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"),
                         help="default: float32 on CPU, bfloat16 on accelerators")
-    parser.add_argument("--switch-method", default="auto", choices=("auto", "plan", "device_put"))
+    parser.add_argument("--switch-method", default="auto",
+                        choices=("auto", "scheduled", "device_put"))
     parser.add_argument("--seed", type=int, default=0, help="document order")
     add_processes_option(parser)
     args = parse_args(parser, argv, QUICK)

@@ -1,8 +1,8 @@
 """Does the cost model know this machine? The devices are measured into a hardware profile
-(`hotjax.measure`); then, side by side in the same run, each strategy's micro-step is timed and
-its time predicted from that profile (`sharding.cost.micro_step_time`); and LLaMA2-7B's
-micro-step is compiled, not run, under each strategy and XLA's per-device peak set beside the
-predicted one (`sharding.cost.micro_step_memory`).
+(`hotjax.planning.measure`); then, side by side in the same run, each strategy's micro-step is
+timed and its time predicted from that profile (`hotjax.planning.cost.micro_step_time`); and
+LLaMA2-7B's micro-step is compiled, not run, under each strategy and XLA's per-device peak set
+beside the predicted one (`hotjax.planning.cost.micro_step_memory`).
 
     python scripts/bench_plan.py [--json] [--quick] [--model small] [--seq-lens 256,1024]
                                  [--tokens 8192] [--repeats 3] [--strategies "A; B"]
@@ -10,16 +10,16 @@ predicted one (`sharding.cost.micro_step_memory`).
                                  [--memory-shape 8x1024]
 
 Time: each (strategy, row length) runs the bucket's gradient micro-step (`hotjax.step`) on one
-micro-batch of `--tokens` tokens, each row one causal document (the worst case the cost model
+micro-step of `--tokens` tokens, each row one causal document (the worst case the cost model
 prices). After a warm-up round, `--repeats` rounds run every micro-step once in turn, so that a
 machine whose load drifts slows them alike; each is the median of its runs. Over all of them:
 the Spearman rank correlation of predicted against measured, and the median relative error
 |predicted - measured| / measured; the targets are >= 0.8 and <= 25 %. The profile's matmul
-efficiency is fitted on a data-parallel micro-step of the same model on a micro-batch of another
-shape (see `hotjax.measure`). On simulated CPU devices the devices share the machine's cores,
-in the measurements and in the steps alike. Memory: the same strategies, `--memory-model` cut to
-`--memory-layers` layers (default: all), on micro-batches of `--memory-shape` (rows x tokens).
-`--quick`: the `tiny` model, short rows, two strategies, a quick profile and a 2-layer
+efficiency is fitted on a data-parallel micro-step of the same model on a micro-step of another
+shape (see `hotjax.planning.measure`). On simulated CPU devices the devices share the machine's
+cores, in the measurements and in the steps alike. Memory: the same strategies, `--memory-model`
+cut to `--memory-layers` layers (default: all), on micro-steps of `--memory-shape` (rows x
+tokens). `--quick`: the `tiny` model, short rows, two strategies, a quick profile and a 2-layer
 LLaMA2-7B (a smoke test: its timings are too small and noisy to judge the model by).
 """
 
@@ -54,8 +54,8 @@ if TYPE_CHECKING:
     import jax
     from rich.console import Console
 
+    from hotjax.planning.profile import Profile
     from models.llama import LlamaConfig
-    from sharding.profile import Profile
     from sharding.strategy import Strategy
 
 # By device count: 8 simulated devices in one process, or 2 pinned processes (`--processes
@@ -105,8 +105,8 @@ def _ranks(values: list[float]) -> np.ndarray:
 def run(args: argparse.Namespace, progress: Console) -> dict:
     import jax
 
-    from hotjax.measure import measure_profile, profile_toml
-    from models.llama import padded_vocab, preset
+    from hotjax.planning.measure import measure_profile, profile_toml
+    from models.llama import as_trained, preset
     from sharding.strategy import Strategy
 
     devices = tuple(jax.devices())
@@ -124,11 +124,9 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     if args.repeats < 1 or not strategies or not seq_lens:
         raise UserError("give at least one strategy, one row length and one repeat")
     model = preset(args.model)
-    config = dataclasses.replace(model, vocab_size=padded_vocab(model.vocab_size),
-                                 compute_dtype=args.compute_dtype or model.compute_dtype)
+    config = as_trained(model, compute_dtype=args.compute_dtype or model.compute_dtype)
     big = preset(args.memory_model)
-    big = dataclasses.replace(big, vocab_size=padded_vocab(big.vocab_size),
-                              n_layers=args.memory_layers or big.n_layers)
+    big = as_trained(big, n_layers=args.memory_layers or big.n_layers)
 
     started = time.perf_counter()
     with progress.status("measuring the devices...") as status:
@@ -177,9 +175,9 @@ def time_section(config: LlamaConfig, strategies: list[Strategy], seq_lens: list
                  devices: tuple[jax.Device, ...], profile: Profile, args: argparse.Namespace,
                  progress: Console) -> list[dict]:
     """Each (strategy, row length): predicted and measured seconds of one micro-step."""
-    from hotjax.measure import MicroStepRun, timed_in_rounds
+    from hotjax.planning.cost import micro_step_time
+    from hotjax.planning.measure import MicroStepRun, timed_in_rounds
     from hotjax.step import bucket_step
-    from sharding.cost import micro_step_time
 
     jobs = []
     for seq_len in seq_lens:
@@ -217,9 +215,9 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
 
     from bench_mixed import document_lengths
 
-    from hotjax import plan as plan_lib
     from hotjax.data import MiniBatches, load_tokenizer, open_corpus
     from hotjax.optim import OptimConfig
+    from hotjax.planning import search as plan_lib
     from hotjax.train import Trainer
 
     if len(strategies) > len(seq_lens):
@@ -262,8 +260,8 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
 def memory_section(config: LlamaConfig, strategies: list[Strategy], shape: tuple[int, int],
                    devices: tuple[jax.Device, ...], progress: Console) -> list[dict]:
     """Each strategy: predicted and XLA's per-device peak of one micro-step, compiled."""
+    from hotjax.planning.cost import micro_step_memory
     from hotjax.step import bucket_step
-    from sharding.cost import micro_step_memory
 
     progress.print(f"compiling {len(strategies)} micro-steps of {config.n_layers} layers x "
                    f"{config.dim} ({shape[0]} x {shape[1]} tokens)...", highlight=False)

@@ -4,7 +4,7 @@
                                        [--strategies "A; B"] [--processes N]
 
 Each (strategy, sequence length) trains the same synthetic packed mini-batch (random tokens, a
-few documents per row) as a one-bucket `Trainer` whose one micro-batch holds every row: the
+few documents per row) as a one-bucket `Trainer` whose one micro-step's rows holds every row: the
 micro-step is compiled ahead of time, XLA's memory analysis read, then one warm-up step and
 `--steps` timed ones. A strategy that cannot run a shape (sizes that do not divide, a mesh of the
 wrong device count) is reported, not fatal. `--quick`: the `tiny` model, short rows, two
@@ -15,7 +15,6 @@ a GPU cluster: 8 fake devices share the machine's cores.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -107,7 +106,7 @@ def bench_one(config: LlamaConfig, optim: OptimConfig, strategy: Strategy, batch
 
     rows, seq_len = batch.tokens.shape
     shards = bucket_step(config, strategy, devices).layout.batch_shards
-    micro_rows = -(-rows // shards) * shards  # one micro-batch, padded to split evenly
+    micro_rows = -(-rows // shards) * shards  # one micro-step's rows, padded to split evenly
     table = StrategyTable((Bucket(seq_len, strategy, micro_rows),), str(strategy))
     trainer = Trainer(config, optim, table, devices)
     misses_before = len(cache_misses)
@@ -145,7 +144,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
 
     from hotjax.optim import OptimConfig
     from hotjax.run import select_devices
-    from models.llama import padded_vocab, preset
+    from models.llama import as_trained, preset
     from sharding.strategy import Strategy
 
     strategies = [Strategy.parse(text) for text in _split(args.strategies, ";")]
@@ -160,8 +159,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     on_cpu = devices[0].platform == "cpu"
     dtype = args.compute_dtype or ("float32" if on_cpu else "bfloat16")
     model = preset(args.model)
-    config = dataclasses.replace(model, vocab_size=padded_vocab(model.vocab_size),
-                                 compute_dtype=dtype)
+    config = as_trained(model, compute_dtype=dtype)
     # One optimizer schedule for all, long enough that no timed step is at a schedule edge.
     optim = OptimConfig(warmup_steps=1, total_steps=args.steps + 2)
     cache_misses: list[str] = []

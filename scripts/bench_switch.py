@@ -1,20 +1,20 @@
 """What does a hot switch cost? For every ordered pair of a strategy table's strategies: the
-planner's bytes, max per-device send and lower bound, its planning time, and the planned
+transfer scheduler's bytes, max per-device send and lower bound, its planning time, and the planned
 executor's time beside `jax.device_put`'s, measured side by side on the model's parameters.
 
     python scripts/bench_switch.py [--json] [--quick] [--table TABLE.toml] [--model tiny|small]
                                    [--processes N]
 
-Every planned switch's result is checked against `device_put`'s, bit for bit. On a CPU-only
+Every scheduled switch's result is checked against `device_put`'s, bit for bit. On a CPU-only
 machine it runs on 8 simulated devices; `--devices-per-node` puts node boundaries between them
-for the planner (the executor's timings do not depend on it). Times are medians of `--repeats`
-runs after one untimed run that compiles. `--quick`: the `tiny` model, two strategies of the
-table (two switches), two repeats (a smoke test).
+for the transfer scheduler (the executor's timings do not depend on it). Times are medians of
+`--repeats` runs after one untimed run that compiles. `--quick`: the `tiny` model, two strategies
+of the table (two switches), two repeats (a smoke test).
 
 `--processes N` runs the benchmark as N processes joined by JAX's runtime, as `hotjax launch`
 starts them (on CPU, 8/N simulated devices each), so every switch crosses a real process
-boundary. There the planner's executor does not run (its transfers stay within a process):
-`jax.device_put` is timed, its result checked shard by shard, and the planner's two sender
+boundary. There the scheduler's executor does not run (its transfers stay within a process):
+`jax.device_put` is timed, its result checked shard by shard, and the scheduler's two sender
 choices, same-node-first (greedy) and first-owner, are compared by the bytes their plans send
 across the boundary and their estimated seconds at the topology's bandwidths.
 """
@@ -53,14 +53,14 @@ def bench_pair(values, source, target, topology, repeats: int) -> dict:
     import jax
     import numpy as np
 
-    from sharding.switch import planned_switch, switch
+    from sharding.switch import scheduled_switch, switch
 
     src = jax.device_put(values, source)
     started = time.perf_counter()
-    planned = planned_switch(src, target, topology)
+    planned = scheduled_switch(src, target, topology)
     build_s = time.perf_counter() - started
     equal = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(
-        jax.tree.leaves(switch(src, target, "plan", topology)),
+        jax.tree.leaves(switch(src, target, "scheduled", topology)),
         jax.tree.leaves(switch(src, target, "device_put")), strict=True))
 
     def once(method: str) -> float:
@@ -68,16 +68,16 @@ def bench_pair(values, source, target, topology, repeats: int) -> dict:
         jax.block_until_ready(switch(src, target, method, topology))
         return time.perf_counter() - started
 
-    seconds: dict[str, list[float]] = {"plan": [], "device_put": []}
+    seconds: dict[str, list[float]] = {"scheduled": [], "device_put": []}
     for _ in range(repeats):  # alternating, so both see the same machine
         for method in seconds:
             seconds[method].append(once(method))
     plan = planned.plan
     return {**plan.summary(), "pieces": sum(len(t.pieces) for t in plan.transfers),
             "equal": equal, "build_s": build_s,
-            "executor_s": statistics.median(seconds["plan"]),
+            "executor_s": statistics.median(seconds["scheduled"]),
             "device_put_s": statistics.median(seconds["device_put"]),
-            "executor_runs_s": seconds["plan"], "device_put_runs_s": seconds["device_put"]}
+            "executor_runs_s": seconds["scheduled"], "device_put_runs_s": seconds["device_put"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       "model's compute dtype)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--devices-per-node", type=int, default=None,
-                        help="simulated node size for the planner (default: all local devices)")
+                        help="simulated node size for the transfer scheduler (default: all "
+                        "local devices)")
     parser.add_argument("--quick", action="store_true", help="a smoke test of seconds: the "
                         "tiny model, two strategies of the default table, two repeats")
     parser.add_argument("--processes", type=int, default=1, help="run as this many processes "
@@ -113,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from hotjax.compile_cache import enable_compilation_cache
     from models.llama import abstract_params, param_axes, preset
-    from sharding.planner import Topology
     from sharding.strategy import Layout, fit_to_model
     from sharding.table import load_table, parse_table
+    from sharding.transfers import Topology
 
     enable_compilation_cache()
     devices = jax.devices()
@@ -189,8 +190,8 @@ def bench_across_processes(values, source, target, topology, repeats: int) -> di
     import jax
     import numpy as np
 
-    from sharding.planner import plan_switch, sharding_switches
     from sharding.switch import switch
+    from sharding.transfers import schedule_transfers, sharding_switches
 
     src = jax.device_put(values, source)
     moved = switch(src, target, "device_put")
@@ -203,7 +204,7 @@ def bench_across_processes(values, source, target, topology, repeats: int) -> di
         jax.block_until_ready(switch(src, target, "device_put"))
         seconds.append(time.perf_counter() - started)
     arrays = sharding_switches(src, target)
-    plans = {policy: plan_switch(arrays, topology, policy)
+    plans = {policy: schedule_transfers(arrays, topology, policy)
              for policy in ("greedy", "first-owner")}
     return {"equal": equal, "device_put_s": statistics.median(seconds),
             "device_put_runs_s": seconds,
@@ -234,7 +235,8 @@ def _print(report: dict, console: Console) -> None:
                       + ("" if p["equal"] else " [red]WRONG[/]"))
     console.print(table)
     console.print("inter-node, max send and bound (the lower bound on the max send) in MiB; "
-                  "plan ms: the planner alone; build s: planning and compiling the executor's "
+                  "plan ms: the transfer scheduler alone; build s: scheduling and compiling the "
+                  "executor's "
                   "programs; ratio: executor / device_put (WRONG: its result differs from "
                   "device_put's)")
     console.print(f"hardware: {m['devices']} devices ({m['device_kind']}), {m['cpus']} CPUs, "
@@ -266,7 +268,7 @@ def _print_across_processes(report: dict, console: Console) -> None:
     console.print("across: MiB the plan sends from one process to another; est. µs: the plan's "
                   "time at 400 GB/s within a process and 200 GB/s between them (the paper's "
                   "NVLink and InfiniBand); device_put ms: measured (WRONG: a shard differs). "
-                  "The planner's executor runs within one process, so it is not timed here.")
+                  "The scheduler's executor runs within one process, so it is not timed here.")
     console.print(f"hardware: {m['devices']} devices ({m['device_kind']}), {m['cpus']} CPUs, "
                   f"{m['processor']}, python {m['python']}, jax {m['jax']}", highlight=False)
 

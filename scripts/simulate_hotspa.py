@@ -9,13 +9,13 @@ Megatron-LM baseline runs them.
                                       [--models llama2-7b,llama2-13b,hotspa-32b]
                                       [--devices 8,16,32] [--contexts 16384,...,131072]
 
-Nothing runs on devices: every number is the cost model's (`sharding.cost`) for the profile,
+Nothing runs on devices: every number is the cost model's (`hotjax.planning.cost`) for the profile,
 on a typical step of 512 sequences drawn from `--lengths` (the bundled code corpus by default:
 the Python standard library under the default 8k BPE, saved by `hotjax data stats --json`),
 each document one sequence truncated to the context, as in the paper. The paper trains its 32B
 on 32 GPUs only, and so does this (`MIN_DEVICES`). Plans fill what JAX's allocator hands a
-process (`sharding.profile.ALLOCATOR_FRACTION` of each GPU). `--quick`: 7B on 8 devices at 16K
-(a smoke test).
+process (`hotjax.planning.profile.ALLOCATOR_FRACTION` of each GPU). `--quick`: 7B on 8 devices at
+16K (a smoke test).
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def paper_strategy(dp: int, tp: int, pp: int):
 
 
 def simulate(model: str, devices: int, context: int, documents, profile, batch: int) -> dict:
-    from hotjax import plan
     from hotjax.data.buckets import cut
+    from hotjax.planning import search as plan
     from models.llama import preset
     from sharding.strategy import fit_to_model
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
 
-    from sharding.profile import load_profile
+    from hotjax.planning.profile import load_profile
 
     stats = json.loads(Path(args.lengths).read_text())
     documents = np.asarray(stats["quantiles"], np.int64)

@@ -24,15 +24,16 @@ FP32 = 4
 ADAM_MOMENTS = 2
 
 
-def describe(strategy: Strategy, config: LlamaConfig, platform: str = "cpu") -> dict[str, Any]:
-    """The placement of every parameter and activation, per-device bytes of the state, and the
-    attention kernel that runs on `platform` (a JAX platform name: cpu, gpu, tpu)."""
-    fitted, notes = fit_to_model(strategy, config)
+def state_bytes(strategy: Strategy, config: LlamaConfig) -> dict[str, int]:
+    """Per-device bytes of the model state a home `strategy` keeps: fp32 `params`, the fp32
+    gradient sum (`grads`) and AdamW's two moments (`optimizer`), step counters left out. The
+    one count of them: `strategy show`, the trainer's and the planner's choice of home and the
+    cost model all read it."""
+    fitted, _ = fit_to_model(strategy, config)
     sizes = fitted.axes
-    flat_axes = _flatten(param_axes(config))
     flat_shapes = _flatten(abstract_params(config))
-    params, totals = [], {"params": 0, "grads": 0, "optimizer": 0}
-    for name, axes in flat_axes.items():
+    totals = {"params": 0, "grads": 0, "optimizer": 0}
+    for name, axes in _flatten(param_axes(config)).items():
         shape = flat_shapes[name].shape
         specs = {"params": fitted.param_spec(axes), "grads": fitted.grad_spec(axes),
                  "optimizer": fitted.optimizer_spec(axes)}
@@ -43,15 +44,28 @@ def describe(strategy: Strategy, config: LlamaConfig, platform: str = "cpu") -> 
                                 f"{tuple(spec)}: choose mesh sizes that divide it")
             copies = ADAM_MOMENTS if kind == "optimizer" else 1
             totals[kind] += copies * FP32 * math.prod(shape) // math.prod(pieces)
-        params.append({"name": name, "shape": list(shape), "axes": list(axes),
+    return totals
+
+
+def describe(strategy: Strategy, config: LlamaConfig, platform: str = "cpu") -> dict[str, Any]:
+    """The placement of every parameter and activation, per-device bytes of the state, and the
+    attention kernel that runs on `platform` (a JAX platform name: cpu, gpu, tpu)."""
+    fitted, notes = fit_to_model(strategy, config)
+    sizes = fitted.axes
+    totals = state_bytes(strategy, config)
+    flat_shapes = _flatten(abstract_params(config))
+    params = []
+    for name, axes in _flatten(param_axes(config)).items():
+        specs = {"params": fitted.param_spec(axes), "grads": fitted.grad_spec(axes),
+                 "optimizer": fitted.optimizer_spec(axes)}
+        params.append({"name": name, "shape": list(flat_shapes[name].shape), "axes": list(axes),
                        "spec": _spec_text(specs["params"]),
                        "zero": {k: _spec_text(v) for k, v in specs.items() if k != "params"
                                 and v != specs["params"]}})
     return {"strategy": str(strategy), "mesh": {a: n for a, n in sizes.items() if n > 1},
             "rules": fitted.rules.name, "notes": list(notes), "params": params,
             "bytes_per_device": totals,
-            "batch_shards": math.prod(ways(fitted.activation_spec(("batch",)), sizes))
-            * (fitted.microbatches or 1),
+            "batch_shards": fitted.batch_shards,
             "pipeline": _pipeline(fitted, config),
             "gradients": _gradients(fitted, totals["grads"]),
             "activations": {k: _spec_text(fitted.activation_spec(v))

@@ -245,6 +245,18 @@ class Strategy:
         return f"{used} [{self.rules.name}{extra}]"
 
     @property
+    def data_shards(self) -> int:
+        """How many device groups split a batch's rows between them (the data-like axes the
+        rules put `batch` on), each a contiguous block of rows."""
+        return math.prod(ways(self.activation_spec(("batch",)), self.axes))
+
+    @property
+    def batch_shards(self) -> int:
+        """How many ways a micro-step's rows are split: over the data shards, and within each
+        into pipeline micro-batches. Rows per micro-step are a multiple of it."""
+        return self.data_shards * (self.microbatches or 1)
+
+    @property
     def stages(self) -> int:
         """Pipeline stages: the stacked layers split over `stage` (1: no pipeline)."""
         return self.axes["stage"]
@@ -443,14 +455,13 @@ class Layout:
     def batch_shards(self) -> int:
         """How many ways the rows of a batch are split (over data-like axes, and into pipeline
         micro-batches); row counts must be a multiple of it."""
-        return math.prod(ways(self.strategy.activation_spec(("batch",)), self.mesh.shape)) * (
-            self.strategy.microbatches or 1)
+        return self.strategy.batch_shards
 
     @property
     def data_shards(self) -> int:
         """How many devices' groups split a batch's rows between them, each a contiguous block
         of rows (pipeline micro-batches are cut within each)."""
-        return math.prod(ways(self.strategy.activation_spec(("batch",)), self.mesh.shape))
+        return self.strategy.data_shards
 
     @property
     def seq_shards(self) -> int:

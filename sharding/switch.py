@@ -1,7 +1,7 @@
-"""The hot-switch executor: carries a `SwitchPlan` out on real arrays, beside the
+"""The hot-switch executor: carries a `TransferSchedule` out on real arrays, beside the
 baseline `jax.device_put`, and uses whichever measures faster for each pair of layouts.
 
-A planned switch runs in three moves: on each sender, one program cuts the slices for each
+A scheduled switch runs in three moves: on each sender, one program cuts the slices for each
 receiver out of its source shards and fuses them into one flat buffer per receiver (per element
 width: floats travel bit for bit as unsigned integers); one batched `jax.device_put` carries every
 buffer to its receiver; on each receiver, one program assembles its target shards from the
@@ -28,17 +28,17 @@ import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
 from models.errors import UserError
-from sharding.planner import (
+from sharding.transfers import (
     MIN_PIECE_BYTES,
     Box,
     Piece,
-    SwitchPlan,
     Topology,
-    plan_switch,
+    TransferSchedule,
+    schedule_transfers,
     sharding_switches,
 )
 
-METHODS = ("plan", "device_put", "auto")
+METHODS = ("scheduled", "device_put", "auto")
 CALIBRATION_REPEATS = 3
 # The per-device programs only move data. On CPU, LLVM's full optimisation adds half again to
 # their compile time (one kernel per slice, seconds per layout pair) for no faster copies;
@@ -51,7 +51,7 @@ def switch(tree: Any, target_shardings: Any, method: str = "auto",
     """`tree` (of `jax.Array`s) resharded to `target_shardings`, as fresh arrays — or `tree`
     itself, untouched, when every array already has its target layout (nothing to move).
 
-    method: "plan" runs the planner's fused per-peer messages; "device_put" is
+    method: "scheduled" runs the scheduler's fused per-peer messages; "device_put" is
     `jax.device_put(tree, target_shardings, may_alias=False)`; "auto" measures both the first
     time it sees a (source, target) pair of layouts and from then on uses the faster.
     """
@@ -61,12 +61,12 @@ def switch(tree: Any, target_shardings: Any, method: str = "auto",
         return tree
     if method == "device_put":
         return jax.device_put(tree, target_shardings, may_alias=False)
-    planned = planned_switch(tree, target_shardings, topology, policy)
-    if method == "plan":
+    planned = scheduled_switch(tree, target_shardings, topology, policy)
+    if method == "scheduled":
         return planned(tree)
     if planned.key not in _faster:
         seconds = {m: time_switch(tree, target_shardings, m, CALIBRATION_REPEATS, topology,
-                                  policy) for m in ("plan", "device_put")}
+                                  policy) for m in ("scheduled", "device_put")}
         _faster[planned.key] = min(seconds, key=seconds.__getitem__)
     return switch(tree, target_shardings, _faster[planned.key], topology, policy)
 
@@ -82,7 +82,7 @@ def already_laid_out(tree: Any, target_shardings: Any) -> bool:
 def chosen_method(tree: Any, target_shardings: Any, topology: Topology | None = None,
                   policy: str = "greedy") -> str | None:
     """What "auto" uses for this pair of layouts, or None before it has measured them."""
-    return _faster.get(planned_switch(tree, target_shardings, topology, policy).key)
+    return _faster.get(scheduled_switch(tree, target_shardings, topology, policy).key)
 
 
 def time_switch(tree: Any, target_shardings: Any, method: str, repeats: int,
@@ -97,10 +97,10 @@ def time_switch(tree: Any, target_shardings: Any, method: str, repeats: int,
     return statistics.median(once() for _ in range(repeats))
 
 
-def planned_switch(tree: Any, target_shardings: Any, topology: Topology | None = None,
+def scheduled_switch(tree: Any, target_shardings: Any, topology: Topology | None = None,
                    policy: str = "greedy", min_piece_bytes: int = MIN_PIECE_BYTES
-                   ) -> PlannedSwitch:
-    """The planned switch from this tree's layouts to `target_shardings`, planned and compiled
+                   ) -> ScheduledSwitch:
+    """The scheduled switch from this tree's layouts to `target_shardings`, scheduled and compiled
     once per (source layouts, target layouts, shapes, dtypes, topology, policy)."""
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(target_shardings)
@@ -111,15 +111,16 @@ def planned_switch(tree: Any, target_shardings: Any, topology: Topology | None =
     key = (treedef, tuple((x.shape, x.dtype, x.sharding, t)
                           for x, t in zip(leaves, targets, strict=True)),
            topology, policy, min_piece_bytes)
-    if key not in _planned:
+    if key not in _scheduled:
         devices = {d.id: d for s in (*targets, *(x.sharding for x in leaves))
                    for d in s.device_set}
         if any(d.process_index != jax.process_index() for d in devices.values()):
-            raise UserError("a planned switch runs within one process, and these layouts span "
+            raise UserError("a scheduled switch runs within one process, and these layouts span "
                             "several: use method='device_put'")
-        plan = plan_switch(sharding_switches(leaves, targets), topology, policy, min_piece_bytes)
-        _planned[key] = PlannedSwitch(plan, devices, [x.dtype for x in leaves], targets, key)
-    return _planned[key]
+        plan = schedule_transfers(sharding_switches(leaves, targets), topology, policy,
+                                  min_piece_bytes)
+        _scheduled[key] = ScheduledSwitch(plan, devices, [x.dtype for x in leaves], targets, key)
+    return _scheduled[key]
 
 
 def job_topology() -> Topology:
@@ -127,11 +128,11 @@ def job_topology() -> Topology:
     return Topology.of_processes(jax.devices())
 
 
-class PlannedSwitch:
-    """A `SwitchPlan` bound to devices: one gather program per sender and one assembly program
+class ScheduledSwitch:
+    """A `TransferSchedule` bound to devices: one gather program per sender and one assembly program
     per receiver, compiled (in parallel) when it is built, and the buffers' routes between them."""
 
-    def __init__(self, plan: SwitchPlan, devices: Mapping[int, jax.Device],
+    def __init__(self, plan: TransferSchedule, devices: Mapping[int, jax.Device],
                  dtypes: Sequence[Any], targets: Sequence[Sharding], key: Any = None):
         self.plan, self.key = plan, key
         self._targets = list(targets)
@@ -206,7 +207,7 @@ class _Program:
                                *(shards[a][self.device.id] for a in self.arrays))
 
 
-def _gather(device: jax.Device, plan: SwitchPlan, dtypes: list[np.dtype],
+def _gather(device: jax.Device, plan: TransferSchedule, dtypes: list[np.dtype],
             messages: list[tuple[int, list[Piece]]]) -> _Program:
     """The sender's program: for each message, its pieces cut from the source shards, flattened
     and concatenated in order."""
@@ -222,7 +223,7 @@ def _gather(device: jax.Device, plan: SwitchPlan, dtypes: list[np.dtype],
                     [_source_struct(plan, a, device, dtypes[a]) for a in arrays])
 
 
-def _assembly(device: jax.Device, plan: SwitchPlan, dtypes: list[np.dtype],
+def _assembly(device: jax.Device, plan: TransferSchedule, dtypes: list[np.dtype],
               kept: Sequence[Piece], messages: list[tuple[int, list[Piece]]]) -> _Program:
     """The receiver's program: each target shard built from the pieces it kept (cut from its
     source shards) and the pieces sent to it (cut from the buffers), every one a new buffer."""
@@ -287,7 +288,7 @@ def _from_wire(x: jax.Array, dtype: np.dtype) -> jax.Array:
     return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
 
-def _source_struct(plan: SwitchPlan, a: int, device: jax.Device, dtype: np.dtype
+def _source_struct(plan: TransferSchedule, a: int, device: jax.Device, dtype: np.dtype
                    ) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(_shape(plan.arrays[a].source[device.id]), dtype,
                                 sharding=SingleDeviceSharding(device))
@@ -305,5 +306,5 @@ def _volume(box: Box) -> int:
     return int(np.prod(_shape(box), dtype=np.int64))
 
 
-_planned: dict[Any, PlannedSwitch] = {}
+_scheduled: dict[Any, ScheduledSwitch] = {}
 _faster: dict[Any, str] = {}

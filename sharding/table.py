@@ -32,7 +32,7 @@ from sharding.strategy import RULE_SETS, Rules, Strategy
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
-    """Sequences of up to `max_len` tokens run under `strategy`, as micro-batches of
+    """Sequences of up to `max_len` tokens run under `strategy`, as micro-steps of
     `micro_rows` rows, recomputing activations by `remat` (None: chosen by the trainer)."""
 
     max_len: int
@@ -45,7 +45,7 @@ class Bucket:
 class StrategyTable:
     """Buckets by increasing `max_len`, and the `home` strategy that keeps the fp32 master
     weights and optimizer state between them (None: the most sharded bucket's, chosen by
-    `sharding.cost.most_sharded`). `source` names where the table came from, for errors."""
+    `hotjax.planning.cost.most_sharded`). `source` names where the table came from, for errors."""
 
     buckets: tuple[Bucket, ...]
     source: str = dataclasses.field(default="<table>", compare=False)

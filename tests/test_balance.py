@@ -17,7 +17,7 @@ from hotjax.balance import (
     row_work,
 )
 from hotjax.data import Batch
-from hotjax.step import NO_TARGET, micro_batches, next_token_targets
+from hotjax.step import NO_TARGET, micro_step_inputs, next_token_targets
 from models.llama import preset
 from sharding.strategy import Layout, Strategy
 
@@ -100,7 +100,7 @@ def test_micro_batches_carry_each_row_where_it_was_placed(devices):
     segments[2, 10:] = 0  # padding at the end of the last row
     positions = np.tile(np.arange(16, dtype=np.int32), (3, 1))
     order = np.array([2, 0, EMPTY, 1])
-    micro = micro_batches(layout, Batch(tokens, segments, positions), 2, order)
+    micro = micro_step_inputs(layout, Batch(tokens, segments, positions), 2, order)
     targets = next_token_targets(tokens, segments)
     stacked = {k: np.concatenate([m[k] for m in micro]) for k in micro[0]}
     for slot, row in enumerate(order):

@@ -1,6 +1,6 @@
 """Every benchmark script runs: each once with `--quick --json`, in its own process on 8 simulated
 CPU devices, and its report holds real numbers that agree where they must (losses across
-strategies and methods, planned switches against `jax.device_put`)."""
+strategies and methods, scheduled switches against `jax.device_put`)."""
 
 import json
 import math
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sharding.profile import parse_profile
+from hotjax.planning.profile import parse_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600  # each takes well under a minute on 2 idle cores; shared machines are slower

@@ -95,7 +95,7 @@ def test_a_table_run_records_its_buckets_micro_steps_and_padding(tmp_path, corpu
                                  for b in buckets)
         assert r["padding"] == pytest.approx(1 - r["tokens"] / r["slots"])
         for b in buckets:
-            # Only the last micro-batch of a bucket may carry empty rows.
+            # Only the last micro-step of a bucket may carry empty rows.
             assert (b["micro_steps"] - 1) * b["micro_rows"] < b["rows"] <= (
                 b["micro_steps"] * b["micro_rows"])
             assert b["compute_s"] is None  # not timed unless --bucket-timings

@@ -8,12 +8,7 @@ import numpy as np
 import pytest
 
 from hotjax.optim import OptimConfig
-from hotjax.step import Home, bucket_step, step_memory
-from models.attention import Tokens, block_edge, ring_block_counts, visible_blocks
-from models.errors import UserError
-from models.llama import preset
-from models.pipeline import bubble
-from sharding.cost import (
+from hotjax.planning.cost import (
     attention_kernel,
     bucket_reduction_seconds,
     document_pairs,
@@ -24,23 +19,28 @@ from sharding.cost import (
     step_seconds,
     visible_pairs,
 )
-from sharding.planner import ArraySwitch, plan_switch
-from sharding.profile import (
+from hotjax.planning.profile import (
     ALLOCATOR_FRACTION,
     allocator_fraction,
     load_profile,
     parse_profile,
     set_allocator_fraction,
 )
+from hotjax.step import Home, bucket_step, step_memory
+from models.attention import Tokens, block_edge, ring_block_counts, visible_blocks
+from models.errors import UserError
+from models.llama import preset
+from models.pipeline import bubble
 from sharding.strategy import Strategy
+from sharding.transfers import ArraySwitch, schedule_transfers
 
 LLAMA2_7B = preset("llama2-7b")
 # LLaMA2-7B's widths (hidden 4096, MLP 11008, 32 heads, vocabulary 32000) with 4 of its 32
 # layers, so that compiling a strategy takes seconds. A fair check of the full model: every
 # per-layer array is stacked along the layer axis (the weights, their gradients, the activations
 # the layer scan saves), so XLA's plan grows by a fixed amount per layer, and the model adds its
-# per-layer terms once per layer (at all 32 layers it stays as close: see `sharding.cost`). Two
-# layers per pipeline stage, as a real model has more than one.
+# per-layer terms once per layer (at all 32 layers it stays as close: see
+# `hotjax.planning.cost`). Two layers per pipeline stage, as a real model has more than one.
 SEVEN_B_WIDTHS = dataclasses.replace(LLAMA2_7B, n_layers=4)
 MICRO_BATCH = (8, 1024)  # rows, tokens per row
 # Data, FSDP, Megatron tensor parallelism with and without sequence parallelism, a context ring
@@ -271,7 +271,7 @@ def test_a_step_adds_its_micro_steps_and_the_planned_switches():
     time = micro_step_time(LLAMA2_7B, Strategy.parse("data=8"), (8, 4096), H100)
     array = ArraySwitch("w", (1024, 1024), 4, {0: ((0, 1024), (0, 1024))},
                         {1: ((0, 1024), (0, 1024))})
-    plan = plan_switch([array], H100.topology())
+    plan = schedule_transfers([array], H100.topology())
     assert plan.estimated_seconds == pytest.approx(4 * 2**20 / (450 * GB))
     assert step_seconds([(time, 3)], [plan]) == pytest.approx(3 * time.seconds
                                                                + plan.estimated_seconds)

@@ -1,4 +1,4 @@
-"""Hot switching and micro-batching: a table's buckets, each under its own strategy and cut into
+"""Hot switching and micro-stepping: a table's buckets, each under its own strategy and cut into
 micro-batches, give the training of one device on the same data (HotSPa's lossless property).
 
 The reference never sees a bucket: it is one device under the single strategy `data=1`, trained
@@ -16,10 +16,10 @@ import pytest
 
 from hotjax.data import Batch, ByteTokenizer, MiniBatch, MiniBatches, open_corpus
 from hotjax.optim import OptimConfig
+from hotjax.planning.cost import most_sharded
 from hotjax.train import BucketMetrics, Trainer, best_order
 from models.errors import UserError
 from models.llama import PRESETS
-from sharding.cost import most_sharded
 from sharding.strategy import Strategy
 from sharding.table import Bucket, StrategyTable, parse_table
 
@@ -106,7 +106,7 @@ def one_device(devices, minibatches) -> Run:
 
 @pytest.fixture(scope="module")
 def fsdp_runs(devices, minibatches) -> dict[int, Run]:
-    """The single strategy fsdp=8 on the widened mini-batches, by micro-batch rows: 8 (its
+    """The single strategy fsdp=8 on the widened mini-batches, by rows per micro-step: 8 (its
     default here: several micro-steps per step) and enough rows for one micro-step."""
     widened = [_widened(m) for m in minibatches]
     one_micro_step = -(-max(m.buckets[0].tokens.shape[0] for m in widened) // 8) * 8
@@ -128,7 +128,7 @@ def test_every_bucket_has_the_rows_its_sequences_need(minibatches):
     assert all(b.real_tokens for m in minibatches for b in m.buckets)
 
 
-@pytest.mark.parametrize("method", ["plan", "device_put"])
+@pytest.mark.parametrize("method", ["scheduled", "device_put"])
 def test_hot_switched_table_equals_one_device(method, devices, minibatches, one_device):
     trainer = Trainer(CONFIG, OPTIM, TABLE, devices, switch_method=method)
     run = _train(trainer, minibatches)
@@ -224,7 +224,7 @@ def test_micro_batches_sized_to_a_budget_are_the_most_that_fit(devices):
     sized = Trainer(CONFIG, OPTIM, table, devices, device_memory=budget)
     assert sized.micro_rows == [16]
     assert max(sized.memory().values()) <= budget * 2**20
-    # A bucket that a typical mini-batch fills with 12 rows gets 8: one micro-batch of 16
+    # A bucket that a typical mini-batch fills with 12 rows gets 8: one micro-step of 16
     # would mostly compute empty rows.
     assert Trainer(CONFIG, OPTIM, table, devices, device_memory=budget,
                    typical_rows=[12.0]).micro_rows == [8]
@@ -258,8 +258,8 @@ def test_bfloat16_hot_table_stays_within_bf16_rounding_of_one_device(devices, mi
     assert run.losses[-1] < run.losses[0]
     # The compute weights travel in bf16: half the bytes of fp32 compute weights.
     fp32 = Trainer(CONFIG, OPTIM, TABLE, devices)
-    for pair, plan in trainer.weight_plans.items():
-        assert 2 * plan.bytes_moved == fp32.weight_plans[pair].bytes_moved
+    for pair, plan in trainer.weight_transfers.items():
+        assert 2 * plan.bytes_moved == fp32.weight_transfers[pair].bytes_moved
 
 
 def test_home_is_the_tables_or_the_strategy_holding_the_least_state_per_device(devices):

@@ -8,9 +8,15 @@ import tomllib
 import pytest
 from test_benchmarks import positive
 
-from hotjax.measure import FIT_ROWS, fitted_step, measure_profile, profile_toml, reference_model
-from sharding.cost import micro_step_time
-from sharding.profile import COLLECTIVES, load_profile, parse_profile
+from hotjax.planning.cost import micro_step_time
+from hotjax.planning.measure import (
+    FIT_ROWS,
+    fitted_step,
+    measure_profile,
+    profile_toml,
+    reference_model,
+)
+from hotjax.planning.profile import COLLECTIVES, load_profile, parse_profile
 from sharding.strategy import Strategy
 
 

@@ -263,8 +263,8 @@ def test_plan_measures_the_devices_of_every_process_as_nodes(tmp_path):
     """`hotjax launch ... -- plan --measure` profiles 2 processes x 2 devices as 2 nodes of 2:
     groups inside a process are intra-node, groups spanning both are inter-node; process 0
     alone reports and writes the table, for the 4 devices."""
-    from sharding.cost import COST_MODEL_VERSION
-    from sharding.profile import load_profile
+    from hotjax.planning.cost import COST_MODEL_VERSION
+    from hotjax.planning.profile import load_profile
     from sharding.table import load_table
 
     root = Path(__file__).resolve().parents[1]

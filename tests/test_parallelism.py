@@ -20,7 +20,7 @@ from hotjax.step import (
     Home,
     balanced_order,
     bucket_step,
-    micro_batches,
+    micro_step_inputs,
     next_token_targets,
     step_memory,
 )
@@ -143,7 +143,7 @@ def test_kv_heads_fewer_than_tensor_are_replicated_and_said_so(devices):
 
 def test_xla_memory_of_micro_step_and_update_shrinks_with_sharding_as_expected(devices):
     """Per-device argument bytes, as XLA reports them: a bucket's micro-step holds the compute
-    weights (fp32 here), the fp32 gradient sum and one micro-batch; the home update holds the
+    weights (fp32 here), the fp32 gradient sum and one micro-step's rows; the home update holds the
     fp32 master weights, the Adam moments and the gradient sum."""
     norms = 2 * CONFIG.n_layers * CONFIG.dim + CONFIG.dim  # norm scales are never split
     matrices = CONFIG.num_params() - norms
@@ -231,7 +231,7 @@ def test_local_and_sharded_accumulation_sum_the_same_gradients(strategy, devices
         compute = jax.device_put(trainer.home.cast(trainer.init(seed=0).params),
                                  step.param_shardings)
         acc, scale = step.zeros(), step.place_scale(trainer.home.no_scale)
-        for arrays in micro_batches(step.layout, batch, 8):
+        for arrays in micro_step_inputs(step.layout, batch, 8):
             acc = step.compiled((8, SEQ))(compute, acc, step.place(arrays), scale)
         sums[accumulate] = jax.tree.map(np.asarray,
                                         step.reduce(acc, trainer.home.acc_shardings))

@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hotjax import plan
+from hotjax.checkpoint import meta
 from hotjax.cli import main
-from hotjax.plan_cli import profile_path
+from hotjax.planning import search as plan
+from hotjax.planning.cost import COST_MODEL_VERSION
+from hotjax.planning.measure import profile_path
+from hotjax.planning.profile import load_profile
 from models.llama import preset
-from sharding.cost import COST_MODEL_VERSION
-from sharding.profile import load_profile
-from sharding.table import load_table
+from sharding.table import load_table, parse_table
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = ROOT / "docs" / "stdlib-lengths.json"
@@ -138,7 +139,7 @@ def test_the_written_table_loads_with_each_bucket_as_planned(tmp_path, capsys):
     (["--lengths", "missing.json"], "--lengths missing.json: no such file"),
     (["--profile", "nowhere"], "hardware profile not found"),
     (["--context", "0"], "--context 0: pass a positive number"),
-    (["--batch-sequences", "0"], "--batch-sequences 0: plan for at least one sequence"),
+    (["--batch-sequences", "0"], "--batch-sequences 0: pass a positive number"),
     (["--devices", "64"], "64 devices: profile a800-4x8 has 32"),
 ])
 def test_bad_input_is_one_line(flags, message, tmp_path):
@@ -160,18 +161,26 @@ def test_strategies_auto_plans_for_this_machine_and_trains_like_one_device(tmp_p
     assert cached.relative_to(tmp_path / "cache").parts == (
         "profiles", f"cost-model-v{COST_MODEL_VERSION}", "cpu-8x1.toml")
     cached.parent.mkdir(parents=True)
-    text = (ROOT / "sharding" / "profiles" / "a800-4x8.toml").read_text()
+    text = (ROOT / "hotjax" / "planning" / "profiles" / "a800-4x8.toml").read_text()
     text = text.replace('platform = "gpu"', 'platform = "cpu"').replace("nodes = 4", "nodes = 1")
     cached.write_text(text)
     # A profile cached under another cost model is not read (it would plan on the A800's).
     stale = cached.parent.parent / "cpu-8x1.toml"
     stale.write_text(text.replace("a800-4x8", "stale"))
-    run = ["train", "--model", "tiny", "--tokenizer", "bytes", "--compute-dtype", "float32",
-           "--context", "512", "--batch-tokens", "2048", "--steps", "2"]
+    same = ["--model", "tiny", "--tokenizer", "bytes", "--compute-dtype", "float32",
+            "--context", "512", "--batch-tokens", "2048"]
+    run = ["train", *same, "--steps", "2"]
     losses = {}
-    for name, flags in (("auto", ["--strategies", "auto"]), ("one device", ["--devices", "1"])):
+    for name, flags in (("auto", ["--strategies", "auto", "--ckpt-dir", str(tmp_path / "ck")]),
+                        ("one device", ["--devices", "1"])):
         metrics = tmp_path / f"{name}.jsonl"
         assert main([*run, *flags, "--metrics-jsonl", str(metrics)]) == 0
         losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert "--strategies auto: planned on profile a800-4x8" in capsys.readouterr().err
     np.testing.assert_allclose(losses["auto"], losses["one device"], rtol=0, atol=1e-5)
+    # The table trained (as its checkpoint records it) is the one `hotjax plan` writes for the
+    # same flags, home included.
+    trained = parse_table(meta.read(tmp_path / "ck" / "2")["strategy_table"], "checkpoint")
+    assert main(["plan", *same, "--out", str(tmp_path / "plan.toml")]) == 0
+    planned = load_table(tmp_path / "plan.toml")
+    assert planned == trained and planned.home is not None

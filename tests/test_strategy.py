@@ -872,3 +872,53 @@ def test_a_table_bucket_can_ask_for_the_balanced_order(tmp_path):
     path = write(tmp_path, "[[bucket]]\nmax_len = 256\nmesh = { context = 8 }\n"
                            "rules = 'context'\nbalanced = true\n")
     assert load_table(path).buckets[0].strategy.balanced
+
+
+def _tables(count: int, seed: int) -> list[StrategyTable]:
+    """Random tables over every kind of bucket entry: the planner's candidate strategies on 8
+    devices, pipelines, inline rules, balanced context, rows, remat and a home or none."""
+    from hotjax.planning.search import candidate_strategies
+
+    config = dataclasses.replace(TINY, vocab_size=padded_vocab(TINY.vocab_size))
+    strategies = [*candidate_strategies(config, 8),
+                  Strategy.parse("stage=2,data=4,microbatches=6"),
+                  Strategy.create({"data": 2, "fsdp": 4},
+                                  {"params": {"embed": "fsdp"},
+                                   "activations": {"batch": ["data", "fsdp"]},
+                                   "optimizer": {"embed": ["fsdp"]}}, "inline")]
+    rng = np.random.default_rng(seed)
+    tables = []
+    for _ in range(count):
+        lengths = np.sort(rng.choice(np.arange(64, 8192, 64), rng.integers(1, 5), replace=False))
+        buckets = tuple(Bucket(int(n), strategies[rng.integers(len(strategies))],
+                               None if rng.random() < 0.3 else int(rng.integers(1, 5)) * 8,
+                               [None, "none", "dots", "full"][rng.integers(4)])
+                        for n in lengths)
+        home = None if rng.random() < 0.3 else strategies[rng.integers(len(strategies))]
+        tables.append(StrategyTable(buckets, "random", home))
+    return tables
+
+
+def test_any_table_reads_back_identical_from_its_toml_and_its_checkpoint_record(tmp_path):
+    import json
+
+    tables = _tables(60, seed=1)
+    assert any(t.home is None for t in tables) and any(t.home for t in tables)
+    for i, table in enumerate(tables):
+        path = tmp_path / f"{i}.toml"
+        path.write_text(table.toml(f"table {i}\nwritten by a test"))
+        assert load_table(path) == table, path.read_text()
+        # A checkpoint keeps the same data as JSON.
+        record = json.loads(json.dumps(table.to_dict()))
+        assert parse_table(record, "record") == table
+        assert parse_table(record, "record").home == table.home
+
+
+def test_a_table_home_on_other_devices_is_one_line():
+    table = parse_table({"home": {"mesh": {"fsdp": 4}}, "bucket": [
+        {"max_len": 128, "mesh": {"data": 8}}]}, "t.toml")
+    with pytest.raises(UserError, match=r"t.toml: home: mesh fsdp4 .* uses 4 devices but 8"):
+        table.check_devices(8)
+    with pytest.raises(UserError, match="home must be a table with mesh and rules"):
+        parse_table({"home": {"mesh": {"fsdp": 8}, "max_len": 3},
+                     "bucket": [{"max_len": 128, "mesh": {"data": 8}}]}, "t.toml")

@@ -1,4 +1,4 @@
-"""The hot-switch executor: planned switches move the tiny model's values exactly, to exactly the
+"""The hot-switch executor: scheduled switches move the tiny model's values exactly, to exactly the
 target shardings, as fresh buffers, and agree with `jax.device_put`."""
 
 import dataclasses
@@ -11,9 +11,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models.errors import UserError
 from models.llama import PRESETS, abstract_params, param_axes
-from sharding.planner import MIN_PIECE_BYTES, Topology
 from sharding.strategy import Layout, Strategy, fit_to_model
-from sharding.switch import chosen_method, planned_switch, switch
+from sharding.switch import chosen_method, scheduled_switch, switch
+from sharding.transfers import MIN_PIECE_BYTES, Topology
 
 TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=256)
 TWO_NODES_OF_4 = Topology(devices_per_node=4)
@@ -52,7 +52,7 @@ def test_a_planned_switch_moves_the_values_exactly_to_the_target_shardings(
         source, target, min_piece_bytes, values, devices):
     src = jax.device_put(values, shardings(source, devices))
     targets = shardings(target, devices)
-    planned = planned_switch(src, targets, TWO_NODES_OF_4, min_piece_bytes=min_piece_bytes)
+    planned = scheduled_switch(src, targets, TWO_NODES_OF_4, min_piece_bytes=min_piece_bytes)
     assert planned.plan.transfers, "the pair moves data"
 
     out = planned(src)
@@ -72,13 +72,13 @@ def test_a_tree_of_several_dtypes_and_a_scalar_switches_exactly(values, devices)
     targets = {"params": shardings("data=2,tensor=4", devices),
                "step": Layout(Strategy.parse("data=8"), devices).replicated}
 
-    out = switch(src, targets, "plan", TWO_NODES_OF_4)
+    out = switch(src, targets, "scheduled", TWO_NODES_OF_4)
 
     assert_holds(out, expected, targets)
     assert out["params"]["embed"].dtype == jnp.bfloat16 and out["step"].dtype == jnp.int32
 
 
-@pytest.mark.parametrize("method", ["plan", "device_put"])
+@pytest.mark.parametrize("method", ["scheduled", "device_put"])
 def test_the_source_stays_valid_after_the_switched_tree_is_donated(method, values, devices):
     # Norm weights are replicated under both strategies: the leaves `device_put`
     # returns aliased (donating the new tree then invalidated the old one).
@@ -100,16 +100,16 @@ def test_auto_measures_both_methods_once_per_layout_pair_and_keeps_the_faster(va
 
     out = switch(src, targets, "auto", TWO_NODES_OF_4)
 
-    assert chosen_method(src, targets, TWO_NODES_OF_4) in ("plan", "device_put")
+    assert chosen_method(src, targets, TWO_NODES_OF_4) in ("scheduled", "device_put")
     assert_holds(out, values, targets)
     again = jax.device_put(values, shardings("data=2,tensor=4", devices))  # new arrays
-    assert planned_switch(again, targets, TWO_NODES_OF_4) is planned_switch(src, targets,
+    assert scheduled_switch(again, targets, TWO_NODES_OF_4) is scheduled_switch(src, targets,
                                                                             TWO_NODES_OF_4)
 
 
 def test_an_unknown_method_or_a_leaf_that_is_not_an_array_is_a_user_error(devices):
     replicated = Layout(Strategy.parse("data=8"), devices).replicated
-    with pytest.raises(UserError, match="plan, device_put, auto"):
+    with pytest.raises(UserError, match="scheduled, device_put, auto"):
         switch({"w": jnp.ones(8)}, {"w": replicated}, "fastest")
     with pytest.raises(UserError, match="tree of jax.Array, got a ndarray"):
-        switch({"w": np.ones(8)}, {"w": replicated}, "plan")
+        switch({"w": np.ones(8)}, {"w": replicated}, "scheduled")

@@ -12,7 +12,7 @@ import pytest
 
 from hotjax.data import Batch, ByteTokenizer, MiniBatch, MiniBatches, open_corpus
 from hotjax.optim import OptimConfig
-from hotjax.step import NO_TARGET, micro_batches, next_token_targets, token_loss
+from hotjax.step import NO_TARGET, micro_step_inputs, next_token_targets, token_loss
 from hotjax.train import Trainer
 from models.errors import UserError
 from models.llama import PRESETS
@@ -162,7 +162,7 @@ def test_a_bucket_is_cut_into_micro_batches_and_only_the_last_is_padded(devices)
     layout = Layout(Strategy.parse("data=8,rules=dp"), devices)
     tokens = np.arange(11 * 16, dtype=np.int32).reshape(11, 16)
     segments = np.ones_like(tokens)
-    micro = micro_batches(layout, Batch(tokens, segments, np.zeros_like(tokens)), 8)
+    micro = micro_step_inputs(layout, Batch(tokens, segments, np.zeros_like(tokens)), 8)
     assert [m["tokens"].shape for m in micro] == [(8, 16), (8, 16)]
     np.testing.assert_array_equal(np.concatenate([m["tokens"] for m in micro])[:11], tokens)
     last = micro[1]

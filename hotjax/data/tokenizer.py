@@ -12,7 +12,7 @@ import numpy as np
 import sentencepiece
 import tokenizers
 
-from hotjax import cache_root
+from hotjax.config import cache_root
 from hotjax.data.corpus import Corpus
 from models.errors import UserError
 

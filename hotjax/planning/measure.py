@@ -1,11 +1,11 @@
-"""Measures the devices this run sees into a hardware profile (`sharding.profile`): matmul and
-attention throughput, and the bus bandwidth of each collective by group size, inside a node and
-across nodes (a node is one process: its devices share a host, or an NVLink domain).
+"""Measures the devices this run sees into a hardware profile (`hotjax.planning.profile`):
+matmul and attention throughput, and the bus bandwidth of each collective by group size, inside a
+node and across nodes (a node is one process: its devices share a host, or an NVLink domain).
 
 - Peak: the FLOP/s of a plain matmul in the model's compute dtype (or of any faster rate below).
 - Matmul efficiency and step overhead: fitted on a real micro-step. A data-parallel gradient
   micro-step of the model is timed on two micro-batches, one `FIT_ROWS` times the other's rows;
-  the matmul rate is chosen at which `sharding.cost.micro_step_time` gives the difference of
+  the matmul rate is chosen at which `hotjax.planning.cost.micro_step_time` gives the difference of
   the two times, and what the smaller step takes beyond its priced work is the overhead every
   micro-step pays (dispatch, small ops, processes waiting for each other). The cost model
   prices matmuls, attention and collectives and nothing else, so what the step also does in
@@ -17,11 +17,11 @@ across nodes (a node is one process: its devices share a host, or an NVLink doma
   8-wide heads, rows timed with 32-wide ones made attention look 3 times faster than it runs),
   counting its work as the cost model does, over the peak.
 - Collectives: all-reduce, all-gather, reduce-scatter and a ring `ppermute` (send) on groups of
-  2, 4, ... devices, every group at once; bus bandwidth as nccl-tests and `sharding.cost` count
-  it, after the latency: what each of a chain of `CHAIN` small all-reduces costs (over gloo
-  between processes, some milliseconds: a process waiting for its peer sleeps). Groups of
-  consecutive devices lie inside a node, strided ones span nodes. With one process no group
-  spans nodes: the inter tables repeat the intra ones.
+  2, 4, ... devices, every group at once; bus bandwidth as nccl-tests and
+  `hotjax.planning.cost` count it, after the latency: what each of a chain of `CHAIN` small
+  all-reduces costs (over gloo between processes, some milliseconds: a process waiting for its peer
+  sleeps). Groups of consecutive devices lie inside a node, strided ones span nodes. With one
+  process no group spans nodes: the inter tables repeat the intra ones.
 - Memory: what the runtime lets a device allocate, or on XLA:CPU (which says nothing) the
   host's memory shared by its devices.
 
@@ -36,26 +36,31 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import statistics
 import time
+import tomllib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hotjax import distributed
+from hotjax.config import cache_root
 from hotjax.data import Batch
-from hotjax.step import bucket_step, micro_batches
+from hotjax.planning.cost import COST_MODEL_VERSION, micro_step_time, visible_pairs
+from hotjax.planning.profile import COLLECTIVES, GIGA, TERA, GiB, Profile, parse_profile
+from hotjax.step import bucket_step, micro_step_inputs
 from models.attention import DEFAULT_BLOCK, AttentionSharding, attention
 from models.errors import UserError
-from models.llama import LlamaConfig, init_params, padded_vocab, preset
-from sharding.cost import micro_step_time, visible_pairs
-from sharding.profile import COLLECTIVES, GIGA, TERA, GiB, Profile, parse_profile
+from models.llama import LlamaConfig, as_trained, init_params, preset
 from sharding.strategy import Strategy, canonical_devices
 
 # Of each collective's tensor, the bytes moved per device (the busbw convention of nccl-tests
-# and `sharding.cost`): time = factor · bytes / bus bandwidth.
+# and `hotjax.planning.cost`): time = factor · bytes / bus bandwidth.
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
     "reduce-scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0}
@@ -185,7 +190,7 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
                        **_if_positive("step_overhead_ms", overhead * 1e3)},
             "efficiency": {"matmul": _rounded(matmul_flops / peak),
                            "attention": _rounded(figures["attention"] / peak)},
-            # The links as the switch planner sees them: what a device sends while every
+            # The links as the transfer scheduler sees them: what a device sends while every
             # device of the largest group sends too.
             "links": {"intra_node_gbps": send["intra"][str(max(intra_sizes or inter_sizes))],
                       "inter_node_gbps": send["inter"][str(max(inter_sizes or intra_sizes))],
@@ -199,17 +204,16 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
 def reference_model(name: str, layers: int = 0) -> LlamaConfig:
     """A preset as training builds it (its vocabulary padded), cut to `layers` (0: all)."""
     config = preset(name)
-    return dataclasses.replace(config, vocab_size=padded_vocab(config.vocab_size),
-                               n_layers=layers or config.n_layers)
+    return as_trained(config, n_layers=layers or config.n_layers)
 
 
 def fitted_step(profile: Profile, model: LlamaConfig, strategy: Strategy,
                 shapes: Sequence[tuple[int, int]], seconds: Sequence[float]
                 ) -> tuple[float, float]:
-    """(matmul FLOP/s, overhead seconds) at which `sharding.cost` prices `model`'s micro-steps
-    of the two `shapes` under `strategy` at `seconds`, everything else as `profile` prices it:
-    the rate from the difference of the two, the overhead from what the smaller one leaves.
-    Where the difference leaves the matmuls no time (timing noise), the rate from the larger
+    """(matmul FLOP/s, overhead seconds) at which `hotjax.planning.cost` prices `model`'s
+    micro-steps of the two `shapes` under `strategy` at `seconds`, everything else as `profile`
+    prices it: the rate from the difference of the two, the overhead from what the smaller one
+    leaves. Where the difference leaves the matmuls no time (timing noise), the rate from the larger
     step alone and no overhead; where not even that, `profile`'s plain matmul rate."""
     at_peak = [micro_step_time(model, strategy, shape,
                                dataclasses.replace(profile, matmul_efficiency=1.0,
@@ -237,8 +241,8 @@ def causal_batch(rows: int, seq_len: int, vocab_size: int, seed: int = 0) -> Bat
 
 
 class MicroStepRun:
-    """A bucket's gradient micro-step compiled for micro-batches of `shape` (rows, tokens),
-    its weights and one micro-batch in place, ready to time."""
+    """A bucket's gradient micro-step compiled for micro-steps of `shape` (rows, tokens),
+    its weights and one micro-step's rows in place, ready to time."""
 
     def __init__(self, config: LlamaConfig, strategy: Strategy,
                  devices: tuple[jax.Device, ...], shape: tuple[int, int]):
@@ -248,7 +252,8 @@ class MicroStepRun:
         self.params = jax.jit(lambda: jax.tree.map(lambda p: p.astype(config.dtype),
                                                    init_params(config, 0)),
                               out_shardings=step.param_shardings)()
-        (arrays,) = micro_batches(step.layout, causal_batch(*shape, config.vocab_size), shape[0])
+        (arrays,) = micro_step_inputs(step.layout, causal_batch(*shape, config.vocab_size),
+                                      shape[0])
         self.batch, self.scale = step.place(arrays), step.place_scale(jnp.ones((), jnp.float32))
         self.acc = step.zeros()
 
@@ -312,8 +317,9 @@ def attention_runner(devices: Sequence[jax.Device], dtype: jnp.dtype,
 
 
 def attention_flops(shape: tuple[int, int, int, int, int], platform: str) -> float:
-    """The work of `attention_runner` per device as `sharding.cost` counts it: 4·N·H FLOPs per
-    visible (query, key) pair forward and 2.5 times that backward, over the kernel's blocks."""
+    """The work of `attention_runner` per device as `hotjax.planning.cost` counts it: 4·N·H
+    FLOPs per visible (query, key) pair forward and 2.5 times that backward, over the kernel's
+    blocks."""
     rows, tokens, heads, _, head_dim = shape
     block = DEFAULT_BLOCK.get(platform, DEFAULT_BLOCK["gpu"])
     return 3.5 * 4 * head_dim * heads * rows * visible_pairs(tokens, 1, False, block)
@@ -378,8 +384,8 @@ def device_memory_bytes(devices: Sequence[jax.Device]) -> int:
 
 
 def profile_toml(profile: Profile) -> str:
-    """`profile` in the TOML form `sharding.profile.parse_profile` reads, every number written
-    so that it reads back to the same value."""
+    """`profile` in the TOML form `hotjax.planning.profile.parse_profile` reads, every number
+    written so that it reads back to the same value."""
     def table(entries: tuple[tuple[int, float], ...], unit: float = GIGA) -> str:
         return "{ " + ", ".join(f"{size} = {_in_units(x, unit)}" for size, x in entries) + " }"
 
@@ -462,3 +468,40 @@ def _in_units(value: float | int, unit: float) -> str:
 
 def _string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def profile_path() -> Path:
+    """Where this machine's measured profile is cached: per kind and count of devices and
+    processes, and per cost-model version (a profile's constants are fitted through the model,
+    so another version's are not read)."""
+    devices = jax.devices()
+    kind = re.sub(r"[^A-Za-z0-9]+", "-", devices[0].device_kind).strip("-").lower()
+    return (cache_root() / "profiles" / f"cost-model-v{COST_MODEL_VERSION}"
+            / f"{kind}-{len(devices)}x{jax.process_count()}.toml")
+
+
+def local_profile(console, measure: bool = False):
+    """This machine's profile: measured once per kind and count of devices, then read from the
+    cache (`$HOTJAX_CACHE/profiles`); `measure` measures again. In a run of several processes,
+    process 0's cache decides for all (their hosts' caches may differ), so that all measure
+    together or all plan with process 0's profile."""
+    devices = jax.devices()
+    path = profile_path()
+    cached = path.read_text() if path.exists() and not measure and distributed.is_main() else ""
+    if jax.process_count() > 1:
+        cached = distributed.from_process_0(cached)
+    if cached:
+        try:
+            return parse_profile(tomllib.loads(cached), str(path))
+        except tomllib.TOMLDecodeError as e:
+            raise UserError(f"{path}: not valid TOML ({e}): delete it to measure again") from None
+    console.print(f"measuring {len(devices)} {devices[0].device_kind} devices once "
+                  f"(saved to {path})")
+    with console.status("measuring") as status:
+        profile = measure_profile(devices, progress=status.update)
+    if jax.process_index() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_suffix(".tmp")
+        scratch.write_text(profile_toml(profile))
+        scratch.replace(path)
+    return profile

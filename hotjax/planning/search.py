@@ -1,24 +1,24 @@
-"""`hotjax plan`'s search: bucket boundaries and, per bucket, a strategy, micro-batch rows and
-remat policy that minimise a step's predicted time (`sharding.cost`) under a memory budget.
+"""`hotjax plan`'s search: bucket boundaries and, per bucket, a strategy, rows per micro-step and
+remat policy that minimise a step's predicted time (`hotjax.planning.cost`) under a memory budget.
 
 The step it plans for is a typical mini-batch: `batch` sequences at evenly spaced quantiles of
 the corpus's sequence lengths (the same plan for the same corpus). For a set of bucket lengths
 the sequences are packed first-fit-decreasing into each bucket's rows, as the trainer packs
-them; a bucket's cost under a strategy is the sum of its micro-steps (rows / micro-batch rows,
+them; a bucket's cost under a strategy is the sum of its micro-steps (rows / rows per micro-step,
 rounded up), each priced at its busiest device: the rows are placed on data shards as the
 trainer places them (`hotjax.balance.place`, by estimated work), and a micro-step's attention is
 that of the data shard and ring rank with the most (query, key) pairs the kernel computes.
 Where the kernel skips blocks no document spans (the blockwise kernel: on CPU, and round every
-ring) those are the pairs inside each packed document (`sharding.cost.document_pairs`); where it
-does not (JAX's Pallas kernel, packed rows on GPU) every row costs the causal triangle. With
-`masked=False` every row is one causal document, as training on concatenated sequences without
+ring) those are the pairs inside each packed document (`hotjax.planning.cost.document_pairs`);
+where it does not (JAX's Pallas kernel, packed rows on GPU) every row costs the causal triangle.
+With `masked=False` every row is one causal document, as training on concatenated sequences without
 masking is.
 
 The search (after Hydraulis' assignment of length ranges to strategies by dynamic programming):
 1. candidate strategies: every way to factor the devices over stage, data, fsdp, context and
    tensor that fits the model, with the rule set each combination needs (Megatron tensor
    parallelism with and without sequence parallelism); pipelines with 2S micro-batches;
-2. per strategy, bucket length and remat policy: the most rows per micro-batch that fit the
+2. per strategy, bucket length and remat policy: the most rows per micro-step that fit the
    budget beside the home state (the memory model's peak is affine in the rows) and that
    micro-step's predicted time — independent of which sequences the bucket holds;
 3. a dynamic program over bucket boundaries (powers of two up to the context) and the strategy
@@ -40,10 +40,7 @@ import numpy as np
 from hotjax.balance import ATTENTION_TRAINING, EMPTY, MATMUL_TRAINING, place
 from hotjax.data.buckets import pack_buckets
 from hotjax.data.stats import quantiles
-from models.errors import UserError
-from models.llama import LlamaConfig, abstract_params, param_axes
-from models.options import REMAT_POLICIES
-from sharding.cost import (
+from hotjax.planning.cost import (
     MicroStepTime,
     attention_kernel,
     bucket_reduction_seconds,
@@ -54,10 +51,13 @@ from sharding.cost import (
     resident_bytes,
     visible_pairs,
 )
-from sharding.planner import boxes_from_strategy
-from sharding.profile import Profile
+from hotjax.planning.profile import Profile
+from models.errors import UserError
+from models.llama import LlamaConfig, abstract_params, param_axes
+from models.options import REMAT_POLICIES
 from sharding.strategy import ACCUMULATE, MESH_AXES, Strategy, fit_to_model, ways
 from sharding.table import Bucket, StrategyTable
+from sharding.transfers import boxes_from_strategy
 
 MIN_BUCKET = 512  # the shortest bucket boundary considered
 MAX_STAGES = 8
@@ -231,7 +231,7 @@ class Search:
         key = (strategy, max_len, remat, accumulate)
         if key not in self._lines:
             config = dataclasses.replace(self.config, remat=remat)
-            shards = _batch_shards(strategy)
+            shards = strategy.batch_shards
             ring = strategy.seq_ways("context") * (2 if strategy.balanced else 1)
             if max_len % ring:
                 self._lines[key] = None
@@ -331,11 +331,6 @@ def _volume(box) -> int:
 def _overlap(a, b) -> int:
     return math.prod(max(0, min(x1, y1) - max(x0, y0))
                      for (x0, x1), (y0, y1) in zip(a, b, strict=True))
-
-
-def _batch_shards(strategy: Strategy) -> int:
-    axes = strategy.axes
-    return axes["data"] * axes["fsdp"] * (strategy.microbatches or 1)
 
 
 def boundaries(lengths: np.ndarray, context: int) -> list[int]:
@@ -487,7 +482,7 @@ def print_report(data: dict, console) -> None:
                         f"{data['profile']} ({data['memory_gib']:.0f} GiB each), context "
                         f"{data['context']:,}, {data['batch_sequences']} sequences of "
                         f"{data['lengths']} per step")
-    for column in ("lengths", "strategy", "micro-batch", "remat", "micro-steps", "tokens",
+    for column in ("lengths", "strategy", "micro_rows", "remat", "micro-steps", "tokens",
                    "predicted s", "peak GiB"):
         table.add_column(column, justify="left" if column in ("lengths", "strategy",
                                                                "remat") else "right")

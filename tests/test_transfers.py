@@ -1,4 +1,4 @@
-"""The hot-switch planner: exact coverage, its lower bound, sender choice, and its speed."""
+"""The hot-transfer scheduler: exact coverage, its lower bound, sender choice, and its speed."""
 
 import collections
 import dataclasses
@@ -11,18 +11,18 @@ import pytest
 
 from models.errors import UserError
 from models.llama import PRESETS, abstract_params, param_axes
-from sharding.planner import (
+from sharding.strategy import Layout, Strategy, fit_to_model
+from sharding.transfers import (
     POLICIES,
     ArraySwitch,
-    SwitchPlan,
     Topology,
+    TransferSchedule,
     boxes_from_sharding,
     boxes_from_strategy,
     lower_bound,
-    plan_switch,
+    schedule_transfers,
     strategy_switches,
 )
-from sharding.strategy import Layout, Strategy, fit_to_model
 
 TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=256)  # divisible by every mesh size here
 TWO_NODES_OF_4 = Topology(devices_per_node=4)
@@ -37,7 +37,7 @@ def tiny_switches(source: str, target: str, itemsize: int = 4) -> list[ArraySwit
                              strategy(target), list(range(8)), itemsize)
 
 
-def assert_covers_every_target_box_exactly_once(plan: SwitchPlan) -> None:
+def assert_covers_every_target_box_exactly_once(plan: TransferSchedule) -> None:
     """Every target box is tiled by the pieces its device keeps or receives, with no overlap;
     every piece comes from a device that holds it, at the offsets the plan names."""
     for a, array in enumerate(plan.arrays):
@@ -61,7 +61,7 @@ def assert_covers_every_target_box_exactly_once(plan: SwitchPlan) -> None:
             assert (hits == 1).all(), f"{array.name} on device {receiver}"
 
 
-def assert_accounts_every_byte(plan: SwitchPlan) -> None:
+def assert_accounts_every_byte(plan: TransferSchedule) -> None:
     sent = {d: 0 for d in plan.sent}
     received = dict(sent)
     for t in plan.transfers:
@@ -78,7 +78,7 @@ def assert_accounts_every_byte(plan: SwitchPlan) -> None:
     assert target_bytes == plan.bytes_moved + sum(t.nbytes for t in plan.kept)
 
 
-def owners_on_node(plan: SwitchPlan, array: int, box, node: int) -> list[int]:
+def owners_on_node(plan: TransferSchedule, array: int, box, node: int) -> list[int]:
     return [d for d, held in plan.arrays[array].source.items()
             if plan.topology.node(d) == node and all(
                 h_lo <= lo and hi <= h_hi for (lo, hi), (h_lo, h_hi) in zip(box, held,
@@ -120,7 +120,8 @@ PAIRS = [("data=8", "fsdp=8"), ("fsdp=8", "data=8"),
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("source, target", PAIRS)
 def test_a_plan_covers_every_target_box_exactly_with_sent_and_kept_slices(source, target, policy):
-    plan = plan_switch(tiny_switches(source, target), TWO_NODES_OF_4, policy, min_piece_bytes=0)
+    plan = schedule_transfers(tiny_switches(source, target), TWO_NODES_OF_4, policy,
+                              min_piece_bytes=0)
     assert_covers_every_target_box_exactly_once(plan)
     assert_accounts_every_byte(plan)
     assert plan.lower_bound <= plan.max_send
@@ -135,7 +136,7 @@ def test_irregular_overlapping_boxes_of_an_abstract_array_are_covered_exactly():
                                 3: ((3, 10), (1, 5))})
     scalar = ArraySwitch("step", (), 4, source={1: ()}, target={d: () for d in range(4)})
     for policy in POLICIES:
-        plan = plan_switch([array, scalar], Topology(2), policy, min_piece_bytes=0)
+        plan = schedule_transfers([array, scalar], Topology(2), policy, min_piece_bytes=0)
         assert_covers_every_target_box_exactly_once(plan)
         assert_accounts_every_byte(plan)
         assert plan.sent[1] >= 3 * 4  # the only owner of the scalar sends it to the other three
@@ -144,22 +145,22 @@ def test_irregular_overlapping_boxes_of_an_abstract_array_are_covered_exactly():
 def test_a_slice_no_source_device_holds_is_an_error_naming_the_array():
     array = ArraySwitch("w", (8,), 4, source={0: ((0, 4),)}, target={1: ((0, 8),)})
     with pytest.raises(ValueError, match=r"w: devices \(1,\) need slice \(\(4, 8\),\)"):
-        plan_switch([array], Topology(1))
+        schedule_transfers([array], Topology(1))
 
 
 def test_a_box_outside_the_array_is_an_error():
     array = ArraySwitch("w", (8,), 4, source={0: ((0, 9),)}, target={1: ((0, 8),)})
     with pytest.raises(ValueError, match="not inside shape"):
-        plan_switch([array], Topology(1))
+        schedule_transfers([array], Topology(1))
 
 
 def test_an_unknown_policy_is_a_user_error_listing_the_choices():
     with pytest.raises(UserError, match="greedy, first-owner, round-robin"):
-        plan_switch([], Topology(1), "fastest")
+        schedule_transfers([], Topology(1), "fastest")
 
 
 def test_a_device_keeps_what_it_already_holds_and_nothing_moves_into_a_less_sharded_layout():
-    plan = plan_switch(tiny_switches("data=8", "fsdp=8"), TWO_NODES_OF_4)
+    plan = schedule_transfers(tiny_switches("data=8", "fsdp=8"), TWO_NODES_OF_4)
     assert plan.transfers == () and plan.bytes_moved == 0 and plan.lower_bound == 0
     assert {t.receiver for t in plan.kept} == set(range(8))
 
@@ -199,12 +200,12 @@ def test_the_lower_bound_sees_a_hot_replica_group_that_the_average_hides():
 
 
 def test_first_owner_sends_from_the_lowest_id_owner_and_round_robin_takes_turns():
-    first = plan_switch(tiny_switches("data=8", "tensor=8"), TWO_NODES_OF_4, "first-owner")
+    first = schedule_transfers(tiny_switches("data=8", "tensor=8"), TWO_NODES_OF_4, "first-owner")
     assert first.transfers == ()  # every device holds everything already
-    first = plan_switch(tiny_switches("data=4,tensor=2", "data=2,tensor=4"), TWO_NODES_OF_4,
+    first = schedule_transfers(tiny_switches("data=4,tensor=2", "data=2,tensor=4"), TWO_NODES_OF_4,
                         "first-owner")
     assert {t.sender for t in first.transfers} == {0, 1}
-    turns = plan_switch(tiny_switches("data=4,tensor=2", "data=2,tensor=4"), TWO_NODES_OF_4,
+    turns = schedule_transfers(tiny_switches("data=4,tensor=2", "data=2,tensor=4"), TWO_NODES_OF_4,
                         "round-robin")
     assert {t.sender for t in turns.transfers} == set(range(8))
     assert turns.max_send < first.max_send
@@ -217,8 +218,8 @@ def test_greedy_splits_a_slice_among_the_replicas_on_the_receivers_node():
                                  abstract_params(PRESETS["llama2-7b"]),
                                  Strategy.parse("data=8,tensor=2"),
                                  Strategy.parse("data=4,tensor=4"), range(16), itemsize=2)
-    split = plan_switch(switches, Topology(8))
-    whole = plan_switch(switches, Topology(8), min_piece_bytes=1 << 62)
+    split = schedule_transfers(switches, Topology(8))
+    whole = schedule_transfers(switches, Topology(8), min_piece_bytes=1 << 62)
     assert split.max_send == split.lower_bound < whole.max_send
     assert sum(len(t.pieces) for t in split.transfers) > sum(len(t.pieces)
                                                              for t in whole.transfers)
@@ -229,7 +230,7 @@ def test_the_time_estimate_takes_the_slowest_device_over_its_intra_and_inter_nod
     array = ArraySwitch("w", (100,), 4, source={0: ((0, 100),)},
                         target={1: ((0, 100),), 2: ((0, 100),)})
     topology = Topology(2, intra_node_bandwidth=1000.0, inter_node_bandwidth=100.0)
-    plan = plan_switch([array], topology)
+    plan = schedule_transfers([array], topology)
     assert plan.sent == {0: 800, 1: 0, 2: 0} and plan.sent_inter_node[0] == 400
     assert plan.estimated_seconds == pytest.approx(400 / 1000 + 400 / 100)
     assert plan.summary()["inter_node_bytes"] == 400
@@ -252,8 +253,8 @@ def test_llama2_7b_switch_on_two_nodes_sends_at_most_5_percent_over_the_lower_bo
         source, target, llama2_7b):
     switches = strategy_switches(*llama2_7b, Strategy.parse(source), Strategy.parse(target),
                                  range(16), itemsize=2)
-    greedy = plan_switch(switches, Topology(8))
-    first = plan_switch(switches, Topology(8), "first-owner")
+    greedy = schedule_transfers(switches, Topology(8))
+    first = schedule_transfers(switches, Topology(8), "first-owner")
     assert greedy.max_send <= 1.05 * greedy.lower_bound
     assert greedy.max_send <= first.max_send
     for t in greedy.transfers:  # crossing nodes only for slices no device on the node holds
@@ -268,7 +269,7 @@ def test_plans_a_llama2_70b_switch_on_4_nodes_of_8_devices_in_under_a_second():
     switches = strategy_switches(param_axes(config), abstract_params(config),
                                  Strategy.parse("fsdp=32"), Strategy.parse("data=4,tensor=8"),
                                  range(32), itemsize=2)
-    plans = [plan_switch(switches, Topology(8)) for _ in range(3)]  # the best of 3: a busy
+    plans = [schedule_transfers(switches, Topology(8)) for _ in range(3)]  # the best of 3: a busy
     plan = min(plans, key=lambda p: p.plan_seconds)                   # machine only adds time
     print(f"llama2-70b fsdp32 -> data4·tensor8: {len(plan.transfers)} messages, "
           f"{sum(len(t.pieces) for t in plan.transfers)} pieces, planned in "
@@ -293,8 +294,8 @@ def test_a_job_s_topology_puts_each_process_s_devices_on_one_node() -> None:
     # data=2 over (evens, odds) -> fsdp=8 across both: each process holds the whole model before.
     switches = strategy_switches(param_axes(TINY), abstract_params(TINY), strategy("data=2,fsdp=4"),
                                  strategy("fsdp=8"), [*evens, *odds], 4)
-    greedy = plan_switch(switches, topology)
-    first = plan_switch(switches, topology, "first-owner")
+    greedy = schedule_transfers(switches, topology)
+    first = schedule_transfers(switches, topology, "first-owner")
     assert greedy.summary()["inter_node_bytes"] == 0
     assert first.summary()["inter_node_bytes"] > 0
     assert Topology(4).node(1) == 0  # without processes: node-major ids

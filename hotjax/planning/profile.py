@@ -6,7 +6,7 @@ bandwidth of each collective by group size, inside one node and across nodes; op
 micro-step costs whatever its size (`[device] step_overhead_ms`) and each collective besides its
 bytes (`[links] latency_us`), which show where steps are short. Measured values are written into
 the same format, so a calibrated profile is a file like the shipped ones
-(`sharding/profiles/*.toml`).
+(`hotjax/planning/profiles/*.toml`).
 
 On GPU a plan fills what JAX's allocator hands out, not the device's memory: JAX preallocates
 75 % of it unless told otherwise, and hotjax tells it `ALLOCATOR_FRACTION`
@@ -27,12 +27,12 @@ from typing import Any
 import numpy as np
 
 from models.errors import UserError
-from sharding.planner import Topology
+from sharding.transfers import Topology
 
 PROFILES = Path(__file__).parent / "profiles"
 # Collectives by name: a ring all-reduce, its two halves, and one point-to-point send (pipeline
 # stage transfers, ring attention's K/V). Time = bytes moved per device / bus bandwidth (see
-# `sharding.cost`).
+# `hotjax.planning.cost`).
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "send")
 _TOP_KEYS = ("name", "platform", "nodes", "devices_per_node", "device", "efficiency", "links",
              "collectives")
@@ -119,13 +119,13 @@ class Profile:
     memory_bytes: int  # what JAX's allocator hands a process per device: plans fill this
     matmul_efficiency: float  # share of peak the model's matmuls reach (where no size says)
     attention_efficiency: float  # share of peak the attention kernel reaches
-    intra_node_bandwidth: float  # bytes/s per device and direction (the switch planner's links)
+    intra_node_bandwidth: float  # bytes/s per device and direction (the transfer scheduler's links)
     inter_node_bandwidth: float
     collectives: tuple[tuple[str, Bandwidths], ...]  # (name, bandwidths) for each of COLLECTIVES
     source: str = "<profile>"
     device_bytes: int = 0  # the device's memory (0: as `memory_bytes`)
     matmul_by_size: tuple[tuple[int, float], ...] = ()  # (GEMM's smallest dimension, efficiency)
-    # Measured where they show (`hotjax.measure`); 0 in the shipped GPU profiles, whose
+    # Measured where they show (`hotjax.planning.measure`); 0 in the shipped GPU profiles, whose
     # micro-steps are long beside them.
     step_overhead: float = 0.0  # seconds every micro-step costs whatever its size
     collective_latency: float = 0.0  # seconds every collective costs besides its bytes
@@ -143,7 +143,7 @@ class Profile:
         return dict(self.collectives)[collective].at(group, crosses_nodes)
 
     def topology(self) -> Topology:
-        """The links as the switch planner sees them."""
+        """The links as the transfer scheduler sees them."""
         return Topology(devices_per_node=self.devices_per_node,
                         intra_node_bandwidth=self.intra_node_bandwidth,
                         inter_node_bandwidth=self.inter_node_bandwidth)

@@ -1,5 +1,5 @@
 """The analytic cost model: the time of one bucket's micro-step and its per-device memory, for a
-model, a strategy and a micro-batch shape (rows, tokens per row), on a hardware profile.
+model, a strategy and a micro-step shape (rows, tokens per row), on a hardware profile.
 
 Letters as in `models.llama`, plus t tensor ways, c context ring size, S stages, M pipeline
 micro-batches. Each row is one causal document (a bucket's worst case); counts are per device.
@@ -21,7 +21,7 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   ring waits for its busiest rank (rank c-1 in row order; every rank alike with `balanced`
   chunks on causal rows, not on packed ones).
 - Matmuls at the profile's peak x its matmul efficiency, by each GEMM's smallest dimension per
-  device where the profile measured sizes (`sharding.profile.MatmulEfficiency`); attention at
+  device where the profile measured sizes (`hotjax.planning.profile.MatmulEfficiency`); attention at
   the peak x its attention efficiency.
 - A collective moving a tensor of `bytes` over a group of n devices takes the profile's latency
   plus factor·bytes / bus bandwidth, with factor 2(n-1)/n for all-reduce, (n-1)/n for
@@ -56,7 +56,7 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
 Memory (bytes per device at the micro-step's peak; `MicroStepMemory` keeps each term):
 - Arguments, exactly: the compute-dtype weights in the parameter layout, the fp32 accumulator in
   the gradient layout (a data shard's part of it under `sharded` accumulation), the
-  micro-batch's four int32 arrays.
+  micro-step's four int32 arrays.
 - The weights as the matmuls read them, beyond the arguments: gathered over fsdp and, where XLA
   widens the compute dtype (XLA:CPU runs bf16 dots in fp32: `HELD_BYTES`), widened. With remat
   "none" XLA keeps every layer's so from the forward pass for the backward; under remat, one
@@ -90,16 +90,17 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from hotjax.planning.profile import Profile
 from models.attention import DEFAULT_BLOCK, PALLAS_BLOCK, block_edge
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
-from sharding.planner import SwitchPlan
-from sharding.profile import Profile
+from sharding.report import state_bytes
 from sharding.strategy import MESH_AXES, Strategy, fit_to_model, partial_axes, ways
+from sharding.transfers import TransferSchedule
 
 # Bumped whenever a change to this model changes what a measured profile's fitted constants
 # mean (they are fitted through `micro_step_time`): cached profiles of another version are
-# measured again (`hotjax.plan_cli.profile_path`). 2: one gradient reduction per bucket,
+# measured again (`hotjax.planning.measure.profile_path`). 2: one gradient reduction per bucket,
 # pipelines without whole-stage recompute, the LM head shared by stage groups.
 COST_MODEL_VERSION = 2
 FP32, INT32 = 4, 4
@@ -135,7 +136,7 @@ class Shares:
     """One device's part of a micro-step under a strategy: tokens it computes, ways each width
     is split, and parameter elements in each layout."""
 
-    rows: float  # micro-batch rows per device
+    rows: float  # rows per micro-step per device
     tokens: float  # residual-stream tokens per device
     inner_tokens: float  # tokens inside attention and the MLP (more under sequence parallelism)
     head_ways: int
@@ -160,7 +161,7 @@ class Shares:
 
 
 def shares(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int]) -> Shares:
-    """One device's part of a micro-step on micro-batches of `shape` (rows, tokens per row)."""
+    """One device's part of a micro-step on micro-steps of `shape` (rows, tokens per row)."""
     strategy, count, token_axes, scatter_axes, gather_axes = _layout(config, strategy)
     sizes, act = strategy.axes, strategy.activation_spec
     rows, seq_len = shape
@@ -221,7 +222,7 @@ class MicroStepMemory:
 
     weights: int  # compute-dtype weights, parameter layout (argument)
     grad_sum: int  # fp32 gradient accumulator, its loss sum and count (argument, donated)
-    batch: int  # the micro-batch's int32 arrays and the loss scale (argument)
+    batch: int  # the micro-step's int32 arrays and the loss scale (argument)
     read_weights: int  # weights as the matmuls read them, beyond the arguments
     gradients: int  # weight gradients before they reach the accumulator
     activations: int  # kept for the backward pass, every pipeline micro-batch in flight
@@ -234,7 +235,7 @@ class MicroStepMemory:
 
 def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int],
                       platform: str = "gpu", accumulate: str = "local") -> MicroStepMemory:
-    """The per-device peak of a bucket's gradient micro-step on micro-batches of `shape`, as
+    """The per-device peak of a bucket's gradient micro-step on micro-steps of `shape`, as
     XLA on `platform` ("cpu", "gpu", "tpu") plans it, accumulating as `accumulate` says."""
     s = shares(config, strategy, shape)
     grad_sum = s.grad_sum if accumulate == "local" else s.grad_sum / _size(strategy,
@@ -282,8 +283,7 @@ def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int,
 def resident_bytes(config: LlamaConfig, strategy: Strategy) -> int:
     """Per-device bytes that stay while buckets run, under the home `strategy`: fp32 weights,
     AdamW's two moments and the fp32 gradient sum (step counters left out)."""
-    s = shares(config, strategy, (1, 1))  # the layouts alone: any shape
-    return FP32 * (s.weights + ADAM_MOMENTS * s.moments + s.grad_sum)
+    return sum(state_bytes(strategy, config).values())
 
 
 def most_sharded(strategies: Iterable[Strategy], config: LlamaConfig) -> Strategy:
@@ -322,7 +322,7 @@ class MicroStepTime:
 
 def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int],
                     profile: Profile, accumulate: str = "local") -> MicroStepTime:
-    """Seconds of a bucket's gradient micro-step on micro-batches of `shape` on `profile`,
+    """Seconds of a bucket's gradient micro-step on micro-steps of `shape` on `profile`,
     accumulating as `accumulate` says (under `local`, without the bucket's one reduction:
     `bucket_reduction_seconds`)."""
     if strategy.num_devices > profile.num_devices:
@@ -471,9 +471,9 @@ def visible_pairs(seq_len: int, context: int, balanced: bool, block: int) -> flo
 
 
 def step_seconds(micro_steps: Iterable[tuple[MicroStepTime, int]],
-                 switches: Iterable[SwitchPlan] = ()) -> float:
+                 switches: Iterable[TransferSchedule] = ()) -> float:
     """One optimizer step: each bucket's micro-step times its number of micro-steps, plus each
-    hot switch as the switch planner estimates it (plan it on `Profile.topology()`)."""
+    hot switch as the transfer scheduler estimates it (plan it on `Profile.topology()`)."""
     return (sum(time.seconds * count for time, count in micro_steps)
             + sum(plan.estimated_seconds for plan in switches))
 

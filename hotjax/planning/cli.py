@@ -4,12 +4,18 @@ with a report of what each bucket is predicted to cost beside the best single st
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from hotjax.config import RunConfig, at_least, memory_size, positive
+from hotjax.config import (
+    DEFAULT_BATCH_TOKENS,
+    DEFAULT_MODEL,
+    RunConfig,
+    at_least,
+    memory_size,
+    positive,
+)
 from models.errors import UserError
 
 _RUN = RunConfig()
@@ -19,7 +25,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser("plan", help="choose buckets and a strategy per bucket with the "
                                "cost model, and write them as a strategy table")
     plan.set_defaults(handler=_plan)
-    plan.add_argument("--model", default="small", help="model preset (default: %(default)s)")
+    plan.add_argument("--model", default=DEFAULT_MODEL,
+                      help="model preset (default: %(default)s)")
     profiles = plan.add_mutually_exclusive_group()
     profiles.add_argument("--profile", help="hardware profile: a shipped one (a800-4x8, "
                           "h100-1x8) or a .toml file (default: this machine's, measured once "
@@ -43,11 +50,17 @@ def register(commands: argparse._SubParsersAction) -> None:
                       help="with --data and no --tokenizer: the BPE trained on the corpus")
     plan.add_argument("--context", type=int, default=_RUN.context,
                       help="longest sequence in tokens (default: %(default)s)")
-    plan.add_argument("--long-documents", choices=("truncate", "split"), default="truncate",
-                      help="documents over the context: truncate them (as HotSPa does) or "
-                      "split them into context-length pieces (default: %(default)s)")
-    plan.add_argument("--batch-sequences", type=int, default=512,
-                      help="sequences per step (default: %(default)s, the paper's)")
+    plan.add_argument("--long-documents", choices=("truncate", "split"),
+                      default=_RUN.long_documents, help="documents over the context: truncate "
+                      "them (as HotSPa does) or split them into context-length pieces (default: "
+                      "%(default)s, as hotjax train)")
+    size = plan.add_mutually_exclusive_group()
+    size.add_argument("--batch-tokens", type=int, help="real tokens per step (default: "
+                      f"{DEFAULT_BATCH_TOKENS}, as hotjax train)")
+    size.add_argument("--batch-sequences", type=int, help="or sequences per step (the paper "
+                      "trains 512)")
+    plan.add_argument("--compute-dtype", choices=("bfloat16", "float16", "float32"),
+                      default=_RUN.compute_dtype, help="as for hotjax train")
     plan.add_argument("--max-buckets", type=int, default=4,
                       help="at most this many buckets (default: %(default)s)")
     plan.add_argument("--compare", metavar="TABLE.toml", action="append", default=[],
@@ -63,18 +76,25 @@ def _plan(args: argparse.Namespace) -> None:
     from hotjax import start_jax
     from hotjax.cli import processes
 
-    for flag, value in (("--context", args.context), ("--max-buckets", args.max_buckets),
-                        ("--devices", args.devices), ("--vocab-size", args.vocab_size)):
+    for flag, value in (("--max-buckets", args.max_buckets), ("--devices", args.devices)):
         at_least(flag, value, 1)
     positive("--memory-gib", args.memory_gib)
+    # The run `hotjax train --strategies auto` makes with the same flags: planned alike.
+    memory = args.device_memory or (args.memory_gib * 1024 if args.memory_gib else None)
+    run = RunConfig(model=args.model, data=args.data, tokenizer=args.tokenizer,
+                    vocab_size=args.vocab_size, context=args.context,
+                    long_documents=args.long_documents, batch_tokens=args.batch_tokens,
+                    batch_sequences=args.batch_sequences, compute_dtype=args.compute_dtype,
+                    device_memory=memory)
     start_jax(None, processes(args))
     from rich.console import Console
 
     from hotjax import distributed
-    from hotjax import plan as planning
-    from hotjax.data.buckets import cut
-    from models.llama import padded_vocab, preset
-    from sharding.profile import load_profile
+    from hotjax.planning import search as planning
+    from hotjax.planning.measure import local_profile
+    from hotjax.planning.profile import load_profile
+    from hotjax.run import model_config, plan_search
+    from models.llama import preset
 
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise UserError(f"--out {args.out}: its directory does not exist: create it or choose "
@@ -84,34 +104,31 @@ def _plan(args: argparse.Namespace) -> None:
     profile = load_profile(args.profile) if args.profile else local_profile(console,
                                                                             args.measure)
     devices = args.devices or profile.num_devices
-    budget = int(args.device_memory * 2**20 if args.device_memory
-                 else args.memory_gib * 2**30 if args.memory_gib else profile.memory_bytes)
-    documents, described, vocab = _document_lengths(args, console)
-    # The model as training builds it: the tokenizer's vocabulary, padded to split evenly.
-    config = preset(args.model)
-    config = dataclasses.replace(config, vocab_size=padded_vocab(vocab or config.vocab_size))
-    lengths = planning.typical_batch(cut(documents, args.context, args.long_documents),
-                                     args.batch_sequences)
+    documents, described, vocab = _document_lengths(args)
+    model = preset(run.model)
+    config = model_config(run, model, vocab or model.vocab_size)
     with console.status("searching"):
-        search = planning.Search(config, profile, devices, budget)
-        found = planning.plan(search, lengths, args.context, args.max_buckets)
-        compared = planning.baselines(search, lengths, args.context)
+        search, lengths = plan_search(run, config, devices, documents, console, profile)
+        found = planning.plan(search, lengths, run.context, args.max_buckets)
+        compared = planning.baselines(search, lengths, run.context)
         for path in args.compare:
             from sharding.table import load_table
 
             table = load_table(path)
             compared[f"table {path}"] = planning.fixed_table(
                 search, lengths, [(b.max_len, b.strategy) for b in table.buckets])
+    budget = search.budget
     report = planning.report(found, compared, lengths, {
-        "model": args.model, "profile": profile.name, "devices": devices,
-        "memory_gib": budget / 2**30, "context": args.context, "lengths": described,
-        "batch_sequences": args.batch_sequences, "long_documents": args.long_documents})
+        "model": run.model, "profile": profile.name, "devices": devices,
+        "memory_gib": budget / 2**30, "context": run.context, "lengths": described,
+        "batch_sequences": len(lengths), **run.batch,
+        "long_documents": run.long_documents})
     if not main:
         return
     if args.out:
         header = (f"Planned by `hotjax plan` for {args.model} on {devices} devices of "
                   f"{profile.name} ({budget / 2**30:.0f} GiB each), context {args.context}, "
-                  f"{args.batch_sequences} sequences of {described} per step: predicted "
+                  f"{len(lengths)} sequences of {described} per step: predicted "
                   f"{found.seconds:.3f} s per step.")
         Path(args.out).write_text(found.table().toml(header))
     if args.json:
@@ -123,59 +140,7 @@ def _plan(args: argparse.Namespace) -> None:
             out.print(f"table written to {args.out}", markup=False)
 
 
-def profile_path() -> Path:
-    """Where this machine's measured profile is cached: per kind and count of devices and
-    processes, and per cost-model version (a profile's constants are fitted through the model,
-    so another version's are not read)."""
-    import re
-
-    import jax
-
-    from hotjax import cache_root
-    from sharding.cost import COST_MODEL_VERSION
-
-    devices = jax.devices()
-    kind = re.sub(r"[^A-Za-z0-9]+", "-", devices[0].device_kind).strip("-").lower()
-    return (cache_root() / "profiles" / f"cost-model-v{COST_MODEL_VERSION}"
-            / f"{kind}-{len(devices)}x{jax.process_count()}.toml")
-
-
-def local_profile(console, measure: bool = False):
-    """This machine's profile: measured once per kind and count of devices, then read from the
-    cache (`$HOTJAX_CACHE/profiles`); `measure` measures again. In a run of several processes,
-    process 0's cache decides for all (their hosts' caches may differ), so that all measure
-    together or all plan with process 0's profile."""
-    import tomllib
-
-    import jax
-
-    from hotjax import distributed
-    from hotjax.measure import measure_profile, profile_toml
-    from sharding.profile import parse_profile
-
-    devices = jax.devices()
-    path = profile_path()
-    cached = path.read_text() if path.exists() and not measure and distributed.is_main() else ""
-    if jax.process_count() > 1:
-        cached = distributed.from_process_0(cached)
-    if cached:
-        try:
-            return parse_profile(tomllib.loads(cached), str(path))
-        except tomllib.TOMLDecodeError as e:
-            raise UserError(f"{path}: not valid TOML ({e}): delete it to measure again") from None
-    console.print(f"measuring {len(devices)} {devices[0].device_kind} devices once "
-                  f"(saved to {path})")
-    with console.status("measuring") as status:
-        profile = measure_profile(devices, progress=status.update)
-    if jax.process_index() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = path.with_suffix(".tmp")
-        scratch.write_text(profile_toml(profile))
-        scratch.replace(path)
-    return profile
-
-
-def _document_lengths(args: argparse.Namespace, console):
+def _document_lengths(args: argparse.Namespace):
     """Document lengths in tokens (BOS and EOS included), where they came from, and the
     tokenizer's vocabulary (None if the report does not say)."""
     import numpy as np
@@ -191,11 +156,9 @@ def _document_lengths(args: argparse.Namespace, console):
                             f"--json`: save one with it") from None
         vocab = stats.get("tokenizer", {}).get("vocab_size")
         return found, f"{stats.get('corpus', {}).get('source', args.lengths)}", vocab
-    from hotjax.data import load_tokenizer, open_corpus
-    from hotjax.data.stats import document_lengths
+    from hotjax.data import estimated_lengths, load_tokenizer, open_corpus
 
     corpus = open_corpus(args.data)
     tokenizer = load_tokenizer(args.tokenizer, corpus, vocab_size=args.vocab_size)
-    with console.status(f"tokenizing {corpus.num_documents} documents"):
-        found = document_lengths(corpus, tokenizer)
-    return found[found > 0], corpus.source, tokenizer.vocab_size
+    # Estimated from a sample, as `hotjax train` estimates them for `--strategies auto`.
+    return estimated_lengths(corpus, tokenizer), corpus.source, tokenizer.vocab_size

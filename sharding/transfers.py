@@ -1,4 +1,4 @@
-"""The hot-switch planner (HotSPa's greedy): which device sends which slice of which
+"""The hot-transfer scheduler (HotSPa's greedy): which device sends which slice of which
 array to which device when arrays move from one layout to another. Shapes and layouts only.
 
 The core works on a pure description, so it plans for topologies larger than this machine: for
@@ -88,7 +88,7 @@ class Piece(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
-    """One fused message: every piece `sender` sends `receiver`. In `SwitchPlan.kept`, where
+    """One fused message: every piece `sender` sends `receiver`. In `TransferSchedule.kept`, where
     sender and receiver are one device, the pieces it already holds and copies locally."""
 
     sender: int
@@ -101,8 +101,8 @@ class Transfer:
 
 
 @dataclasses.dataclass(frozen=True)
-class SwitchPlan:
-    """A planned switch. `sent`/`received` hold every device of the switch (0 if idle); the
+class TransferSchedule:
+    """A scheduled switch. `sent`/`received` hold every device of the switch (0 if idle); the
     `_inter_node` maps count the part of those bytes that crosses a node boundary.
 
     `lower_bound` is the least max per-device send of any single-hop plan (see `lower_bound`).
@@ -151,8 +151,8 @@ class SwitchPlan:
                 "estimated_s": self.estimated_seconds, "plan_s": self.plan_seconds}
 
 
-def plan_switch(arrays: Sequence[ArraySwitch], topology: Topology, policy: str = "greedy",
-                min_piece_bytes: int = MIN_PIECE_BYTES) -> SwitchPlan:
+def schedule_transfers(arrays: Sequence[ArraySwitch], topology: Topology, policy: str = "greedy",
+                min_piece_bytes: int = MIN_PIECE_BYTES) -> TransferSchedule:
     """Plan moving `arrays` from their source to their target boxes.
 
     Each array is cut into the grid of intersections of its source and target partitions. A
@@ -199,7 +199,7 @@ def plan_switch(arrays: Sequence[ArraySwitch], topology: Topology, policy: str =
     kept_transfers = tuple(Transfer(r, r, tuple(_piece(arrays[a], a, box, r, r)
                                                 for a, box in sorted(slices)))
                            for r, slices in sorted(kept.items()))
-    return SwitchPlan(arrays, topology, policy, transfers, kept_transfers, sent, received,
+    return TransferSchedule(arrays, topology, policy, transfers, kept_transfers, sent, received,
                       sent_inter, received_inter, lower_bound(demand),
                       time.perf_counter() - started)
 
@@ -210,7 +210,7 @@ def lower_bound(demand: Mapping[tuple[int, ...], int]) -> int:
     that lacks them).
 
     In a single-hop plan every byte a receiver lacks goes to it straight from a device that holds
-    it in the source layout; the planner's plans are of this kind. Take any family G of owner
+    it in the source layout; the scheduler's schedules are of this kind. Take any family G of owner
     sets and let N(G) be the devices in them: every byte demanded by G must be sent by devices of
     N(G), so one of them sends at least D(G) / |N(G)|. That is a sound bound for every G; this
     returns its maximum over G (rounded up: sends are whole bytes), found exactly by Dinkelbach's
@@ -301,7 +301,7 @@ def sharding_switches(tree: Any, target_shardings: Any) -> list[ArraySwitch]:
             for (path, leaf), target in zip(leaves, targets, strict=True)]
 
 
-# --- the planner's parts ----------------------------------------------------------------------
+# --- the scheduler's parts --------------------------------------------------------------------
 
 
 def _cells(array: ArraySwitch) -> Iterator[tuple[Box, tuple[int, ...], tuple[int, ...]]]:

@@ -9,6 +9,7 @@ one for this machine.
 """
 
 import argparse
+import itertools
 import json
 import time
 
@@ -30,6 +31,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ckpt-dir", help="save here every --save-every steps and at the end")
     parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--eval-data", help="held-out documents: their loss every --eval-every "
+                        "steps")
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--eval-batches", type=int, default=2)
     args = parser.parse_args()
 
     hotjax.start_jax(args.devices)  # before anything starts JAX
@@ -41,6 +46,9 @@ def main() -> None:
 
     with hotjax.Run(config) as run:
         state, start = run.initial_state()  # resumes from --ckpt-dir's latest if it has one
+        # The same held-out mini-batches at every evaluation (this run's tokenizer and buckets).
+        held_out = (list(itertools.islice(run.minibatches(args.eval_data), args.eval_batches))
+                    if args.eval_data else [])
         smoothed = None
         for step in range(start + 1, args.steps + 1):
             began = time.perf_counter()
@@ -52,6 +60,11 @@ def main() -> None:
                               "tokens_per_s": metrics["tokens"] / seconds,
                               "padding": metrics["padding"],
                               "switched_mib": metrics["switched_bytes"] / 2**20}), flush=True)
+            if held_out and (step % args.eval_every == 0 or step == args.steps):
+                results = [run.evaluate(state, batch) for batch in held_out]  # no update
+                loss = sum(r["loss"] * r["targets"] for r in results) / sum(
+                    r["targets"] for r in results)
+                print(json.dumps({"step": step, "eval_loss": loss}), flush=True)
             if args.ckpt_dir and (step % args.save_every == 0 or step == args.steps):
                 run.save(step, state)
 

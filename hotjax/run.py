@@ -268,6 +268,21 @@ class Run:
         bucket what ran and what moved."""
         return self.trainer.train_step(state, self.next_batch() if batch is None else batch)
 
+    def evaluate(self, state: TrainState, batch: MiniBatch) -> dict:
+        """The loss of `state` on `batch` without updating it (forward only, every bucket
+        under its strategy): loss, targets, tokens."""
+        return self.trainer.evaluate(state, batch)
+
+    def minibatches(self, data: str | None = None, seed: int | None = None) -> MiniBatches:
+        """Mini-batches of another corpus (held-out data, say) as this run makes its own: its
+        tokenizer, buckets, batch size and long-document handling (default: this run's corpus
+        and seed)."""
+        run = self.config
+        corpus = self.corpus if data is None else open_corpus(data)
+        return MiniBatches(corpus, self.tokenizer, [b.max_len for b in self.table.buckets],
+                           **run.batch, long_documents=run.long_documents,
+                           seed=run.seed if seed is None else seed)
+
     def save(self, step: int, state: TrainState) -> float:
         """Saves `state` as step `step` into `ckpt_dir` (written in the background, atomic: a
         step is complete or absent), with the data position; returns the seconds it blocked."""

@@ -29,15 +29,17 @@ from hotjax.optim import OptimConfig
 from hotjax.planning.cost import most_sharded
 from hotjax.step import (
     ACCUMULATE,
+    BATCH_KEYS,
     Accumulator,
     BucketStep,
     TrainState,
     bucket_step,
     home,
     micro_step_inputs,
+    token_loss,
 )
 from models.errors import UserError
-from models.llama import LlamaConfig, abstract_params, param_axes
+from models.llama import LlamaConfig, abstract_params, bind, param_axes
 from models.options import REMAT_POLICIES
 from sharding.strategy import Strategy, canonical_devices
 from sharding.switch import already_laid_out, job_topology, switch
@@ -121,6 +123,7 @@ class Trainer:
         self.weight_transfers = {(a, b): self._schedule(a, b, "param", config.dtype.itemsize)
                              for a in range(-1, n) for b in range(n) if a != b}
         self.grad_transfers = {b: self._schedule(b, -1, "grad", 4) for b in range(n)}
+        self._forwards: dict[tuple[int, tuple[int, int]], object] = {}
         self.order = best_order({k: t.estimated_seconds
                                  for k, t in self.weight_transfers.items()}, n)
 
@@ -272,6 +275,44 @@ class Trainer:
                 (switched - started) + (timed - computed) if timed else None))
         state, metrics = self.home.apply(state, total)
         return state, metrics, report
+
+    def evaluate(self, state: TrainState, minibatch: MiniBatch) -> dict:
+        """The loss of `state`'s weights on `minibatch`, nothing updated: every bucket's rows
+        under its own strategy, forward only (the loss a training step on `minibatch` would
+        report). Returns plain numbers: loss, targets and tokens."""
+        if not minibatch.real_tokens:
+            raise UserError("an empty mini-batch: it holds no tokens to evaluate on")
+        compute = self.home.cast(state.params)
+        sums = []
+        for i in self.order:
+            batch, bucket, rows = minibatch.buckets[i], self.buckets[i], self.micro_rows[i]
+            if not batch.tokens.shape[0]:
+                continue
+            if not already_laid_out(compute, bucket.param_shardings):
+                compute = self.switch(compute, bucket.param_shardings)
+            loss = self._forward(i, (rows, batch.tokens.shape[1]))
+            sums += [loss(compute, bucket.place(arrays))
+                     for arrays in micro_step_inputs(bucket.layout, batch, rows)]
+        total, targets = (sum(float(x) for x in column) for column in zip(*sums, strict=True))
+        return {"loss": total / targets, "targets": int(targets),
+                "tokens": minibatch.real_tokens}
+
+    def _forward(self, i: int, shape: tuple[int, int]):
+        """Bucket i's summed loss and target count on one micro-step's rows, compiled once per
+        shape."""
+        key = (i, shape)
+        if key not in self._forwards:
+            bucket = self.buckets[i]
+            layout, config = bucket.layout, bucket.config
+
+            def loss(params, batch):
+                logits = bind(config, params)(batch["tokens"], batch["segment_ids"],
+                                              batch["positions"], layout)
+                return token_loss(logits, batch["targets"])
+
+            self._forwards[key] = jax.jit(loss, in_shardings=(
+                bucket.param_shardings, {k: layout.batch_sharding for k in BATCH_KEYS}))
+        return self._forwards[key]
 
     def _place(self, bucket: BucketStep, batch: Batch, micro_rows: int) -> Placement:
         """Where `batch`'s rows run on `bucket`'s data shards: equal estimated work."""

@@ -65,14 +65,18 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     def example() -> list[dict]:
         return _records(_python(str(ROOT / "examples" / "train_llama.py"), *flags,
                                 "--devices", "8", "--ckpt-dir", "ck", "--save-every", "2",
-                                cwd=tmp))
+                                "--eval-data", str(corpus), "--eval-every", "2",
+                                "--eval-batches", "1", cwd=tmp))
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         cli_run, example_run = pool.map(lambda f: f(), (cli, example))
     restored = _records(_python(str(ROOT / "examples" / "restore_on_new_mesh.py"),
                                 str(tmp / "ck" / "2"), "--devices", "4", "--strategy",
                                 "fsdp=2,tensor=2", cwd=tmp, devices=4))
-    return {"cli": cli_run, "example": example_run, "restored": restored}
+    evaluations = [r for r in example_run if "eval_loss" in r]
+    example_run = [r for r in example_run if "loss" in r]
+    return {"cli": cli_run, "example": example_run, "restored": restored,
+            "evaluations": evaluations, "corpus": str(corpus), "tmp": tmp}
 
 
 def test_the_training_script_equals_hotjax_train(runs):
@@ -82,6 +86,37 @@ def test_the_training_script_equals_hotjax_train(runs):
                                rtol=0, atol=1e-5)
     assert cli[-1]["loss"] < cli[0]["loss"]
     assert any(r["switched_mib"] > 0 for r in example)  # the two buckets hot-switched
+
+
+def test_the_script_evaluates_between_steps(runs):
+    evaluations = runs["evaluations"]
+    assert [r["step"] for r in evaluations] == [2, 4]
+    assert evaluations[1]["eval_loss"] < evaluations[0]["eval_loss"]
+
+
+def test_evaluate_gives_the_loss_a_step_reports_and_updates_nothing(runs, tmp_path):
+    """In this process: `Run.evaluate` on the next mini-batch equals the loss the training step
+    on it reports (both of the weights before the update), and leaves the state as it was."""
+    import jax
+
+    import hotjax
+
+    config = hotjax.RunConfig(model="tiny", tokenizer="bytes", batch_tokens=2048,
+                              compute_dtype="float32", seed=5, steps=4,
+                              strategies=str(runs["tmp"] / "table.toml"), data=runs["corpus"],
+                              devices=8)
+    with hotjax.Run(config) as run:
+        state = run.init()
+        batch = run.next_batch()
+        before = jax.tree.map(np.asarray, state.params)
+        evaluated = run.evaluate(state, batch)
+        after = jax.tree.map(np.asarray, state.params)
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
+                                                        jax.tree.leaves(after), strict=True))
+        state, metrics = run.step(state, batch)
+    np.testing.assert_allclose(evaluated["loss"], metrics["loss"], rtol=0, atol=1e-5)
+    assert evaluated["targets"] == metrics["targets"]
+    assert metrics["loss"] == pytest.approx(runs["cli"][0]["loss"], abs=1e-5)
 
 
 def test_a_checkpoint_from_8_devices_resumes_on_4_under_another_strategy(runs):

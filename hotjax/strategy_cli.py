@@ -15,14 +15,14 @@ from hotjax.config import RunConfig, at_least
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 
 
-def _buckets(text: str, context: int) -> list:
-    """The buckets of a table file, or one strategy as a bucket of `context` tokens."""
+def _table(text: str, context: int):
+    """A table file, or one strategy as the table of one bucket of `context` tokens."""
     from sharding.strategy import Strategy
-    from sharding.table import Bucket, load_table
+    from sharding.table import StrategyTable, load_table
 
     if text.endswith(".toml"):
-        return list(load_table(text).buckets)
-    return [Bucket(context, Strategy.parse(text))]
+        return load_table(text)
+    return StrategyTable.single(Strategy.parse(text), context, text)
 
 
 def _activation_memory(config, bucket, rows: int) -> dict[str, int]:
@@ -51,11 +51,13 @@ def _show(args: argparse.Namespace) -> None:
     at_least("--context", args.context, 1)
     # Enough simulated devices for the widest mesh (a table's meshes are not known yet).
     start_jax(None)
+    from hotjax.planning.cost import most_sharded
     from hotjax.run import model_config
     from models.llama import preset
-    from sharding.report import describe
+    from sharding.report import describe, state_bytes
 
-    buckets = _buckets(args.table, args.context)
+    table = _table(args.table, args.context)
+    buckets = list(table.buckets)
     # As `hotjax train` builds it with these flags (the preset's own vocabulary).
     model = preset(args.model)
     config = model_config(RunConfig(model=args.model, attention=args.attention), model,
@@ -85,6 +87,11 @@ def _show(args: argparse.Namespace) -> None:
         print(json.dumps(reports, indent=2))
         return
     console = Console()
+    home = table.home or most_sharded(table.strategies, config)
+    state = sum(state_bytes(home, config).values())
+    why = "the table names it" if table.home else "the most sharded"
+    console.print(escape(f"home {home} ({why}): fp32 weights, gradient sum and Adam moments "
+                         f"stay there, {_mib(state)} per device"))
     for bucket, report in zip(buckets, reports, strict=True):
         title = f"{report['strategy']} on {args.model}"
         if args.table.endswith(".toml"):

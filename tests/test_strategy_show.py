@@ -128,6 +128,22 @@ def test_the_table_names_the_strategy_every_parameter_and_the_state_bytes(capsys
         assert name in out
     matrices, norms = _sizes(TINY)
     assert f"Adam moments {2 * FP32 * (matrices // 8 + norms) / 2**20:,.1f} MiB" in out
+    # ZeRO-1 keeps fp32 weights and their gradient sum whole, the moments split 8 ways.
+    state = FP32 * (2 * (matrices + norms) + 2 * (matrices // 8 + norms))
+    assert "home fsdp8 [zero1] (the most sharded): " in out
+    assert f"{state / 2**20:,.1f} MiB per device" in out
+
+
+def test_a_table_shows_the_home_it_names(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    table = tmp_path / "table.toml"
+    table.write_text('home = { mesh = { fsdp = 8 }, rules = "fsdp" }\n[[bucket]]\n'
+                     'max_len = 256\nmesh = { data = 8 }\nrules = "dp"\n')
+    assert main(["strategy", "show", str(table), "--model", "tiny"]) == 0
+    matrices, norms = _sizes(TINY)
+    state = FP32 * 4 * (matrices // 8 + norms)  # weights, gradient sum, two moments
+    assert (f"home fsdp8 [fsdp] (the table names it): fp32 weights, gradient sum and Adam "
+            f"moments stay there, {state / 2**20:,.1f} MiB per device") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("strategy, model, expected", [

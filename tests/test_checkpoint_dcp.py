@@ -296,23 +296,31 @@ def test_read_dcp_reports_the_torch_hyperparameters(torch_run):
                      naming="torchtitan")
 
 
-def test_hotjax_train_resumes_the_torch_run_with_its_model_on_any_layout(torch_run, tmp_path):
-    """No --model: the run takes the checkpoint's (a non-preset architecture), starts at torch's
-    step, and trains the same on 8 devices as on one."""
-    _, directory = torch_run
+def resumed_runs(checkpoint: Path, tmp_path: Path,
+                 layouts: dict[str, list[str]]) -> dict[str, list[dict]]:
+    """Each layout's metrics, step by step, of `hotjax train --resume-from checkpoint` for two
+    steps on a corpus of random words; no --model: the run trains the checkpoint's."""
     corpus = tmp_path / "corpus.jsonl"
     rng = np.random.default_rng(0)
     corpus.write_text("".join(json.dumps({"text": "".join(map(chr, rng.integers(97, 123, n)))})
                               + "\n" for n in rng.integers(20, 60, 200)))
     runs = {}
-    for name, layout in (("one", ["--devices", "1", "--strategy", "data=1"]),
-                         ("fsdp", ["--strategy", "fsdp=8"])):
+    for name, layout in layouts.items():
         metrics = tmp_path / f"{name}.jsonl"
-        assert main(["train", "--resume-from", str(directory / "ck"), "--data", str(corpus),
+        assert main(["train", "--resume-from", str(checkpoint), "--data", str(corpus),
                      "--tokenizer", "bytes", "--context", "64", "--batch-tokens", "1024",
-                     "--compute-dtype", "float32", "--steps", "4", "--log-every", "1",
-                     "--metrics-jsonl", str(metrics), *layout]) == 0
+                     "--compute-dtype", "float32", "--steps", str(torch_llama.STEPS + 2),
+                     "--log-every", "1", "--metrics-jsonl", str(metrics), *layout]) == 0
         runs[name] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return runs
+
+
+def test_hotjax_train_resumes_the_torch_run_with_its_model_on_any_layout(torch_run, tmp_path):
+    """No --model: the run takes the checkpoint's (a non-preset architecture), starts at torch's
+    step, and trains the same on 8 devices as on one."""
+    runs = resumed_runs(torch_run[1] / "ck", tmp_path,
+                        {"one": ["--devices", "1", "--strategy", "data=1"],
+                         "fsdp": ["--strategy", "fsdp=8"]})
     assert [r["step"] for r in runs["one"]] == [3, 4] == [r["step"] for r in runs["fsdp"]]
     np.testing.assert_allclose([r["loss"] for r in runs["fsdp"]],
                                [r["loss"] for r in runs["one"]], rtol=0, atol=1e-5)

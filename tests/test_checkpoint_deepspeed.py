@@ -24,7 +24,14 @@ from hotjax.cli import main
 sys.path.insert(0, str(Path(__file__).parent))
 import deepspeed_train  # noqa: E402
 import torch_llama  # noqa: E402
-from test_checkpoint_dcp import CONFIG, _hf, _minibatch, check_resumed, optax_adam  # noqa: E402
+from test_checkpoint_dcp import (  # noqa: E402
+    CONFIG,
+    _hf,
+    _minibatch,
+    check_resumed,
+    optax_adam,
+    resumed_runs,
+)
 from test_checkpoint_dcp import OPTIM as TORCH_OPTIM  # noqa: E402
 
 pytest.importorskip("deepspeed")
@@ -91,6 +98,22 @@ def test_a_deepspeed_run_resumes_with_its_logits_moments_and_next_update(runs, s
     for name, x in _hf(resumed.state.params).items():  # the fp32 master weights
         np.testing.assert_array_equal(x, reference[f"param/{name}"], err_msg=name)
     check_resumed(trainer, resumed, reference)
+
+
+def test_hotjax_train_resumes_a_deepspeed_import_under_tensor_and_fsdp_parallelism(runs,
+                                                                                  tmp_path):
+    """ZeRO-3 over 2 data-parallel ranks, imported, continues under `hotjax train
+    --resume-from` from DeepSpeed's step with its model, on 4 devices as fsdp=2 x tensor=2
+    as on one (whose resume the test above checks against DeepSpeed's own numbers)."""
+    checkpoint = _import(runs, 3, "ds", tmp_path / "ck")
+    resumed = resumed_runs(checkpoint, tmp_path,
+                           {"one": ["--devices", "1", "--strategy", "data=1"],
+                            "fsdp-tensor": ["--devices", "4", "--strategy", "fsdp=2,tensor=2"]})
+    steps = [torch_llama.STEPS + 1, torch_llama.STEPS + 2]
+    assert [r["step"] for r in resumed["one"]] == steps == [r["step"] for r in
+                                                             resumed["fsdp-tensor"]]
+    np.testing.assert_allclose([r["loss"] for r in resumed["fsdp-tensor"]],
+                               [r["loss"] for r in resumed["one"]], rtol=0, atol=1e-5)
 
 
 def test_the_import_records_the_deepspeed_run_and_its_adamw(runs, tmp_path, capsys):

@@ -2,16 +2,18 @@
 Megatron-Core's `GPTModel` as a LLaMA (RMSNorm, SwiGLU, rotary, GQA: 8 query heads in 4 groups,
 no biases, the local layer spec), wrap it for Megatron's distributed optimizer (Adam), take two
 optimizer steps on random gradients (its forward pass needs CUDA), and save what Megatron-LM's
-`--ckpt-format torch_dist` saves: `DIR/iter_0000002/` (`model`, `optimizer`, `args`,
-`iteration` through `dist_checkpointing.save`) and `DIR/latest_checkpointed_iteration.txt`.
-Each rank also writes `DIR/local_{rank}.pt`: its parameters as the modules hold them and, per
-parameter, Adam's state, the reference the test compares the import with.
+`--ckpt-format torch_dist` saves, once per format of the distributed optimizer's state
+(`distrib_optim_sharding_type`): `DIR/FORMAT/iter_0000002/` (`model`, `optimizer`, `args`,
+`iteration` through `dist_checkpointing.save`) and `DIR/FORMAT/latest_checkpointed_iteration.txt`
+for FORMAT fully_reshardable (Megatron-LM's --dist-ckpt-optim-fully-reshardable: per-parameter
+tensors) and dp_reshardable (its default: the optimizer's flat buckets). Each rank also writes
+`DIR/local_{rank}.pt`: its parameters as the modules hold them and its slice of Adam's state of
+each, the reference the test compares the imports with.
 
-    python tests/megatron_core_save.py DIR TP DP TIED OPTIM_FORMAT
+    python tests/megatron_core_save.py DIR TP DP TIED [BUCKET]
 
-OPTIM_FORMAT is the distributed optimizer's `distrib_optim_sharding_type`: fully_reshardable
-(Megatron-LM's --dist-ckpt-optim-fully-reshardable: per-parameter tensors) or dp_reshardable
-(its default: the optimizer's flat buckets).
+BUCKET, if given, is the gradient buffer's bucket size in elements (Megatron-LM's
+--overlap-grad-reduce --ddp-bucket-size BUCKET), so that the buckets split the parameters.
 """
 
 import argparse
@@ -25,7 +27,9 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-VOCAB, LAYERS, D, HEADS, GROUPS, FFN, SEQ = 256, 2, 64, 8, 4, 176, 128
+# A width of 48 (not a multiple of 64) makes the buckets pad the norms' ends.
+VOCAB, LAYERS, D, HEADS, GROUPS, FFN, SEQ = 256, 2, 48, 8, 4, 176, 128
+FORMATS = ("fully_reshardable", "dp_reshardable")
 ITERATION = 2
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.1
 
@@ -55,7 +59,7 @@ def _on_cpu() -> None:
         setattr(torch, factory, on_host)
 
 
-def _args(tp: int, dp: int, tied: bool) -> argparse.Namespace:
+def _args(tp: int, dp: int, tied: bool, bucket: int | None) -> argparse.Namespace:
     """The fields of Megatron-LM's args that describe this model, as its checkpoints hold them."""
     return argparse.Namespace(
         num_layers=LAYERS, hidden_size=D, ffn_hidden_size=FFN, num_attention_heads=HEADS,
@@ -66,10 +70,12 @@ def _args(tp: int, dp: int, tied: bool) -> argparse.Namespace:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, data_parallel_size=dp,
         ckpt_format="torch_dist", use_distributed_optimizer=True, params_dtype=torch.float32,
         lr=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
-        weight_decay=WEIGHT_DECAY, iteration=ITERATION)
+        weight_decay=WEIGHT_DECAY, iteration=ITERATION, transformer_impl="local",
+        overlap_grad_reduce=bucket is not None, ddp_bucket_size=bucket)
 
 
-def _run(rank: int, world: int, port: int, out: str, tp: int, tied: bool, fmt: str) -> None:
+def _run(rank: int, world: int, port: int, out: str, tp: int, tied: bool,
+         bucket: int | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     _on_cpu()
@@ -93,7 +99,8 @@ def _run(rank: int, world: int, port: int, out: str, tp: int, tied: bool, fmt: s
                      vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
                      share_embeddings_and_output_weights=tied)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+        overlap_grad_reduce=bucket is not None, bucket_size=bucket), model)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
         weight_decay=WEIGHT_DECAY, use_distributed_optimizer=True,
@@ -107,29 +114,34 @@ def _run(rank: int, world: int, port: int, out: str, tp: int, tied: bool, fmt: s
             p.main_grad.copy_(torch.randn(p.main_grad.shape, generator=generator))
         assert optimizer.step()[0]
 
-    metadata = {"distrib_optim_sharding_type": fmt}
-    model_state = model.sharded_state_dict(metadata=metadata)
-    state = {"model": model_state,
-             "optimizer": optimizer.sharded_state_dict(model_state, metadata=metadata),
-             "args": _args(tp, world // tp, tied), "iteration": ITERATION,
-             "checkpoint_version": 3.0}
-    iteration = Path(out) / f"iter_{ITERATION:07d}"
-    iteration.mkdir(parents=True, exist_ok=True)
-    torch.distributed.barrier()
-    dist_checkpointing.save(state, str(iteration), content_metadata=metadata)
+    for fmt in FORMATS:
+        metadata = {"distrib_optim_sharding_type": fmt}
+        model_state = model.sharded_state_dict(metadata=metadata)
+        state = {"model": model_state,
+                 "optimizer": optimizer.sharded_state_dict(model_state, metadata=metadata),
+                 "args": _args(tp, world // tp, tied, bucket), "iteration": ITERATION,
+                 "checkpoint_version": 3.0}
+        iteration = Path(out) / fmt / f"iter_{ITERATION:07d}"
+        iteration.mkdir(parents=True, exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(state, str(iteration), content_metadata=metadata)
+        if rank == 0:
+            (iteration.parent / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
 
+    # Each data-parallel rank's optimizer holds a slice of each of its parameters' state, the
+    # flattened parameter's elements from `start/NAME` on (or none of it).
     (inner,) = optimizer.chained_optimizers
     local = {}
     for name, p in model.named_parameters():
         local[name] = p.detach().clone()
-        if world == tp:  # no data parallelism: each rank's optimizer holds its whole parameters
+        if p in inner.model_param_gbuf_map:
+            start = inner._get_model_param_range_map(p)["param"].start
+            local[f"start/{name}"] = torch.tensor(start)
             for field, x in inner._get_main_param_and_optimizer_states(p).items():
                 if field != "step":
-                    local[f"{field}/{name}"] = x.detach().reshape(p.shape).clone()
+                    local[f"{field}/{name}"] = x.detach().clone()
     torch.save(local, Path(out) / f"local_{rank}.pt")
     torch.distributed.barrier()
-    if rank == 0:
-        (Path(out) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     torch.distributed.destroy_process_group()
 
 
@@ -140,6 +152,7 @@ def _free_port() -> int:
 
 
 if __name__ == "__main__":
-    out, tp, dp, tied, fmt = sys.argv[1:6]
+    out, tp, dp, tied = sys.argv[1:5]
+    bucket = int(sys.argv[5]) if len(sys.argv) > 5 else None
     world = int(tp) * int(dp)
-    mp.spawn(_run, args=(world, _free_port(), out, int(tp), tied == "tied", fmt), nprocs=world)
+    mp.spawn(_run, args=(world, _free_port(), out, int(tp), tied == "tied", bucket), nprocs=world)

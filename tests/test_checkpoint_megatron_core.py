@@ -1,8 +1,9 @@
 """Megatron-Core torch_dist checkpoints: real Megatron-Core runs on CPU
-(tests/megatron_core_save.py: a GQA LLaMA, two distributed-optimizer Adam steps) saved under
-TP=2 with per-parameter optimizer state, and under TP=1 · DP=2 (tied embeddings) with the
-default bucketed state, import to exactly the tensors each rank's modules and optimizer held;
-every refusal is one line naming the file and the fix, and writes nothing."""
+(tests/megatron_core_save.py: a GQA LLaMA, two distributed-optimizer Adam steps) under TP=2,
+and under TP=1 · DP=2 (tied embeddings, three buckets), each saved with per-parameter optimizer
+state and with the default bucketed state, import to exactly the tensors each rank's modules
+and optimizer held; every refusal is one line naming the file and the fix, and writes
+nothing."""
 
 import json
 import shutil
@@ -25,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import megatron_core_save as run  # noqa: E402
 
 N, K, H, F, D = run.HEADS, run.GROUPS, run.D // run.HEADS, run.FFN, run.D
-RUNS = {"tp2": ("2", "1", "untied", "fully_reshardable"),
-        "dp2": ("1", "2", "tied", "dp_reshardable")}
+RUNS = {"tp2": ("2", "1", "untied"), "dp2": ("1", "2", "tied", "20000")}
 
 
 @pytest.fixture(scope="module")
@@ -91,18 +91,35 @@ def _check(tree, locals_, tp: int, field: str = "") -> int:
     return compared
 
 
-def _locals(directory: Path, ranks: int) -> list[dict[str, torch.Tensor]]:
-    return [torch.load(directory / f"local_{r}.pt") for r in range(ranks)]
+def _locals(directory: Path, tp: int, dp: int) -> list[dict[str, torch.Tensor]]:
+    """Each tensor-parallel rank's parameters and Adam's state of each (`exp_avg/NAME`, ...),
+    whole: a data-parallel rank holds a slice of the state (ranks count tensor ranks first)."""
+    files = [torch.load(directory / f"local_{r}.pt") for r in range(tp * dp)]
+    out = []
+    for t in range(tp):
+        mine = files[t::tp]
+        merged = {n: x for n, x in mine[0].items() if "/" not in n}
+        for name, p in list(merged.items()):
+            for field in ("exp_avg", "exp_avg_sq"):
+                flat = torch.full((p.numel(),), float("nan"))
+                for f in (f for f in mine if f"start/{name}" in f):
+                    start, x = int(f[f"start/{name}"]), f[f"{field}/{name}"]
+                    flat[start:start + x.numel()] = x
+                merged[f"{field}/{name}"] = flat.reshape(p.shape)
+        out.append(merged)
+    return out
 
 
-def test_a_tp2_run_imports_to_its_modules_weights_and_its_optimizers_moments(runs, tmp_path,
-                                                                             capsys):
-    assert main(["ckpt", "import-megatron-core", str(runs / "tp2"), str(tmp_path / "ck")]) == 0
+@pytest.mark.parametrize("fmt", run.FORMATS)
+def test_a_tp2_run_imports_to_its_modules_weights_and_its_optimizers_moments(fmt, runs,
+                                                                             tmp_path, capsys):
+    assert main(["ckpt", "import-megatron-core", str(runs / "tp2" / fmt),
+                 str(tmp_path / "ck")]) == 0
     assert "step 2, parameters, AdamW moments" in capsys.readouterr().out
     config, _, params, adam = dcp.read_for_export(tmp_path / "ck")
     assert (config.n_heads, config.n_kv_heads, config.ffn_dim, config.vocab_size,
             config.tie_embeddings) == (N, K, F, run.VOCAB, False)
-    locals_ = _locals(runs / "tp2", 2)
+    locals_ = _locals(runs / "tp2", 2, 1)
     total = sum(x.numel() for r in locals_ for n, x in r.items() if "/" not in n)
     assert _check(params, locals_, 2) == total
     assert _check(adam.mu, locals_, 2, "exp_avg/") == total
@@ -115,19 +132,24 @@ def test_a_tp2_run_imports_to_its_modules_weights_and_its_optimizers_moments(run
         "weight_decay_norm": 0.0}
 
 
-def test_a_data_parallel_run_with_bucketed_optimizer_state_imports_its_tied_weights(runs,
-                                                                                   tmp_path,
-                                                                                   capsys):
-    iteration = runs / "dp2" / f"iter_{run.ITERATION:07d}"
-    err = _error(["ckpt", "import-megatron-core", str(iteration), str(tmp_path / "ck")], capsys)
-    assert "dp_reshardable" in err and "--weights-only" in err, err
-    assert main(["ckpt", "import-megatron-core", str(iteration), str(tmp_path / "ck"),
+def test_a_data_parallel_run_with_bucketed_optimizer_state_imports_its_moments(runs, tmp_path,
+                                                                              capsys):
+    """Three buckets, each split between two data-parallel ranks, the norms padded to 64."""
+    iteration = runs / "dp2" / "dp_reshardable" / f"iter_{run.ITERATION:07d}"
+    assert main(["ckpt", "import-megatron-core", str(iteration), str(tmp_path / "ck")]) == 0
+    assert "step 2, parameters, AdamW moments" in capsys.readouterr().out
+    config, _, params, adam = dcp.read_for_export(tmp_path / "ck")
+    assert config.tie_embeddings and "lm_head" not in params and int(adam.count) == 2
+    locals_ = _locals(runs / "dp2", 1, 2)
+    total = sum(x.numel() for n, x in locals_[0].items() if "/" not in n)
+    assert _check(params, locals_, 1) == total
+    assert _check(adam.mu, locals_, 1, "exp_avg/") == total
+    assert _check(adam.nu, locals_, 1, "exp_avg_sq/") == total
+    assert main(["ckpt", "import-megatron-core", str(iteration), str(tmp_path / "weights"),
                  "--weights-only"]) == 0
     assert "parameters only" in capsys.readouterr().out
-    config, _, params, adam = dcp.read_for_export(tmp_path / "ck")
-    assert config.tie_embeddings and adam is None and "lm_head" not in params
-    locals_ = _locals(runs / "dp2", 1)
-    assert _check(params, locals_, 1) == sum(x.numel() for x in locals_[0].values())
+    _, _, params, adam = dcp.read_for_export(tmp_path / "weights")
+    assert adam is None and _check(params, locals_, 1) == total
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -140,16 +162,20 @@ def _error(argv: list[str], capsys) -> str:
     return err
 
 
-def _copy(runs: Path, tmp_path: Path) -> Path:
+def _copy(runs: Path, tmp_path: Path, fmt: str = "fully_reshardable") -> Path:
     iteration = tmp_path / "mc" / f"iter_{run.ITERATION:07d}"
-    shutil.copytree(runs / "tp2" / iteration.name, iteration)
-    shutil.copy(runs / "tp2" / "latest_checkpointed_iteration.txt", iteration.parent)
+    shutil.copytree(runs / "tp2" / fmt / iteration.name, iteration)
+    shutil.copy(runs / "tp2" / fmt / "latest_checkpointed_iteration.txt", iteration.parent)
     return iteration
 
 
-def _without_args(iteration: Path) -> None:
+def _with_args(iteration: Path, **changes) -> None:
+    """common.pt with its args' fields changed, or without args if no change is given."""
     common = torch.load(iteration / "common.pt", weights_only=False)
-    del common["args"]
+    for field, value in changes.items():
+        setattr(common["args"], field, value)
+    if not changes:
+        del common["args"]
     torch.save(common, iteration / "common.pt")
 
 
@@ -177,10 +203,12 @@ def _config(tmp_path: Path, ffn_dim: int) -> Path:
 
 
 @pytest.mark.parametrize("case", ["no metadata.json", "another backend", "missing distcp",
-                                  "shape disagrees", "no args", "mixture of experts"])
+                                  "shape disagrees", "no args", "mixture of experts",
+                                  "buckets in another order", "pipeline-parallel buckets"])
 def test_bad_input_is_one_line_naming_the_problem_and_its_fix_and_nothing_is_written(
         case, runs, tmp_path, capsys):
-    iteration = _copy(runs, tmp_path)
+    iteration = _copy(runs, tmp_path, "dp_reshardable" if "buckets" in case else
+                      "fully_reshardable")
     extra, expect = [], []
     if case == "no metadata.json":
         (iteration / "metadata.json").unlink()
@@ -192,12 +220,18 @@ def test_bad_input_is_one_line_naming_the_problem_and_its_fix_and_nothing_is_wri
         (iteration / "__1_0.distcp").unlink()
         expect = [str(iteration / "__1_0.distcp"), "missing", "copy the whole"]
     elif case == "shape disagrees":  # a config with a wider MLP than the run's
-        _without_args(iteration)
+        _with_args(iteration)
         extra = ["--config", str(_config(tmp_path, ffn_dim=F + 16))]
-        expect = ["decoder.layers.mlp.linear_fc1.weight has shape [2, 352, 64]", "--config"]
+        expect = [f"decoder.layers.mlp.linear_fc1.weight has shape [2, 352, {D}]", "--config"]
     elif case == "no args":
-        _without_args(iteration)
+        _with_args(iteration)
         expect = ["records no Megatron args", "--config"]
+    elif case == "buckets in another order":  # Transformer Engine's: linear_proj comes first
+        _with_args(iteration, transformer_impl="transformer_engine")
+        expect = ["buckets of rank 0", "transformer_engine layer spec", "--weights-only"]
+    elif case == "pipeline-parallel buckets":
+        _with_args(iteration, pipeline_model_parallel_size=2)
+        expect = ["pipeline parallelism 2", "--weights-only"]
     else:
         _with_moe_tensor(iteration)
         expect = ["experts", "mixture-of-experts"]

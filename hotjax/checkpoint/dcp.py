@@ -299,16 +299,18 @@ def _entries(tensors: dict[str, Any], parts: dict[str, list[str]], config: Llama
     return entries
 
 
-def load(directory: Path, state: dict[str, Any]) -> None:
+def load(directory: Path, state: dict[str, Any], planner: Any = None) -> None:
     """`dcp.load` of the DCP directory into `state` (tensors allocated at their global shapes,
-    filled in place), whatever wrote it; a failure is one line naming the directory."""
+    filled in place; or whatever `planner`, a torch `LoadPlanner`, asks for), whatever wrote
+    it; a failure is one line naming the directory."""
     _, dcp = _torch()
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), planner=planner,
+                     no_dist=True)
     # torch's CheckpointException, which wraps each rank's error, is a BaseException.
     except (Exception, CheckpointException) as e:  # noqa: BLE001
         cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e

@@ -13,8 +13,9 @@ are global, whatever tensor, pipeline or data parallelism wrote them:
 - the embedding and output layer keep the vocabulary padding, which is stripped here.
 Adam's state is read where it is kept per parameter, `optimizer.state.{param,exp_avg,exp_avg_sq}
 .{model key}` (`--dist-ckpt-optim-fully-reshardable`, or a non-distributed optimizer, whose
-master weights are `fp32_param`); the distributed optimizer's default `dp_reshardable` format
-keeps flat buckets whose layout the checkpoint does not describe, and is not read.
+master weights are `fp32_param`), and from the distributed optimizer's default `dp_reshardable`
+buckets (`_Buckets`: the layout is rebuilt from the model and checked against the chunks each
+data-parallel rank wrote).
 
 Each parameter is written as soon as it is made (`store.Pending`), from a tensor read when the
 first of its parameters is made and dropped after the last: peak host memory is a few tensors,
@@ -24,7 +25,10 @@ whatever the checkpoint's size.
 from __future__ import annotations
 
 import argparse
+import bisect
+import dataclasses
 import functools
+import io
 import json
 import pickle
 import re
@@ -47,6 +51,11 @@ _STATE = re.compile(r"(?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_
                     r"\.(.+)")
 _MASTER = ("param", "fp32_param")  # the distributed optimizer's name, the plain one's
 _MOE = ("experts", "router", "shared_experts")
+_BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_.+"
+                     r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)")
+# The distributed optimizer's param groups (lr, betas, step), one object per model-parallel rank.
+_GROUPS = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.optimizer/shard_.+")
+_ALIGN = 64  # a bucket's parameters start at multiples of 64 elements
 
 
 # ---------------------------------------------------------------------------- common.pt
@@ -78,18 +87,23 @@ class _CommonUnpickler(pickle.Unpickler):
         return None
 
 
+def _plain(source: Path | io.BytesIO, where: Path) -> Any:
+    """The plain content of a `torch.save` file or stream, no code of its classes run."""
+    try:
+        with zipfile.ZipFile(source) as archive:
+            pkl = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+            return _CommonUnpickler(archive.open(pkl)).load()
+    except (zipfile.BadZipFile, StopIteration, pickle.UnpicklingError, EOFError, ValueError,
+            TypeError, AttributeError) as e:
+        raise UserError(f"{where}: not a readable torch.save file ({type(e).__name__}): the "
+                        f"checkpoint is damaged") from None
+
+
 def read_common(file: Path) -> dict[str, Any]:
     """`common.pt`'s plain content: args, iteration, the optimizer's param groups."""
     if not file.is_file():
         raise UserError(f"{file}: missing: copy the whole checkpoint directory")
-    try:
-        with zipfile.ZipFile(file) as archive:
-            pkl = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
-            loaded = _CommonUnpickler(archive.open(pkl)).load()
-    except (zipfile.BadZipFile, StopIteration, pickle.UnpicklingError, EOFError, ValueError,
-            TypeError, AttributeError) as e:
-        raise UserError(f"{file}: not a readable torch.save file ({type(e).__name__}): the "
-                        f"checkpoint is damaged") from None
+    loaded = _plain(file, file)
     return loaded if isinstance(loaded, dict) else {}
 
 
@@ -207,10 +221,11 @@ def _norms(tensors: dict[str, Any], where: Path) -> tuple[str, str]:
 
 
 def _classify(tensors: dict[str, Any], expected: dict[str, tuple], weights_only: bool,
-              where: Path) -> dict[str, dict[str, str]]:
-    """Adam's per-parameter tensors by field and model key; every other tensor is a model
-    tensor hotjax knows, or refused."""
+              where: Path) -> tuple[dict[str, dict[str, str]], dict[str, re.Match]]:
+    """Adam's per-parameter tensors by field and model key, and the distributed optimizer's
+    bucket tensors; every other tensor is a model tensor hotjax knows, or refused."""
     state: dict[str, dict[str, str]] = {}
+    buckets: dict[str, re.Match] = {}
     for key in tensors:
         if key in expected:
             continue
@@ -220,12 +235,14 @@ def _classify(tensors: dict[str, Any], expected: dict[str, tuple], weights_only:
             state.setdefault(field, {})[found[2]] = key
             continue
         model_key = found[2] if found else key
-        if key.startswith(("optimizer.distributed.", "chained_")) and not found:
-            if weights_only:
-                continue
-            raise UserError(f"{where}: holds tensor {key}: the distributed optimizer's "
-                            f"dp_reshardable buckets, whose layout the checkpoint does not "
-                            f"record: pass --weights-only, or save with Megatron-LM's "
+        if (bucket := _BUCKET.fullmatch(key)) or weights_only and key.startswith(
+                ("optimizer.", "chained_")) and not found:
+            buckets[key] = bucket
+            continue
+        if key.startswith(("optimizer.", "chained_")) and not found:
+            raise UserError(f"{where}: holds tensor {key}: optimizer state hotjax does not read "
+                            f"(several chained optimizers' buckets, or another optimizer's): "
+                            f"pass --weights-only, or save with Megatron-LM's "
                             f"--dist-ckpt-optim-fully-reshardable")
         if any(f".{part}." in f".{model_key}." for part in _MOE):
             raise UserError(f"{where}: holds tensor {key}: a mixture-of-experts model, which "
@@ -236,7 +253,7 @@ def _classify(tensors: dict[str, Any], expected: dict[str, tuple], weights_only:
         raise UserError(f"{where}: holds tensor {key}, which a Megatron LLaMA lacks (biases, "
                         f"LayerNorm, QK norms, MoE, multi-token prediction and learned "
                         f"positions are not supported)")
-    return state
+    return state, buckets
 
 
 def _check_shapes(tensors: dict[str, Any], expected: dict[str, tuple],
@@ -267,7 +284,8 @@ def _check_shapes(tensors: dict[str, Any], expected: dict[str, tuple],
 
 
 def _step(common: dict[str, Any], where: Path) -> int | None:
-    """Adam's step: every param group of every optimizer in `common.pt` holds it."""
+    """Adam's step: every param group of every optimizer in `common.pt` (and the distributed
+    optimizer's, saved beside the tensors) holds it."""
     steps = [group["step"] for groups in _find(common.get("optimizer"), "param_groups")
              for group in groups if isinstance(group, dict) and "step" in group]
     if not steps:
@@ -307,46 +325,241 @@ def _hyperparameters(common: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _ranges_planner(ranges: list[tuple[str, int, Any]], objects: dict[str, Any],
+                    where: Path) -> Any:
+    """A torch DCP load planner that fills each 1-D tensor of `ranges` (fqn, start, tensor)
+    with the elements from `start` on of the checkpoint's 1-D tensor `fqn`, reading those
+    alone, and sets each key of `objects` to the plain content of that saved object."""
+    import torch
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class Ranges(DefaultLoadPlanner):
+        def create_local_plan(self) -> Any:
+            items = list(super().create_local_plan().items)  # the objects
+            for i, (fqn, start, tensor) in enumerate(ranges):
+                chunk = ChunkStorageMetadata(torch.Size([start]), tensor.size())
+                for item in create_read_items_for_chunk_list(
+                        fqn, self.metadata.state_dict_metadata[fqn], [chunk]):
+                    index = dataclasses.replace(item.dest_index, index=i)  # which range
+                    items.append(dataclasses.replace(item, dest_index=index))
+            return LoadPlan(items)
+
+        def resolve_tensor(self, read_item: Any) -> Any:
+            tensor = ranges[read_item.dest_index.index][2]
+            return narrow_tensor_by_index(tensor, read_item.dest_offsets, read_item.lengths)
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            objects[read_item.dest_index.fqn] = _plain(value, where)
+
+    return Ranges(flatten_state_dict=False)
+
+
+# Where tensor parallelism splits a model tensor (a layer's, for stacked ones); norms are whole
+# on every rank, and fc1 holds a rank's gate rows then its up rows.
+_SPLIT = {EMBED: 0, HEAD: 0, LAYERS + QKV: 0, LAYERS + PROJ: 1, LAYERS + FC2: 1}
+
+
+class _Buckets:
+    """Adam's state where the distributed optimizer keeps it by default (`dp_reshardable`):
+    each tensor-parallel rank's optimizer (`dp_group_idx_{rank}`, pipeline parallelism aside)
+    keeps its parameters' fp32 copy and moments in the flat buckets of its gradient buffer, the
+    module's parameters in reverse `named_parameters` order, each starting at a multiple of 64
+    elements, a bucket closing after the parameter that reaches the bucket size; one checkpoint
+    tensor per bucket and field holds the bucket without its end padding, written by each
+    data-parallel rank as one chunk per parameter part and per padding. The order is the model's
+    (`args.transformer_impl`: the local spec puts a layer's input norm first, Transformer
+    Engine's fuses it into linear_qkv after linear_proj); the bucket sizes are the tensors', and
+    every parameter's bounds are checked against the chunks before anything is read."""
+
+    def __init__(self, iteration: Path, tensors: dict[str, Any], found: dict[str, re.Match],
+                 config: LlamaConfig, expected: dict[str, tuple], norms: tuple[str, str],
+                 args: Any, where: Path):
+        self.iteration, self.config, self.expected = iteration, config, expected
+        fix = "pass --weights-only, or save with Megatron-LM's --dist-ckpt-optim-fully-reshardable"
+        if not isinstance(args, argparse.Namespace):
+            raise UserError(f"{iteration / 'common.pt'}: records no Megatron args, which place "
+                            f"the distributed optimizer's buckets (tensor parallelism, layer "
+                            f"spec): {fix}")
+        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+        vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+        impl = getattr(args, "transformer_impl", "transformer_engine")
+        self.tp = tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+        if pp != 1 or vpp not in (None, 1) or impl not in ("local", "transformer_engine"):
+            raise UserError(f"{where}: holds the distributed optimizer's dp_reshardable buckets "
+                            f"of a run with pipeline parallelism {pp}, virtual stages {vpp} and "
+                            f"transformer_impl {impl!r}: hotjax reads them without pipeline "
+                            f"parallelism, under the local or Transformer Engine spec: {fix}")
+        sizes: dict[tuple[int, int], int] = {}
+        fields: dict[tuple[int, int], set[str]] = {}
+        self.keys: dict[tuple[int, int, str], str] = {}
+        for key, match in found.items():
+            rank, buffer, bucket, field = int(match[1]), int(match[2]), int(match[3]), match[4]
+            if buffer != 0 or rank >= tp:
+                raise UserError(f"{where}: holds tensor {key}: the buckets of a second gradient "
+                                f"buffer (mixed parameter dtypes) or of a model-parallel rank "
+                                f"beyond tensor parallelism {tp}: {fix}")
+            sizes[rank, bucket] = int(tensors[key].size[0])
+            fields.setdefault((rank, bucket), set()).add(field)
+            self.keys[rank, bucket, field] = key
+        self.dtype = next(tensors[k].properties.dtype for k in found)
+        self.place: list[dict[tuple[str, int | None], tuple[int, int, tuple]]] = []
+        for rank in range(tp):
+            count = sum(1 for r, _ in sizes if r == rank)
+            if any((rank, b) not in sizes or fields[rank, b] != {"param", *dcp.MOMENTS}
+                   for b in range(count)) or count == 0:
+                raise UserError(f"{where}: the distributed optimizer's buckets of rank {rank} "
+                                f"are incomplete (each needs its param, exp_avg and exp_avg_sq): "
+                                f"copy the whole checkpoint directory, or pass --weights-only")
+            order = self._order(norms, impl == "local")
+            self.place.append(self._layout(order, [sizes[rank, b] for b in range(count)],
+                                           tensors, rank, impl, where, fix))
+
+    def _order(self, norms: tuple[str, str], local: bool) -> list[tuple[str, int | None, tuple]]:
+        """(model key, layer, shape on one rank) of a rank's parameters, `named_parameters`'s
+        order: embedding, each layer's, final norm, output layer."""
+        c, tp = self.config, self.tp
+        D, F, H, N, K = c.dim, c.ffn_dim, c.head_dim, c.n_heads, c.n_kv_heads
+        rows = self.expected[EMBED][0] // tp
+        attention = [(LAYERS + norms[0], (D,)), (LAYERS + PROJ, (D, N * H // tp))]
+        layer = [*(attention if local else attention[::-1]),
+                 (LAYERS + QKV, ((N + 2 * K) * H // tp, D)), (LAYERS + norms[1], (D,)),
+                 (LAYERS + FC1, (2 * F // tp, D)), (LAYERS + FC2, (D, F // tp))]
+        return [(EMBED, None, (rows, D)),
+                *[(key, i, shape) for i in range(c.n_layers) for key, shape in layer],
+                (FINAL_NORM, None, (D,)), *([] if c.tie_embeddings else [(HEAD, None, (rows, D))])]
+
+    def _layout(self, order: list[tuple[str, int | None, tuple]], sizes: list[int],
+                tensors: dict[str, Any], rank: int, impl: str, where: Path,
+                fix: str) -> dict[tuple[str, int | None], tuple[int, int, tuple]]:
+        """(bucket, start, shape) of each parameter of `rank`, checked against the chunks."""
+        place, spans, bucket, start = {}, [[] for _ in sizes], 0, 0
+        for key, layer, shape in reversed(order):
+            end = start + int(np.prod(shape))
+            if bucket == len(sizes) or end > sizes[bucket]:
+                break
+            place[key, layer] = (bucket, start, shape)
+            spans[bucket].append((start, end))
+            start = -(-end // _ALIGN) * _ALIGN
+            if sizes[bucket] in (end, start):  # the bucket closes, its end padding not saved
+                bucket, start = bucket + 1, 0
+        problem = len(place) != len(order) or bucket != len(sizes)
+        for b in range(len(sizes)):
+            chunks = tensors[self.keys[rank, b, "param"]].chunks
+            problem = problem or not _chunks_fit(chunks, spans[b])
+        if problem:
+            raise UserError(f"{where}: the distributed optimizer's buckets of rank {rank} "
+                            f"({len(sizes)} of {sizes} elements) do not hold this model's "
+                            f"parameters in the order of Megatron-Core's {impl} layer spec at "
+                            f"their chunks' bounds: {fix}")
+        return place
+
+    def read(self, field: str, model_key: str) -> np.ndarray:
+        """Adam's `field` ('param' for the fp32 weights) of a model tensor, at its global
+        shape: every rank's part of every layer, read from its bucket."""
+        import torch
+
+        out = np.empty(self.expected[model_key], np.float32)
+        split = model_key in _SPLIT or model_key == LAYERS + FC1
+        layers = range(self.config.n_layers) if model_key.startswith(LAYERS) else [None]
+        parts = []
+        for rank in range(self.tp if split else 1):
+            for layer in layers:
+                bucket, start, shape = self.place[rank][model_key, layer]
+                tensor = torch.empty(int(np.prod(shape)), dtype=self.dtype)
+                parts.append((self.keys[rank, bucket, field], start, tensor, rank, layer, shape))
+        dcp.load(self.iteration, {}, _ranges_planner([p[:3] for p in parts], {},
+                                                     self.iteration))
+        for _, _, tensor, rank, layer, shape in parts:
+            x = tensor.to(torch.float32).numpy().reshape(shape)
+            target = out if layer is None else out[layer]
+            if model_key == LAYERS + FC1:  # this rank's gate rows, then its up rows
+                half, F = shape[0] // 2, self.config.ffn_dim
+                target[rank * half:(rank + 1) * half] = x[:half]
+                target[F + rank * half:F + (rank + 1) * half] = x[half:]
+            elif split:
+                axis = _SPLIT[model_key]
+                n = shape[axis]
+                index = (slice(None),) * axis + (slice(rank * n, (rank + 1) * n),)
+                target[index] = x
+            else:
+                target[...] = x
+        return out
+
+
+def _chunks_fit(chunks: list[Any], spans: list[tuple[int, int]]) -> bool:
+    """Every parameter's span starts a chunk, and no chunk crosses a span's bounds (a chunk
+    outside every span is padding)."""
+    starts = {int(c.offsets[0]) for c in chunks}
+    lefts = [a for a, _ in spans]
+    if any(a not in starts for a in lefts):
+        return False
+    for c in chunks:
+        a, b = int(c.offsets[0]), int(c.offsets[0]) + int(c.sizes[0])
+        i = bisect.bisect_right(lefts, a) - 1
+        if i >= 0 and a < spans[i][1]:
+            if b > spans[i][1]:
+                return False
+        elif i + 1 < len(lefts) and b > lefts[i + 1]:
+            return False
+    return True
+
+
 class _Unfused:
     """hotjax parameters made one at a time from the Megatron tensors they come from: a tensor
     is read (fp32) when the first of its parameters is made, and dropped once the last one is,
     so that host memory holds a few tensors at a time, never the checkpoint."""
 
-    def __init__(self, iteration: Path, tensors: dict[str, Any], config: LlamaConfig):
-        self.iteration, self.tensors, self.config = iteration, tensors, config
-        self._read: dict[str, dict[tuple, np.ndarray]] = {}  # DCP key -> its parameters left
+    def __init__(self, config: LlamaConfig, expected: dict[str, tuple]):
+        self.config, self.expected = config, expected
+        self._read: dict[tuple, dict[tuple, np.ndarray]] = {}  # source -> its parameters left
 
-    def pending(self, keys: dict[str, str]) -> Any:
-        """The params tree of `store.Pending` leaves, each made from the tensor `keys` maps
-        its model key to (a model tensor, or Adam's state of it)."""
+    def pending(self, field: str, reads: dict[str, Any]) -> Any:
+        """The params tree of `store.Pending` leaves, each made from the tensor `reads[model
+        key]()` returns (a model tensor, or Adam's `field` of it)."""
         shapes = abstract_params(self.config)
         tree: dict[str, Any] = {}
-        for model_key, key in keys.items():
+        for model_key, read in reads.items():
             # Shapes only: a broadcast scalar is a view of the tensor without its memory.
-            proxy = np.broadcast_to(np.float32(0), tuple(self.tensors[key].size))
+            proxy = np.broadcast_to(np.float32(0), self.expected[model_key])
             for path, _ in _unfuse(model_key, proxy, self.config):
                 node = tree
                 for part in path[:-1]:
                     node = node.setdefault(part, {})
                 like = shapes[path[0]] if len(path) == 1 else shapes[path[0]][path[1]]
-                node[path[-1]] = store.Pending(like.shape, np.float32,
-                                               functools.partial(self._take, model_key, key, path))
+                node[path[-1]] = store.Pending(like.shape, np.float32, functools.partial(
+                    self._take, (field, model_key), read, path))
         return tree
 
-    def _take(self, model_key: str, key: str, path: tuple) -> np.ndarray:
-        import torch
-
-        if key not in self._read:
-            info = self.tensors[key]
-            loaded = {key: torch.empty(tuple(info.size), dtype=info.properties.dtype)}
-            dcp.load(self.iteration, loaded)
-            x = loaded.pop(key).to(torch.float32).numpy()
-            self._read[key] = dict(_unfuse(model_key, x, self.config))
-        parts = self._read[key]
+    def _take(self, source: tuple[str, str], read: Any, path: tuple) -> np.ndarray:
+        if source not in self._read:
+            self._read[source] = dict(_unfuse(source[1], read(), self.config))
+        parts = self._read[source]
         value = np.ascontiguousarray(parts.pop(path))
         if not parts:
-            del self._read[key]
+            del self._read[source]
         return value
+
+
+def _read_tensor(iteration: Path, info: Any, key: str) -> np.ndarray:
+    """One checkpoint tensor, whole, in fp32."""
+    import torch
+
+    loaded = {key: torch.empty(tuple(info.size), dtype=info.properties.dtype)}
+    dcp.load(iteration, loaded)
+    return loaded.pop(key).to(torch.float32).numpy()
+
+
+def _distributed_groups(iteration: Path, metadata: Any) -> list[Any]:
+    """The distributed optimizer's saved param groups (its step, lr, betas), if any."""
+    objects: dict[str, Any] = {}
+    keys = [k for k in metadata.state_dict_metadata if _GROUPS.fullmatch(k)]
+    if keys:
+        dcp.load(iteration, {k: io.BytesIO() for k in keys},
+                 _ranges_planner([], objects, iteration / ".metadata"))
+    return list(objects.values())
 
 
 def import_megatron_core(directory: str | Path, out: str | Path, *,
@@ -364,12 +577,22 @@ def import_megatron_core(directory: str | Path, out: str | Path, *,
         raise UserError(f"{where}: lacks tensor {EMBED}: not a Megatron GPT checkpoint")
     rows = int(tensors[EMBED].size[0])
     config = model_config(iteration, common, rows, config)
-    expected = tensor_shapes(config, rows, _norms(tensors, where))
-    state = _classify(tensors, expected, weights_only, where)
+    norms = _norms(tensors, where)
+    expected = tensor_shapes(config, rows, norms)
+    state, bucketed = _classify(tensors, expected, weights_only, where)
     if weights_only:
-        state = {f: keys for f, keys in state.items() if f == "param"}
+        state, bucketed = {f: keys for f, keys in state.items() if f == "param"}, {}
     _check_shapes(tensors, expected, state, config, where)
-    moment_fields = [f for f in dcp.MOMENTS if f in state]
+    buckets = None
+    if bucketed:
+        if state:
+            raise UserError(f"{where}: holds Adam's state both per parameter and in the "
+                            f"distributed optimizer's buckets: pass --weights-only")
+        buckets = _Buckets(iteration, tensors, bucketed, config, expected, norms,
+                           common.get("args"), where)
+        common = {**common, "optimizer": [common.get("optimizer"),
+                                          *_distributed_groups(iteration, metadata)]}
+    moment_fields = [f for f in dcp.MOMENTS if f in state or buckets]
     step = _step(common, iteration / "common.pt") if moment_fields else None
     if moment_fields and step is None:
         raise UserError(f"{iteration / 'common.pt'}: its optimizer's param groups record no "
@@ -377,11 +600,19 @@ def import_megatron_core(directory: str | Path, out: str | Path, *,
                         f"checkpoint directory, or pass --weights-only")
     # Master weights where the optimizer keeps them (fp32 under a bf16 run), else the model's.
     sources = {"weight": {k: state.get("param", {}).get(k, k) for k in expected},
-               **{f: state[f] for f in moment_fields}}
-    dcp.check_files(iteration, metadata, {k for keys in sources.values() for k in keys.values()})
+               **{f: state[f] for f in moment_fields if f in state}}
+    dcp.check_files(iteration, metadata, {k for keys in sources.values() for k in keys.values()}
+                    | set(bucketed))
 
-    unfused = _Unfused(iteration, tensors, config)
-    trees = {field: unfused.pending(keys) for field, keys in sources.items()}
+    def reads(field: str) -> dict[str, Any]:
+        if buckets is not None:
+            return {k: functools.partial(buckets.read, "param" if field == "weight" else field,
+                                         k) for k in expected}
+        return {k: functools.partial(_read_tensor, iteration, tensors[key], key)
+                for k, key in sources[field].items()}
+
+    unfused = _Unfused(config, expected)
+    trees = {field: unfused.pending(field, reads(field)) for field in ("weight", *moment_fields)}
     iteration_number = common.get("iteration")
     foreign = {"format": f"megatron-core {BACKEND}", "naming": "megatron-core",
                "checkpoint": str(iteration), "iteration": iteration_number

@@ -3,8 +3,9 @@ sequential write and read of the same bytes in the same run, restore onto the sa
 new one, how long an async save holds up training; and every conversion's GB/s and peak host
 memory: `ckpt import-hf` / `export-hf` of a Hugging Face safetensors LLaMA, `import-dcp` /
 `export-dcp` of a PyTorch Distributed Checkpoint (DCP), `export-universal` / `import-deepspeed`
-of a DeepSpeed universal directory, `import-megatron-core` of a Megatron-Core torch_dist
-checkpoint and `import-shards --format megatron` of Megatron-LM rank files.
+of a DeepSpeed universal directory, `import-deepspeed` of ZeRO-2 rank files,
+`import-megatron-core` of a Megatron-Core torch_dist checkpoint and `import-shards --format
+megatron` of Megatron-LM rank files.
 
     python scripts/bench_ckpt.py [--model small] [--dir DIR] [--repeats 3] [--dcp-gb 2]
                                  [--hf-gb 2] [--conversions-only] [--json] [--quick]
@@ -19,9 +20,11 @@ first, not timed: a LLaMA of vocabulary 32000 and width 768 (12 heads, MLP 2048)
 as make `--hf-gb` of fp32 weights (safetensors files of at most 1 GB, Hugging Face's index
 beside them), and `--dcp-gb` of fp32 weights and AdamW moments, which torch saves from
 several writer threads (a `.distcp` file each, as several ranks write). `export-universal`
-converts the DCP import; `import-deepspeed` reads what it wrote. The torch_dist checkpoint
-holds the DCP checkpoint's model and as many bytes (weights and Adam moments, per parameter);
-the Megatron-LM rank files (tp=2, pp=2) the Hugging Face checkpoint's model and bytes.
+converts the DCP import; `import-deepspeed` reads what it wrote, and ZeRO-2 rank files of the
+DCP checkpoint's model and bytes (fp32 weights and AdamW moments over 4 ranks). The torch_dist
+checkpoint holds the DCP checkpoint's model and as many bytes (weights and Adam moments, per
+parameter); the Megatron-LM rank files (tp=2, pp=2) the Hugging Face checkpoint's model and
+bytes.
 `--quick`: the `tiny` model (and foreign checkpoints), one repeat, two steps (a smoke test).
 """
 
@@ -58,6 +61,7 @@ HF_BYTES_PER_PARAM = 4  # fp32 weight
 HF_SHARD_BYTES = 1 << 30
 MEGATRON_TP, MEGATRON_PP = 2, 2  # the Megatron-LM rank files' layout
 MEGATRON_ITERATION = 5
+ZERO_DP = 4  # the ZeRO-2 rank files' data-parallel size
 ROOT = Path(__file__).resolve().parent.parent  # where `python -m hotjax.cli` runs
 
 
@@ -177,6 +181,70 @@ def write_dcp(directory: Path, config: LlamaConfig) -> None:
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": model, "optim": {"state": optim}}, no_dist=True,
                  storage_writer=dcp.FileSystemWriter(str(directory), thread_count=DCP_WRITERS))
+
+
+def write_zero(directory: Path, config: LlamaConfig, dp: int) -> None:
+    """ZeRO-2 rank files of random fp32 weights and AdamW moments of `config` over `dp` ranks,
+    as DeepSpeed's `engine.save_checkpoint` lays them out: one parameter group, flattened in
+    `param_shapes` order and cut into `dp` equal partitions (a boundary can fall inside a
+    tensor), each rank's `zero_pp_rank_{r}_mp_rank_00_optim_states.pt` holding its partition's
+    fp32 weights and moments and where each parameter's fragment lies in it; and
+    `mp_rank_00_model_states.pt` (`param_shapes`, `dp_world_size`; its `module`, which the
+    import does not read, left empty)."""
+    import sys
+    import types
+    from collections import OrderedDict
+
+    import torch
+
+    from models.hf import hf_tensor_shapes
+
+    @dataclasses.dataclass
+    class fragment_address:  # noqa: N801 - pickled under DeepSpeed's own name, which
+        numel: int  # needs no DeepSpeed to read
+        start: int
+
+    names = ("deepspeed", "deepspeed.utils", "deepspeed.utils.tensor_fragment")
+    fakes = {n: types.ModuleType(n) for n in names if n not in sys.modules}
+    if names[-1] in fakes:
+        fragment_address.__module__, fragment_address.__qualname__ = names[-1], "fragment_address"
+        fakes[names[-1]].fragment_address = fragment_address
+    else:  # DeepSpeed itself is loaded: its own class
+        fragment_address = sys.modules[names[-1]].fragment_address
+    shapes = OrderedDict((n, torch.Size(s)) for n, s in hf_tensor_shapes(config).items())
+    total = sum(s.numel() for s in shapes.values())
+    part = -(-total // dp)
+    step = directory / "global_step5"
+    step.mkdir(parents=True)
+    torch.save({"module": {}, "param_shapes": [shapes], "dp_world_size": dp, "global_steps": 5,
+                "ds_config": {}}, step / "mp_rank_00_model_states.pt")
+    (directory / "latest").write_text("global_step5")
+    generator = torch.Generator().manual_seed(0)
+    sys.modules.update(fakes)
+    try:
+        for rank in range(dp):
+            lo, hi, offset = rank * part, min(total, (rank + 1) * part), 0
+            mapping = OrderedDict()
+            for name, shape in shapes.items():
+                a, b = max(lo, offset), min(hi, offset + shape.numel())
+                if a < b:
+                    mapping[name] = fragment_address(b - a, a - lo)
+                offset += shape.numel()
+            n = hi - lo
+            flat = {"exp_avg": 1e-3 * torch.randn(n, generator=generator),
+                    "exp_avg_sq": 1e-6 * torch.rand(n, generator=generator),
+                    "step": torch.tensor(5.0)}
+            groups = [{"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0,
+                       "params": [0]}]
+            torch.save({"optimizer_state_dict": {
+                "zero_stage": 2, "partition_count": [dp], "param_slice_mappings": [mapping],
+                "single_partition_of_fp32_groups": [torch.randn(n, generator=generator)],
+                "base_optimizer_state": {"state": {0: flat}, "param_groups": groups}}},
+                step / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+            del flat
+    finally:
+        for name in fakes:
+            del sys.modules[name]
 
 
 def megatron_args(config: LlamaConfig, tp: int, pp: int, rows: int) -> argparse.Namespace:
@@ -334,7 +402,12 @@ def conversions(root: Path, hf_gb: float, dcp_gb: float) -> dict:
                    drop=root / "ds")
     out["deepspeed"] = {"bytes": _bytes(root / "ds"), "export_universal": exported,
                         "import": _conversion(run, _bytes(root / "ds"), read)}
-    for path in ("dcp", "dcp-config", "dcp-in", "dcp-out", "ds", "ds-in"):
+    write_zero(root / "zero", dcp_config, ZERO_DP)
+    run = run_ckpt("import-deepspeed", root / "zero", root / "zero-in", "--config", config_json,
+                   drop=root / "zero")
+    out["zero"] = {"bytes": _bytes(root / "zero"), "dp": ZERO_DP, "layers": dcp_config.n_layers,
+                   "import": _conversion(run, _bytes(root / "zero"), read)}
+    for path in ("dcp", "dcp-config", "dcp-in", "dcp-out", "ds", "ds-in", "zero", "zero-in"):
         shutil.rmtree(root / path)
     out.update(megatron_conversions(root, hf_config, dcp_config, read))
     return out
@@ -565,6 +638,9 @@ def _conversions_table(r: dict, console: Console) -> None:
     row("export-dcp of that import", dcp["export"], dcp["bytes"], "write+fsync")
     row("export-universal of that import", ds["export_universal"], dcp["bytes"], "write+fsync")
     row("import-deepspeed of that universal directory", ds["import"], dcp["bytes"], "cold read")
+    zero = c["zero"]
+    row(f"import-deepspeed (ZeRO-2 rank files, dp={zero['dp']}, {zero['layers']} layers)",
+        zero["import"], zero["bytes"], "cold read")
     mc, mg = c["megatron_core"], c["megatron"]
     row(f"import-megatron-core (torch_dist, {mc['layers']} layers, Adam moments)", mc["import"],
         mc["bytes"], "cold read")

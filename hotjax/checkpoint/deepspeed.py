@@ -13,8 +13,10 @@ step of it), or a universal directory (Universal Checkpointing's `ds_to_universa
   `zero/optimizer_state.pt` (param groups; the step under ZeRO-3's layout).
 (`checkpoint.universal` writes universal directories.)
 
-Files are read with torch's weights-only loader, memory-mapped, one parameter at a time; the
-few DeepSpeed classes they pickle are read as plain records, so DeepSpeed need not be installed.
+Files are read with torch's weights-only loader, memory-mapped, one parameter at a time (a rank
+file is opened again for each parameter it holds a part of, so that its pages read leave memory
+with the parameter); the few DeepSpeed classes they pickle are read as plain records, so
+DeepSpeed need not be installed.
 Names are Hugging Face's, matched by suffix as in `checkpoint.dcp` (wrappers such as `module.`
 need no configuration).
 """
@@ -25,6 +27,7 @@ import dataclasses
 import math
 import pickle
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +65,9 @@ _DEEPSPEED_CLASSES = [(_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"
                       (_Record, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
                       (_Record, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
                       (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address")]
+# torch's `safe_globals` sets and then restores one process-wide list: loads from several threads
+# (the import's writers) would drop each other's classes.
+_LOADING = threading.Lock()
 
 
 def _torch() -> Any:
@@ -79,7 +85,7 @@ def load_pt(file: Path) -> Any:
     if not file.is_file():
         raise UserError(f"{file}: no such file: copy the whole checkpoint directory")
     try:
-        with torch.serialization.safe_globals(_DEEPSPEED_CLASSES):
+        with _LOADING, torch.serialization.safe_globals(_DEEPSPEED_CLASSES):
             return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         detail = " ".join(str(e).split("WeightsUnpickler error:")[-1].split()[:12])
@@ -118,7 +124,7 @@ class DeepSpeedCheckpoint:
     hyperparameters: dict[str, Any]
     dp: int  # the data-parallel size that wrote it (0: a universal directory has none)
     _pieces: dict[str, list[_Piece]] = dataclasses.field(default_factory=dict)
-    _files: list[Any] = dataclasses.field(default_factory=list)  # per rank: its optimizer state
+    _files: list[Path] = dataclasses.field(default_factory=list)  # per rank: its optimizer file
 
     def tensor(self, name: str, field: str) -> np.ndarray:
         """Parameter `name`'s `field` (fp32, exp_avg, exp_avg_sq), whole, fp32."""
@@ -131,12 +137,14 @@ class DeepSpeedCheckpoint:
                 raise UserError(f"{file}: holds {_describe(x)}, but {name} has shape "
                                 f"{list(shape)}: the universal directory is damaged")
             return _host(x).reshape(shape)
-        parts = [_host(self._flat(p.rank, p.group, field)[p.start:p.stop])
+        # The rank files this parameter lies in, opened (memory-mapped) for it alone: pages
+        # of a file kept open would stay in the process's memory once read.
+        states = {r: _optimizer_state(self._files[r]) for r in {p.rank for p in self._pieces[name]}}
+        parts = [_host(self._flat(states[p.rank], p.group, field)[p.start:p.stop])
                  for p in self._pieces[name]]
         return np.concatenate(parts).reshape(shape)
 
-    def _flat(self, rank: int, group: int, field: str) -> Any:
-        state = self._files[rank]
+    def _flat(self, state: dict[str, Any], group: int, field: str) -> Any:
         if field == "fp32":
             key = "fp32_flat_groups" if self.layout == "ZeRO-3" else (
                 "single_partition_of_fp32_groups")
@@ -206,7 +214,7 @@ def read_deepspeed(directory: str | Path) -> DeepSpeedCheckpoint:
                         f"{first.name}: the files come from different runs")
     pieces = (_zero3_pieces if zero3 else _zero12_pieces)(groups, states, files, dp, first)
     return DeepSpeedCheckpoint(directory, f"ZeRO-{stage}", shapes, _step(states, files),
-                               _hyperparameters(states[0], groups), dp, pieces, states)
+                               _hyperparameters(states[0], groups), dp, pieces, files)
 
 
 def _refuse_unsupported(directory: Path) -> None:

@@ -41,7 +41,14 @@ from hotjax.data import Batch
 from hotjax.optim import OptimConfig, loss_scale, make_optimizer, skipped_steps
 from models.attention import choose_backend
 from models.errors import UserError
-from models.llama import LlamaConfig, Params, abstract_params, bind, init_params, param_axes
+from models.llama import (
+    LlamaConfig,
+    Params,
+    abstract_params,
+    init_params,
+    loss_and_gradients,
+    param_axes,
+)
 from sharding.strategy import (
     ACCUMULATE,
     Layout,
@@ -306,14 +313,7 @@ def _micro_step(params: Params, acc: Accumulator, batch: dict[str, jax.Array],
 
     def shard_gradients(params: Params, rows: dict[str, jax.Array]
                         ) -> tuple[Params, tuple[jax.Array, jax.Array]]:
-        def scaled_loss(params: Params) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-            model = bind(config, params)
-            logits = model(rows["tokens"], rows["segment_ids"], rows["positions"], layout)
-            total, count = token_loss(logits, rows["targets"])
-            return total * (scale / slots), (total, count)
-
-        (_, sums), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
-        return grads, sums
+        return loss_and_gradients(config, params, rows, layout, token_loss, scale / slots)
 
     if partial:
         # Each data shard's rows (a contiguous block) and its own gradients, never added up.

@@ -15,7 +15,7 @@ from flax import nnx
 from models.attention import AttentionSharding, accumulating, attention
 from models.errors import UserError
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
-from models.pipeline import gpipe
+from models.pipeline import SCHEDULES, gpipe, one_f_one_b
 
 Array = jax.Array
 # Logical axis names: strategies map these to mesh axes. `seq` is the residual stream's
@@ -25,6 +25,8 @@ PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers"
 ACTIVATION_AXES = ("batch", "seq", "inner_seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
                    "vocab", "stages")  # stages: a pipeline's stage buffer, always on `stage`
 Constrain = Callable[[Array, tuple[str | None, ...]], Array]
+# (logits [B, T, V], targets [B, T]) -> (loss sum, target count)
+Loss = Callable[[Array, Array], tuple[Array, Array]]
 
 
 class Placement(Protocol):
@@ -82,6 +84,7 @@ class LlamaConfig:
     remat: str = "none"  # one of REMAT_POLICIES
     attention: str = "auto"  # one of ATTENTION_BACKENDS
     attention_block: int = 0  # the blockwise kernel's block edge (0: the platform's default)
+    pipeline_schedule: str = "1f1b"  # one of models.pipeline.SCHEDULES, under `stage`
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -91,6 +94,9 @@ class LlamaConfig:
         if self.attention not in ATTENTION_BACKENDS:
             raise UserError(f"attention {self.attention!r}: choose one of "
                             f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.pipeline_schedule not in SCHEDULES:
+            raise UserError(f"pipeline_schedule {self.pipeline_schedule!r}: choose one of "
+                            f"{', '.join(SCHEDULES)}")
         if self.attention_block < 0:
             raise UserError(f"attention_block {self.attention_block}: give a positive block "
                             f"edge, or 0 for the platform's default")
@@ -217,58 +223,83 @@ class Llama(nnx.Module):
         cfg = self.config
         B, T = tokens_BxT.shape
         constrain = _no_constraint if placement is None else placement.constrain
-        attend = functools.partial(
-            attention, backend=cfg.attention, block=cfg.attention_block,
-            packed=segment_ids_BxT is not None,
-            sharding=None if placement is None else placement.attention)
+        block = _block(cfg, placement, packed=segment_ids_BxT is not None)
         if segment_ids_BxT is None:
             segment_ids_BxT = jnp.ones((B, T), jnp.int32)
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-
-        # Weights are constrained to their compute layout: the activation rules applied to their
-        # axes, i.e. gathered over `fsdp` and still split over `tensor` (ZeRO-3's all-gather).
-        embed_VxD = constrain(self.embed[...].astype(cfg.dtype), ("vocab", "embed"))
-        x_BxTxD = constrain(jnp.take(embed_VxD, tokens_BxT, axis=0), ("batch", "seq", "embed"))
-        cos_BxTxH, sin_BxTxH = rope_tables(cfg, positions_BxT)
-
-        def block(x_BxTxD: Array, w: dict[str, Array], rows: tuple[Array, ...]) -> Array:
-            segment_ids_BxT, positions_BxT, cos_BxTxH, sin_BxTxH = rows
-            # Re-stated on entry: the backward pass slices saved activations out of the scan's
-            # stack, and without it the partitioner can lose their batch sharding.
-            x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
-            w = {k: constrain(v.astype(cfg.dtype), layer_axes[k]) for k, v in w.items()}
-            h = _rms_norm(x_BxTxD, w["attn_norm"], cfg.norm_eps)
-            x_BxTxD = x_BxTxD + _attention(h, w, cos_BxTxH, sin_BxTxH, segment_ids_BxT,
-                                           positions_BxT, attend, constrain)
-            x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
-            h = _rms_norm(x_BxTxD, w["mlp_norm"], cfg.norm_eps)
-            x_BxTxD = x_BxTxD + _mlp(h, w, constrain)
-            return constrain(x_BxTxD, ("batch", "seq", "embed"))
-
-        layer_axes = {k: axes[1:] for k, axes in param_axes(cfg)["layers"].items()}
-        block = _rematerialised(block, cfg.remat)
+        embed_VxD = _compute_embedding(cfg, self.embed[...], constrain)
+        x_BxTxD = _embedded(embed_VxD, tokens_BxT, constrain)
         stacked = nnx.to_pure_dict(nnx.state(self.layers))
-        rows = (segment_ids_BxT, positions_BxT, cos_BxTxH, sin_BxTxH)
+        rows = (segment_ids_BxT, positions_BxT, *rope_tables(cfg, positions_BxT))
         pipeline = None if placement is None else placement.pipeline
         on_rows = constrain  # the activations after the layers
         if pipeline is None:
             x_BxTxD, _ = jax.lax.scan(lambda x, w: (block(x, w, rows), None), x_BxTxD, stacked)
         else:
+            # A forward pass alone (evaluation) runs GPipe's forward ticks; training under 1F1B
+            # goes through `loss_and_gradients`.
             x_BxTxD = gpipe(block, x_BxTxD, stacked, rows, *pipeline, constrain=constrain,
                             remat_stages=cfg.remat == "full")
             # Every stage group holds the pipeline's output: each takes its share of the rows
             # through the final norm, the LM head and the loss, instead of all of them.
             on_rows = placement.across_stages
-            x_BxTxD = on_rows(x_BxTxD, ("batch", "seq", "embed"))
+        head_DxV = _head_weights(cfg, embed_VxD if cfg.tie_embeddings else self.lm_head[...],
+                                 constrain)
+        return _logits(cfg, self.final_norm[...], head_DxV, x_BxTxD, on_rows)
 
-        x_BxTxD = _rms_norm(x_BxTxD, self.final_norm[...].astype(cfg.dtype), cfg.norm_eps)
-        head_DxV = embed_VxD.T if cfg.tie_embeddings else constrain(
-            self.lm_head[...].astype(cfg.dtype), ("embed", "vocab"))
-        wide = accumulating(cfg.dtype)
-        logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD.astype(wide), head_DxV.astype(wide),
-                                  preferred_element_type=jnp.float32)
-        return on_rows(logits_BxTxV, ("batch", "inner_seq", "vocab"))
+
+def _compute_embedding(cfg: LlamaConfig, embed_VxD: Array, constrain: Constrain) -> Array:
+    # Weights are constrained to their compute layout: the activation rules applied to their
+    # axes, i.e. gathered over `fsdp` and still split over `tensor` (ZeRO-3's all-gather).
+    return constrain(embed_VxD.astype(cfg.dtype), ("vocab", "embed"))
+
+
+def _embedded(embed_VxD: Array, tokens_BxT: Array, constrain: Constrain) -> Array:
+    return constrain(jnp.take(embed_VxD, tokens_BxT, axis=0), ("batch", "seq", "embed"))
+
+
+def _head_weights(cfg: LlamaConfig, weights: Array, constrain: Constrain) -> Array:
+    """The LM head [D, V] in its compute layout, from `lm_head` or, with tied embeddings, from
+    the embedding already in its compute layout."""
+    return weights.T if cfg.tie_embeddings else constrain(weights.astype(cfg.dtype),
+                                                          ("embed", "vocab"))
+
+
+def _logits(cfg: LlamaConfig, final_norm_D: Array, head_DxV: Array, x_BxTxD: Array,
+            on_rows: Constrain) -> Array:
+    """The final norm and the LM head, laid out by `on_rows`: fp32 logits [B, T, V]."""
+    x_BxTxD = on_rows(x_BxTxD, ("batch", "seq", "embed"))
+    x_BxTxD = _rms_norm(x_BxTxD, final_norm_D.astype(cfg.dtype), cfg.norm_eps)
+    wide = accumulating(cfg.dtype)
+    logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD.astype(wide), head_DxV.astype(wide),
+                              preferred_element_type=jnp.float32)
+    return on_rows(logits_BxTxV, ("batch", "inner_seq", "vocab"))
+
+
+def _block(cfg: LlamaConfig, placement: Placement | None, packed: bool) -> Callable:
+    """One transformer block `(x, one layer's weights, rows) -> x`, under the remat policy."""
+    constrain = _no_constraint if placement is None else placement.constrain
+    attend = functools.partial(
+        attention, backend=cfg.attention, block=cfg.attention_block, packed=packed,
+        sharding=None if placement is None else placement.attention)
+    layer_axes = {k: axes[1:] for k, axes in param_axes(cfg)["layers"].items()}
+
+    def block(x_BxTxD: Array, w: dict[str, Array], rows: tuple[Array, ...]) -> Array:
+        segment_ids_BxT, positions_BxT, cos_BxTxH, sin_BxTxH = rows
+        # Re-stated on entry: the backward pass slices saved activations out of the scan's
+        # stack, and without it the partitioner can lose their batch sharding.
+        x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
+        w = {k: constrain(v.astype(cfg.dtype), layer_axes[k]) for k, v in w.items()}
+        h = _rms_norm(x_BxTxD, w["attn_norm"], cfg.norm_eps)
+        x_BxTxD = x_BxTxD + _attention(h, w, cos_BxTxH, sin_BxTxH, segment_ids_BxT,
+                                       positions_BxT, attend, constrain)
+        x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
+        h = _rms_norm(x_BxTxD, w["mlp_norm"], cfg.norm_eps)
+        x_BxTxD = x_BxTxD + _mlp(h, w, constrain)
+        return constrain(x_BxTxD, ("batch", "seq", "embed"))
+
+    return _rematerialised(block, cfg.remat)
 
 
 def _rematerialised(block: Callable, policy: str) -> Callable:
@@ -390,3 +421,46 @@ def bind(config: LlamaConfig, params: Params) -> Llama:
     state = jax.tree.map(lambda v: v, state)  # a fresh copy: replace_by_pure_dict mutates
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
+
+
+def loss_and_gradients(config: LlamaConfig, params: Params, rows: dict[str, Array],
+                       placement: Placement | None, loss: Loss, seed: Array
+                       ) -> tuple[Params, tuple[Array, Array]]:
+    """The loss sum and target count of `rows` (`tokens`, `segment_ids`, `positions`,
+    `targets`) and the gradients of `seed` times the loss sum: by autodiff of the model, or
+    under a 1F1B pipeline by the schedule itself, which runs the head and the loss inside."""
+    pipeline = None if placement is None else placement.pipeline
+    if pipeline is None or config.pipeline_schedule == "gpipe":
+        def scaled(params: Params) -> tuple[Array, tuple[Array, Array]]:
+            logits_BxTxV = bind(config, params)(rows["tokens"], rows["segment_ids"],
+                                                rows["positions"], placement)
+            total, count = loss(logits_BxTxV, rows["targets"])
+            return total * seed, (total, count)
+
+        (_, sums), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        return grads, sums
+    cfg, constrain = config, placement.constrain
+    tied = cfg.tie_embeddings
+    embed_VxD, pull_embed = jax.vjp(lambda e: _compute_embedding(cfg, e, constrain),
+                                    params["embed"])
+    x_BxTxD, pull_x = jax.vjp(lambda e: _embedded(e, rows["tokens"], constrain), embed_VxD)
+    positions_BxT = rows["positions"]
+    block_rows = (rows["segment_ids"], positions_BxT, *rope_tables(cfg, positions_BxT))
+
+    def head(p: Params, x_BxTxD: Array, targets_BxT: Array) -> tuple[Array, Array]:
+        head_DxV = _head_weights(cfg, p["head"], constrain)
+        return loss(_logits(cfg, p["final_norm"], head_DxV, x_BxTxD, placement.across_stages),
+                    targets_BxT)
+
+    head_params = {"final_norm": params["final_norm"],
+                   "head": embed_VxD if tied else params["lm_head"]}
+    sums, d_layers, d_head, d_x = one_f_one_b(
+        _block(cfg, placement, packed=True), head, x_BxTxD, params["layers"], head_params,
+        block_rows, rows["targets"], *pipeline, constrain=constrain, seed=seed,
+        remat_stages=cfg.remat == "full")
+    (d_embed_VxD,) = pull_x(d_x)
+    if tied:
+        d_embed_VxD = d_embed_VxD + d_head["head"]
+    grads = {"embed": pull_embed(d_embed_VxD)[0], "layers": d_layers,
+             "final_norm": d_head["final_norm"]}
+    return (grads if tied else grads | {"lm_head": d_head["head"]}), sums

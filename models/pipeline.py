@@ -1,38 +1,66 @@
-"""Pipeline parallelism in SPMD form (GPipe): the stacked layers split into S stages, a step's
-rows into M micro-batches, and all stages at work at once.
+"""Pipeline parallelism in SPMD form: the stacked layers split into S stages, a micro-step's rows
+into M micro-batches, all stages at work at once. Two schedules (`SCHEDULES`): 1F1B, the
+default, and GPipe, kept for comparison.
 
 The layers `[L, ...]` are viewed as `[S, L/S, ...]`, their leading axis split over the mesh's
-`stage` axis, so each stage's devices hold a contiguous block of L/S layers. A buffer
-`[S, rows, T, D]` holds the micro-batch each stage works on. Each of the M + S - 1 iterations of
-a `lax.scan` shifts the buffer one stage down (stage 0 takes the next micro-batch; XLA turns the
-shift into a collective permute between neighbouring stages), runs every stage on its slot (a
-`vmap` over stages, `spmd_axis_name="stage"`, so each stage's devices compute only their own),
-and collects the micro-batch the last stage finished. In the first and last S - 1 iterations
-some stages work on nothing that reaches the output: the bubble, (S - 1) / (M + S - 1) of the
-stage-iterations. The backward pass is the scan's own, run in reverse. What a stage keeps for
-it follows the layers' remat policy: every iteration's activations as the policy saves them, or
-under `remat_stages` (the "full" policy) only each iteration's stage input, the stage's layers
-recomputed in the backward pass.
+`stage` axis, so each stage's devices hold a contiguous block of L/S layers. Each tick runs
+every stage on its own slot of a buffer `[S, rows, T, D]` (a `vmap` over stages,
+`spmd_axis_name="stage"`, so each stage's devices compute only their own) and then shifts the
+buffer one stage on (a collective permute between neighbouring stages).
 
-After the pipeline every stage group holds its output; the model then gives each group a share
-of the rows for the final norm, LM head and loss (`Placement.across_stages`), so that work is
-done once per row rather than once per stage.
+GPipe (`gpipe`): a `lax.scan` of M + S - 1 forward ticks, the backward pass being the scan's own
+in reverse; a stage keeps what its layers' remat policy saves for every tick (under remat
+"full", `remat_stages`, each tick's stage input, the stage recomputed).
+
+1F1B (`one_f_one_b`): the forward and the backward interleaved in one schedule, each stage's
+backward taken explicitly (`jax.vjp`). Stage s runs micro-batch m forward at tick m + s and
+backward at tick m + 2S - 2 - s; the last stage runs the final norm, the LM head and the loss on
+its micro-batch between the two (rows, or tokens, shared by all stage groups), so its backward
+starts in the same tick. S - 1 forward-only ticks, M ticks of both, S - 1 backward-only ticks:
+the same (M + S - 1)(F + B) as GPipe, and the same bubble, but a stage holds the residuals of at
+most 2S - 1 micro-batches in flight (ring slots in the scan's carry) rather than all M + S - 1
+ticks'. What a residual is follows the layers' remat policy, as in GPipe (under "full", the
+stage input; the stage recomputed in its backward). The weights a stage's backward reads are
+not copied into the slots: they are the stage's own, passed again.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 Array = jax.Array
+# (head weights, x [B, T, D], targets [B, T]) -> (loss sum, target count)
+Head = Callable[[Any, Array, Array], tuple[Array, Array]]
+SCHEDULES = ("1f1b", "gpipe")
 
 
 def bubble(stages: int, microbatches: int) -> float:
-    """The share of stage-iterations that compute nothing useful."""
+    """The share of stage-ticks that compute nothing useful (either schedule)."""
     return (stages - 1) / (microbatches + stages - 1)
+
+
+def in_flight(stages: int, microbatches: int, schedule: str = "1f1b") -> int:
+    """Micro-batches' residuals a stage holds at once: 1F1B's ring slots, or GPipe's ticks."""
+    return 2 * stages - 1 if schedule == "1f1b" else microbatches + stages - 1
+
+
+def _micro_batches(a: Array, microbatches: int) -> Array:
+    """[B, ...] as [M, B/M, ...]: micro-batch m holds rows m, m + M, m + 2M, ..., so each data
+    shard's rows stay on it."""
+    return a.reshape(a.shape[0] // microbatches, microbatches, *a.shape[1:]).swapaxes(0, 1)
+
+
+def _rows_back(a_MxB: Array) -> Array:
+    return a_MxB.swapaxes(0, 1).reshape(-1, *a_MxB.shape[2:])
+
+
+def _staged(stacked: Any, stages: int) -> Any:
+    return jax.tree.map(lambda w: w.reshape(stages, w.shape[0] // stages, *w.shape[1:]), stacked)
 
 
 def gpipe(block: Callable[[Array, Any, Any], Array], x_BxTxD: Array, stacked: Any, rows: Any,
@@ -41,23 +69,13 @@ def gpipe(block: Callable[[Array, Any, Any], Array], x_BxTxD: Array, stacked: An
     """`block(x, layer weights, rows)` applied for every layer of `stacked` (leading axis L),
     as a pipeline of `stages` stages over `microbatches` micro-batches. `rows` is a tree of
     per-row arrays [B, T, ...] (segment ids, positions, rotary tables) each block reads.
-    `remat_stages`: keep only each stage's input per iteration and recompute its layers."""
+    `remat_stages`: keep only each stage's input per tick and recompute its layers."""
     S, M = stages, microbatches
-    B = x_BxTxD.shape[0]
+    inputs_MxBxTxD = _micro_batches(x_BxTxD, M)
+    rows_M = jax.tree.map(lambda r: _micro_batches(r, M), rows)
+    staged = _staged(stacked, S)
 
-    def split(a: Array) -> Array:
-        # Micro-batch m holds rows m, m + M, m + 2M, ...: each data shard's rows stay on it.
-        return a.reshape(B // M, M, *a.shape[1:]).swapaxes(0, 1)
-
-    inputs_MxBxTxD = split(x_BxTxD)
-    rows_M = jax.tree.map(split, rows)
-    staged = jax.tree.map(lambda w: w.reshape(S, w.shape[0] // S, *w.shape[1:]), stacked)
-
-    def stage(layers: Any, x: Array, stage_rows: Any) -> Array:
-        return jax.lax.scan(lambda x, w: (block(x, w, stage_rows), None), x, layers)[0]
-
-    if remat_stages:
-        stage = jax.checkpoint(stage, prevent_cse=False)
+    stage = _stage(block, remat_stages)
     all_stages = jax.vmap(stage, spmd_axis_name="stage")
     stage_index_S = jnp.arange(S)
 
@@ -80,4 +98,129 @@ def gpipe(block: Callable[[Array, Any, Any], Array], x_BxTxD: Array, stacked: An
     start = (on_stages(jnp.zeros((S, *inputs_MxBxTxD.shape[1:]), x_BxTxD.dtype)),
              jnp.zeros_like(inputs_MxBxTxD))
     (_, outputs_MxBxTxD), _ = jax.lax.scan(iteration, start, jnp.arange(M + S - 1))
-    return outputs_MxBxTxD.swapaxes(0, 1).reshape(x_BxTxD.shape)
+    return _rows_back(outputs_MxBxTxD)
+
+
+def _stage(block: Callable[[Array, Any, Any], Array], remat_stages: bool
+           ) -> Callable[[Any, Array, Any], Array]:
+    """One stage: `block` over its layers (recomputed in the backward under `remat_stages`)."""
+    def stage(layers: Any, x: Array, stage_rows: Any) -> Array:
+        return jax.lax.scan(lambda x, w: (block(x, w, stage_rows), None), x, layers)[0]
+
+    return jax.checkpoint(stage, prevent_cse=False) if remat_stages else stage
+
+
+class _Carry(NamedTuple):
+    sent: Array  # [S, rows, T, D]: each stage's last forward output, for the next stage
+    returned: Array  # [S, rows, T, D]: each stage's last input gradient, for the one before
+    slots: list[Array]  # [S, 2S - 1, ...]: the residuals of the micro-batches in flight
+    d_staged: Any  # [S, L/S, ...]: the stages' weight gradients
+    d_head: Any
+    d_inputs: Array  # [M, rows, T, D]: the gradient of each micro-batch's input
+    total: Array
+    count: Array
+
+
+def one_f_one_b(block: Callable[[Array, Any, Any], Array], head: Head, x_BxTxD: Array,
+                stacked: Any, head_params: Any, rows: Any, targets_BxT: Array, stages: int,
+                microbatches: int, constrain: Callable[[Array, tuple], Array], seed: Array,
+                remat_stages: bool = False) -> tuple[tuple[Array, Array], Any, Any, Array]:
+    """The 1F1B schedule (module docstring) of `block` over `stacked`'s layers, then `head`.
+    `head(head params, x, targets)` gives a loss sum and a target count for its rows (its work
+    is per token). Returns the loss sum and count over all rows, and the gradients of `seed`
+    times the loss sum for `stacked`, `head_params` and `x_BxTxD`."""
+    S, M = stages, microbatches
+    slots = in_flight(S, M)
+    inputs_MxBxTxD = _micro_batches(x_BxTxD, M)
+    rows_M = jax.tree.map(lambda r: _micro_batches(r, M), rows)
+    targets_MxBxT = _micro_batches(targets_BxT, M)
+    staged = _staged(stacked, S)
+    run_stage = _stage(block, remat_stages)
+    stage_S = jnp.arange(S)
+    pullback: dict[str, Any] = {}  # how a stage's backward rebuilds its pullback (static)
+
+    def on_stages(a: Array) -> Array:
+        return constrain(a, ("stages", "batch", "seq", *(None,) * (a.ndim - 3)))
+
+    def forward(w: Any, x: Array, r: Any) -> tuple[Array, list[Array]]:
+        y, pull = jax.vjp(lambda w, x: run_stage(w, x, r), w, x)
+        leaves, pullback["tree"] = jax.tree.flatten(pull)
+        shared = jax.tree.leaves((w, r))
+        # The weights and rows it reads are passed again to the backward, not kept per slot.
+        pullback["shared"] = tuple(next((i for i, s in enumerate(shared) if leaf is s), -1)
+                                   for leaf in leaves)
+        return y, [leaf for leaf, i in zip(leaves, pullback["shared"], strict=True) if i < 0]
+
+    def backward(w: Any, r: Any, kept: list[Array], g: Array) -> tuple[Any, Array]:
+        shared, kept = jax.tree.leaves((w, r)), iter(kept)
+        leaves = [shared[i] if i >= 0 else next(kept) for i in pullback["shared"]]
+        return jax.tree.unflatten(pullback["tree"], leaves)(g)
+
+    forward_S = jax.vmap(forward, spmd_axis_name="stage")
+    backward_S = jax.vmap(backward, spmd_axis_name="stage")
+    read_S = jax.vmap(lambda ring, slot: ring[slot], spmd_axis_name="stage")
+
+    def of_stages(micro_S: Array) -> Any:  # each stage's rows for its micro-batch
+        return jax.tree.map(lambda r: on_stages(r[jnp.clip(micro_S, 0, M - 1)]), rows_M)
+
+    def tick(c: _Carry, t: Array, forwards: bool, backwards: bool) -> tuple[_Carry, None]:
+        returned_S = jnp.zeros_like(c.returned)
+        if forwards:  # stage s runs micro-batch t - s forward
+            x_S = on_stages(jnp.roll(c.sent, 1, axis=0).at[0].set(
+                inputs_MxBxTxD[jnp.minimum(t, M - 1)]))
+            sent, kept = forward_S(staged, x_S, of_stages(t - stage_S))
+            c = c._replace(sent=on_stages(sent), slots=[
+                ring.at[:, t % slots].set(k) for ring, k in zip(c.slots, kept, strict=True)])
+        if forwards and backwards:  # the last stage's micro-batch through the head and loss
+            last = t - (S - 1)
+            total, pull, count = jax.vjp(
+                lambda p, y: _per_token(head, p, y, targets_MxBxT[last], S), head_params,
+                c.sent[S - 1], has_aux=True)
+            d_head, dy = pull(seed.astype(total.dtype))
+            returned_S = returned_S.at[S - 1].set(dy)
+            c = c._replace(d_head=jax.tree.map(jnp.add, c.d_head, d_head),
+                           total=c.total + total, count=c.count + count)
+        if backwards:  # stage s runs micro-batch t - 2S + 2 + s backward
+            micro_S = t - (2 * S - 2) + stage_S
+            g_S = on_stages(jnp.where((stage_S == S - 1)[:, None, None, None], returned_S,
+                                      jnp.roll(c.returned, -1, axis=0)))
+            kept = [read_S(ring, (micro_S + stage_S) % slots) for ring in c.slots]
+            d_w, d_x = backward_S(staged, of_stages(micro_S), kept, g_S)
+            valid_S = (micro_S >= 0) & (micro_S < M)
+            first = jnp.clip(micro_S[0], 0, M - 1)
+            c = c._replace(
+                returned=on_stages(d_x),
+                d_staged=jax.tree.map(lambda a, g: a + jnp.where(
+                    valid_S.reshape(S, *(1,) * (g.ndim - 1)), g, 0), c.d_staged, d_w),
+                d_inputs=c.d_inputs.at[first].set(
+                    jnp.where(micro_S[0] >= 0, d_x[0], c.d_inputs[first])))
+        return c, None
+
+    x_S = on_stages(jnp.zeros((S, *inputs_MxBxTxD.shape[1:]), x_BxTxD.dtype))
+    _, kept = jax.eval_shape(forward_S, staged, x_S, of_stages(stage_S))
+    start = _Carry(
+        sent=x_S, returned=x_S,
+        slots=[jnp.zeros((S, slots, *k.shape[1:]), k.dtype) for k in kept],
+        d_staged=jax.tree.map(jnp.zeros_like, staged),
+        d_head=jax.tree.map(jnp.zeros_like, head_params),
+        d_inputs=jnp.zeros_like(inputs_MxBxTxD),
+        total=jnp.zeros((), jnp.float32), count=jnp.zeros((), jnp.int32))
+    c = start
+    # S - 1 ticks forward only, M of both, S - 1 backward only.
+    for first, ticks, forwards, backwards in ((0, S - 1, True, False), (S - 1, M, True, True),
+                                              (M + S - 1, S - 1, False, True)):
+        c, _ = jax.lax.scan(functools.partial(tick, forwards=forwards, backwards=backwards), c,
+                            first + jnp.arange(ticks))
+    d_stacked = jax.tree.map(lambda g, w: g.reshape(w.shape), c.d_staged, stacked)
+    return (c.total, c.count), d_stacked, c.d_head, _rows_back(c.d_inputs)
+
+
+def _per_token(head: Head, params: Any, x_BxTxD: Array, targets_BxT: Array, stages: int
+               ) -> tuple[Array, Array]:
+    """`head` on a micro-batch, its rows cut into `stages` pieces of tokens each when the rows
+    alone do not divide over the stage groups: the head's work is per token, and so shared."""
+    B, T = targets_BxT.shape
+    if B % stages and T % stages == 0:
+        x_BxTxD = x_BxTxD.reshape(B * stages, T // stages, -1)
+        targets_BxT = targets_BxT.reshape(B * stages, T // stages)
+    return head(params, x_BxTxD, targets_BxT)

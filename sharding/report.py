@@ -9,7 +9,7 @@ from typing import Any
 from models.attention import DEFAULT_BLOCK, choose_backend
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
-from models.pipeline import bubble
+from models.pipeline import bubble, in_flight
 from sharding.strategy import Strategy, fit_to_model, partial_axes, ways
 
 # Where activations are constrained in the model, by their logical axes.
@@ -74,19 +74,23 @@ def describe(strategy: Strategy, config: LlamaConfig, platform: str = "cpu") -> 
 
 
 def _pipeline(strategy: Strategy, config: LlamaConfig) -> dict[str, Any] | None:
-    """Stages, layers and micro-batches of a pipeline; the bubble; and what each device sends
-    to the next stage per token of a micro-step's rows (forward activations, then as many
-    gradient bytes back)."""
+    """Stages, layers and micro-batches of a pipeline; its schedule, bubble and the
+    micro-batches a stage holds in flight; and what each device sends per token of a
+    micro-step's rows: to the next stage (forward activations, then as many gradient bytes
+    back) and, under 1F1B, from the last stage to the groups sharing the head, and back."""
     S, M = strategy.stages, strategy.microbatches
     if S == 1:
         return None
     data = math.prod(ways(strategy.activation_spec(("batch", "seq")), strategy.axes))
     itemsize = 2 if config.compute_dtype in ("bfloat16", "float16") else 4
-    # Every iteration moves each stage's slot (a micro-batch of rows/M) one stage on.
+    schedule = config.pipeline_schedule
+    # Every tick moves each stage's slot (a micro-batch of rows/M) one stage on.
     sent = 2 * (M + S - 1) * config.dim * itemsize / (M * data)
+    head = 2 * (S - 1) / S * config.dim * itemsize / data if schedule == "1f1b" else 0.0
     return {"stages": S, "layers_per_stage": config.n_layers // S, "microbatches": M,
-            "iterations": M + S - 1, "bubble": bubble(S, M),
-            "stage_bytes_per_token": sent}
+            "schedule": schedule, "iterations": M + S - 1, "bubble": bubble(S, M),
+            "in_flight": in_flight(S, M, schedule), "stage_bytes_per_token": sent,
+            "head_bytes_per_token": head}
 
 
 def _gradients(strategy: Strategy, grad_bytes: int) -> dict[str, Any]:

@@ -48,10 +48,12 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   context): a reduce-scatter over those the accumulator is split on, an all-reduce over the
   rest. Under `sharded` accumulation the data axes are reduce-scattered every micro-step too,
   into an accumulator split over them.
-- Pipeline (GPipe, `models.pipeline`): M + S - 1 iterations, each sending a micro-batch's
-  activations to the next stage forward (again in a stage recomputed under remat "full"), and
-  their gradient backward; the S - 1 iterations beyond M are the bubble, priced at the layers' work
-  per iteration.
+- Pipeline (`models.pipeline`, 1F1B or GPipe by `config.pipeline_schedule`): M + S - 1 ticks of
+  each stage's forward and as many of its backward, each sending a micro-batch's activations to
+  the next stage forward (again in a stage recomputed under remat "full"), and their gradient
+  backward; the S - 1 ticks beyond M are the bubble, the same share under both schedules, priced
+  at the layers' work per tick. 1F1B also sends each micro-batch from the last stage to the
+  stage groups sharing its head, and its gradient back.
 
 Memory (bytes per device at the micro-step's peak; `MicroStepMemory` keeps each term):
 - Arguments, exactly: the compute-dtype weights in the parameter layout, the fp32 accumulator in
@@ -62,11 +64,15 @@ Memory (bytes per device at the micro-step's peak; `MicroStepMemory` keeps each 
   "none" XLA keeps every layer's so from the forward pass for the backward; under remat, one
   layer's at a time.
 - Weight gradients: the layer loop stacks them (reduce-scattered first under fsdp); a pipeline
-  carries its stage's gradient sum through the iterations, in and out of each.
+  carries its stage's gradient sum through the ticks, in and out of each (1F1B its head's too,
+  beside each tick's gradients).
 - Activations saved for the backward pass: per layer and token, `SAVED` arrays of each width by
-  remat policy, for each of a pipeline's M + S - 1 iterations with the scan's carry (the stage
-  slot and the M finished micro-batches); under remat "full" a pipeline keeps only each
-  iteration's stage input and recomputes one micro-batch's layers at a time.
+  remat policy, for each micro-batch a pipeline stage holds (`models.pipeline.in_flight`: GPipe
+  every one of its M + S - 1 ticks', with the scan's carry, the stage slot and the M finished
+  micro-batches; 1F1B at most 2S - 1, beside a carry of two stage slots and the M micro-batches'
+  input gradients); under remat "full" a pipeline keeps only those micro-batches' stage inputs
+  and recomputes one micro-batch's layers at a time. Under 1F1B the head's logits are one
+  micro-batch's.
 - The backward pass's working set (`WORKING`): logits-sized fp32 arrays, activation gradients,
   a layer's gradients or its recomputed activations.
 Which arrays exist and how many was read off XLA's buffer assignment of the compiled micro-step,
@@ -75,7 +81,9 @@ devices; tests/test_cost.py checks six strategies): with remat "none", data, fsd
 context strategies within 7 % at 2, 4 and 32 layers, pipelines within 1 % at 32 layers and 14 %
 at 2 layers per stage (one layer per stage XLA plans 15-30 % leaner); remat "dots" and "full"
 within 10 % at 2 and 4 layers and 2 % at 32, outside pipelines (a pipeline under remat is not
-calibrated: over-predicted by 25-50 % at 32 layers). `resident_bytes` is what stays besides: the
+calibrated: over-predicted by 25-50 % at 32 layers). A 1F1B pipeline (stage=2, tensor=4 at 4
+layers) within 2 % at M = 2 and 8; GPipe's terms were fitted at M = 2 and over-predict by 24 % at
+M = 8, where XLA plans 1F1B a third leaner than GPipe. `resident_bytes` is what stays besides: the
 home's fp32 weights, AdamW moments and gradient sum.
 """
 
@@ -94,6 +102,7 @@ from hotjax.planning.profile import Profile
 from models.attention import DEFAULT_BLOCK, PALLAS_BLOCK, block_edge
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
+from models.pipeline import in_flight
 from sharding.report import state_bytes
 from sharding.strategy import MESH_AXES, Strategy, fit_to_model, partial_axes, ways
 from sharding.transfers import TransferSchedule
@@ -261,14 +270,23 @@ def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int,
     M, S = s.microbatches, s.stages
     tokens, inner = s.tokens / M, s.inner_tokens / M  # one pipeline micro-batch (M = 1: all)
     activations = s.layers * per_token(SAVED[config.remat], tokens, inner)
-    if S > 1 and config.remat == "full":  # each iteration's stage input; layers recomputed
-        activations += (M + S - 1) * tokens * D * held
-    elif S > 1:  # every iteration's activations as the policy saves them, and its carry
-        activations = (M + S - 1) * (activations + (M + 1) * tokens * D * held)
-    head_rows = _head_share(s)
+    gpipe = config.pipeline_schedule == "gpipe"
+    kept = in_flight(S, M, config.pipeline_schedule)
+    if S > 1 and config.remat == "full":  # the stage inputs held; layers recomputed
+        activations += (kept + (not gpipe) * (M + 2)) * tokens * D * held
+    elif S > 1 and gpipe:  # every tick's activations as the policy saves them, and its carry
+        activations = kept * (activations + (M + 1) * tokens * D * held)
+    elif S > 1:  # the micro-batches in flight, and the carry (held once)
+        activations = kept * activations + (M + 2) * tokens * D * held
+    # 1F1B runs the head inside the schedule, one micro-batch at a time.
+    head_rows = _head_share(s, config.pipeline_schedule) * (M if S > 1 and not gpipe else 1)
     # A pipeline carries its stage's gradient sum through the iterations at the matmuls' width,
     # into and out of each one; otherwise the layer loop stacks them in the accumulator's layout.
-    gradients = 2 * s.layer_weights * held if S > 1 else s.layer_grad_sum * compute
+    # 1F1B's carry holds the head's gradient sum too, and each tick's weight gradients and their
+    # masked sum beside both (read off XLA's plan, as the rest).
+    gradients = (s.layer_grad_sum * compute if S == 1
+                 else 2 * s.layer_weights * held if gpipe
+                 else (4 * s.layer_weights + 2 * s.other_weights) * held)
     work = WORKING[config.remat]
     working = (work.gradients * (S == 1) * (s.layer_weights / s.layers + s.other_weights) * compute
                + work.logits * s.inner_tokens * V / s.vocab_ways * FP32 / head_rows
@@ -348,7 +366,8 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     query, kv, mlp = N * H / s.head_ways, K * H / s.kv_ways, F / s.mlp_ways
     layer = gemms(((D, query), (D, kv), (D, kv), (query, D), (D, mlp), (D, mlp), (mlp, D)))
     layer_matmuls = (forwards + 2) * s.inner_tokens * layer * s.layers
-    head_matmuls = 3 * s.inner_tokens * gemms(((D, V / s.vocab_ways),)) / _head_share(s)
+    head_matmuls = 3 * s.inner_tokens * gemms(((D, V / s.vocab_ways),)) / _head_share(
+        s, config.pipeline_schedule)
     context = fitted.seq_ways("context")
     block, _ = attention_kernel(config, profile.platform, shape[1], context)
     pairs = s.rows * visible_pairs(shape[1], context, fitted.balanced, block)
@@ -389,8 +408,9 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
                  + collective("all-reduce", scattered, rest))
 
     stage_send = collective("send", s.tokens / M * D * compute, ("stage",))
-    stages = (forwards + 1) * M * stage_send if S > 1 else 0.0
-    per_iteration = (layer_matmuls + attention + layer_tensor) / M + (forwards + 1) * stage_send
+    head_sends = 2 * (config.pipeline_schedule == "1f1b")  # to the head's groups and back
+    stages = (forwards + 1 + head_sends) * M * stage_send if S > 1 else 0.0
+    per_iteration = (layer_matmuls + attention + layer_tensor + stages) / M
     return MicroStepTime(
         matmuls=layer_matmuls + head_matmuls, attention=attention, tensor=tensor,
         context=max(0.0, ring - attention), fsdp=fsdp, gradients=gradients, stages=stages,
@@ -412,9 +432,12 @@ def bucket_reduction_seconds(config: LlamaConfig, strategy: Strategy, profile: P
         "all-reduce", n, crosses)
 
 
-def _head_share(s: Shares) -> int:
-    """How many ways a pipeline's stage groups split the rows after it (`across_stages`)."""
-    return s.stages if s.stages > 1 and s.rows % s.stages == 0 else 1
+def _head_share(s: Shares, schedule: str) -> int:
+    """How many ways a pipeline's stage groups split the head's work (`across_stages`): GPipe's
+    rows after it where they divide, 1F1B's micro-batch rows, or else their tokens."""
+    if s.stages > 1 and (schedule == "1f1b" or s.rows % s.stages == 0):
+        return s.stages
+    return 1
 
 
 def _size(strategy: Strategy, axes: tuple[str, ...]) -> int:

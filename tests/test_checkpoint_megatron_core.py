@@ -162,10 +162,11 @@ def _error(argv: list[str], capsys) -> str:
     return err
 
 
-def _copy(runs: Path, tmp_path: Path, fmt: str = "fully_reshardable") -> Path:
+def _copy(runs: Path, tmp_path: Path, fmt: str = "fully_reshardable", name: str = "tp2"
+          ) -> Path:
     iteration = tmp_path / "mc" / f"iter_{run.ITERATION:07d}"
-    shutil.copytree(runs / "tp2" / fmt / iteration.name, iteration)
-    shutil.copy(runs / "tp2" / fmt / "latest_checkpointed_iteration.txt", iteration.parent)
+    shutil.copytree(runs / name / fmt / iteration.name, iteration)
+    shutil.copy(runs / name / fmt / "latest_checkpointed_iteration.txt", iteration.parent)
     return iteration
 
 
@@ -204,11 +205,14 @@ def _config(tmp_path: Path, ffn_dim: int) -> Path:
 
 @pytest.mark.parametrize("case", ["no metadata.json", "another backend", "missing distcp",
                                   "shape disagrees", "no args", "mixture of experts",
-                                  "buckets in another order", "pipeline-parallel buckets"])
+                                  "buckets in another order", "pipeline-parallel buckets",
+                                  "optimizer state saved wrong"])
 def test_bad_input_is_one_line_naming_the_problem_and_its_fix_and_nothing_is_written(
         case, runs, tmp_path, capsys):
+    # Megatron-Core 0.16.1 saves the three-bucket DP=2 run's fully reshardable state wrong.
     iteration = _copy(runs, tmp_path, "dp_reshardable" if "buckets" in case else
-                      "fully_reshardable")
+                      "fully_reshardable", "dp2" if case == "optimizer state saved wrong"
+                      else "tp2")
     extra, expect = [], []
     if case == "no metadata.json":
         (iteration / "metadata.json").unlink()
@@ -229,6 +233,8 @@ def test_bad_input_is_one_line_naming_the_problem_and_its_fix_and_nothing_is_wri
     elif case == "buckets in another order":  # Transformer Engine's: linear_proj comes first
         _with_args(iteration, transformer_impl="transformer_engine")
         expect = ["buckets of rank 0", "transformer_engine layer spec", "--weights-only"]
+    elif case == "optimizer state saved wrong":
+        expect = ["the optimizer's fp32 copy of", "elements differ", "--weights-only"]
     elif case == "pipeline-parallel buckets":
         _with_args(iteration, pipeline_model_parallel_size=2)
         expect = ["pipeline parallelism 2", "--weights-only"]

@@ -14,8 +14,10 @@ are global, whatever tensor, pipeline or data parallelism wrote them:
 Adam's state is read where it is kept per parameter, `optimizer.state.{param,exp_avg,exp_avg_sq}
 .{model key}` (`--dist-ckpt-optim-fully-reshardable`, or a non-distributed optimizer, whose
 master weights are `fp32_param`), and from the distributed optimizer's default `dp_reshardable`
-buckets (`_Buckets`: the layout is rebuilt from the model and checked against the chunks each
-data-parallel rank wrote).
+buckets (`megatron_dist.Buckets`: the layout is rebuilt from the model and checked against the
+chunks each data-parallel rank wrote). The optimizer's fp32 weights are checked against the
+model's own as they are read: Megatron-Core 0.16.1 saves a several-bucket run's fully
+reshardable state wrong, and such a checkpoint is refused rather than imported.
 
 Each parameter is written as soon as it is made (`store.Pending`), from a tensor read when the
 first of its parameters is made and dropped after the last: peak host memory is a few tensors,
@@ -25,15 +27,9 @@ whatever the checkpoint's size.
 from __future__ import annotations
 
 import argparse
-import bisect
-import dataclasses
 import functools
-import io
 import json
-import pickle
 import re
-import zipfile
-from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,69 +38,21 @@ import numpy as np
 
 from hotjax.checkpoint import dcp, megatron, store
 from hotjax.checkpoint.megatron import EMBED, FC1, FC2, FINAL_NORM, HEAD, NORMS, PROJ, QKV
+from hotjax.checkpoint.megatron_dist import (
+    BUCKET,
+    LAYERS,
+    Buckets,
+    distributed_groups,
+    read_common,
+)
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params
 
 BACKEND = "torch_dist"
-LAYERS = "decoder.layers."
 _STATE = re.compile(r"(?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)"
                     r"\.(.+)")
 _MASTER = ("param", "fp32_param")  # the distributed optimizer's name, the plain one's
 _MOE = ("experts", "router", "shared_experts")
-_BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_.+"
-                     r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)")
-# The distributed optimizer's param groups (lr, betas, step), one object per model-parallel rank.
-_GROUPS = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.optimizer/shard_.+")
-_ALIGN = 64  # a bucket's parameters start at multiples of 64 elements
-
-
-# ---------------------------------------------------------------------------- common.pt
-
-class _Opaque:
-    """An object of a class this reader does not build (an enum or config of Megatron's, a
-    torch dtype): its pickled arguments and state are kept, its code never runs."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-
-_PLAIN = {("collections", "OrderedDict"): OrderedDict, ("argparse", "Namespace"):
-          argparse.Namespace, **{("builtins", t.__name__): t for t in (set, frozenset, slice,
-                                                                       complex)}}
-
-
-class _CommonUnpickler(pickle.Unpickler):
-    """Megatron's args hold its own classes (`AttnBackend`, ...), which torch's weights-only
-    loader refuses: these become `_Opaque`, and tensors None; only plain data is built."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        return _PLAIN.get((module, name)) or type(name, (_Opaque,), {"origin": module})
-
-    def persistent_load(self, pid: Any) -> None:
-        return None
-
-
-def _plain(source: Path | io.BytesIO, where: Path) -> Any:
-    """The plain content of a `torch.save` file or stream, no code of its classes run."""
-    try:
-        with zipfile.ZipFile(source) as archive:
-            pkl = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
-            return _CommonUnpickler(archive.open(pkl)).load()
-    except (zipfile.BadZipFile, StopIteration, pickle.UnpicklingError, EOFError, ValueError,
-            TypeError, AttributeError) as e:
-        raise UserError(f"{where}: not a readable torch.save file ({type(e).__name__}): the "
-                        f"checkpoint is damaged") from None
-
-
-def read_common(file: Path) -> dict[str, Any]:
-    """`common.pt`'s plain content: args, iteration, the optimizer's param groups."""
-    if not file.is_file():
-        raise UserError(f"{file}: missing: copy the whole checkpoint directory")
-    loaded = _plain(file, file)
-    return loaded if isinstance(loaded, dict) else {}
 
 
 # ---------------------------------------------------------------------------- reading
@@ -235,7 +183,7 @@ def _classify(tensors: dict[str, Any], expected: dict[str, tuple], weights_only:
             state.setdefault(field, {})[found[2]] = key
             continue
         model_key = found[2] if found else key
-        if (bucket := _BUCKET.fullmatch(key)) or weights_only and key.startswith(
+        if (bucket := BUCKET.fullmatch(key)) or weights_only and key.startswith(
                 ("optimizer.", "chained_")) and not found:
             buckets[key] = bucket
             continue
@@ -325,188 +273,6 @@ def _hyperparameters(common: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _ranges_planner(ranges: list[tuple[str, int, Any]], objects: dict[str, Any],
-                    where: Path) -> Any:
-    """A torch DCP load planner that fills each 1-D tensor of `ranges` (fqn, start, tensor)
-    with the elements from `start` on of the checkpoint's 1-D tensor `fqn`, reading those
-    alone, and sets each key of `objects` to the plain content of that saved object."""
-    import torch
-    from torch.distributed._shard._utils import narrow_tensor_by_index
-    from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-    class Ranges(DefaultLoadPlanner):
-        def create_local_plan(self) -> Any:
-            items = list(super().create_local_plan().items)  # the objects
-            for i, (fqn, start, tensor) in enumerate(ranges):
-                chunk = ChunkStorageMetadata(torch.Size([start]), tensor.size())
-                for item in create_read_items_for_chunk_list(
-                        fqn, self.metadata.state_dict_metadata[fqn], [chunk]):
-                    index = dataclasses.replace(item.dest_index, index=i)  # which range
-                    items.append(dataclasses.replace(item, dest_index=index))
-            return LoadPlan(items)
-
-        def resolve_tensor(self, read_item: Any) -> Any:
-            tensor = ranges[read_item.dest_index.index][2]
-            return narrow_tensor_by_index(tensor, read_item.dest_offsets, read_item.lengths)
-
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            objects[read_item.dest_index.fqn] = _plain(value, where)
-
-    return Ranges(flatten_state_dict=False)
-
-
-# Where tensor parallelism splits a model tensor (a layer's, for stacked ones); norms are whole
-# on every rank, and fc1 holds a rank's gate rows then its up rows.
-_SPLIT = {EMBED: 0, HEAD: 0, LAYERS + QKV: 0, LAYERS + PROJ: 1, LAYERS + FC2: 1}
-
-
-class _Buckets:
-    """Adam's state where the distributed optimizer keeps it by default (`dp_reshardable`):
-    each tensor-parallel rank's optimizer (`dp_group_idx_{rank}`, pipeline parallelism aside)
-    keeps its parameters' fp32 copy and moments in the flat buckets of its gradient buffer, the
-    module's parameters in reverse `named_parameters` order, each starting at a multiple of 64
-    elements, a bucket closing after the parameter that reaches the bucket size; one checkpoint
-    tensor per bucket and field holds the bucket without its end padding, written by each
-    data-parallel rank as one chunk per parameter part and per padding. The order is the model's
-    (`args.transformer_impl`: the local spec puts a layer's input norm first, Transformer
-    Engine's fuses it into linear_qkv after linear_proj); the bucket sizes are the tensors', and
-    every parameter's bounds are checked against the chunks before anything is read."""
-
-    def __init__(self, iteration: Path, tensors: dict[str, Any], found: dict[str, re.Match],
-                 config: LlamaConfig, expected: dict[str, tuple], norms: tuple[str, str],
-                 args: Any, where: Path):
-        self.iteration, self.config, self.expected = iteration, config, expected
-        fix = "pass --weights-only, or save with Megatron-LM's --dist-ckpt-optim-fully-reshardable"
-        if not isinstance(args, argparse.Namespace):
-            raise UserError(f"{iteration / 'common.pt'}: records no Megatron args, which place "
-                            f"the distributed optimizer's buckets (tensor parallelism, layer "
-                            f"spec): {fix}")
-        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-        vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-        impl = getattr(args, "transformer_impl", "transformer_engine")
-        self.tp = tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-        if pp != 1 or vpp not in (None, 1) or impl not in ("local", "transformer_engine"):
-            raise UserError(f"{where}: holds the distributed optimizer's dp_reshardable buckets "
-                            f"of a run with pipeline parallelism {pp}, virtual stages {vpp} and "
-                            f"transformer_impl {impl!r}: hotjax reads them without pipeline "
-                            f"parallelism, under the local or Transformer Engine spec: {fix}")
-        sizes: dict[tuple[int, int], int] = {}
-        fields: dict[tuple[int, int], set[str]] = {}
-        self.keys: dict[tuple[int, int, str], str] = {}
-        for key, match in found.items():
-            rank, buffer, bucket, field = int(match[1]), int(match[2]), int(match[3]), match[4]
-            if buffer != 0 or rank >= tp:
-                raise UserError(f"{where}: holds tensor {key}: the buckets of a second gradient "
-                                f"buffer (mixed parameter dtypes) or of a model-parallel rank "
-                                f"beyond tensor parallelism {tp}: {fix}")
-            sizes[rank, bucket] = int(tensors[key].size[0])
-            fields.setdefault((rank, bucket), set()).add(field)
-            self.keys[rank, bucket, field] = key
-        self.dtype = next(tensors[k].properties.dtype for k in found)
-        self.place: list[dict[tuple[str, int | None], tuple[int, int, tuple]]] = []
-        for rank in range(tp):
-            count = sum(1 for r, _ in sizes if r == rank)
-            if any((rank, b) not in sizes or fields[rank, b] != {"param", *dcp.MOMENTS}
-                   for b in range(count)) or count == 0:
-                raise UserError(f"{where}: the distributed optimizer's buckets of rank {rank} "
-                                f"are incomplete (each needs its param, exp_avg and exp_avg_sq): "
-                                f"copy the whole checkpoint directory, or pass --weights-only")
-            order = self._order(norms, impl == "local")
-            self.place.append(self._layout(order, [sizes[rank, b] for b in range(count)],
-                                           tensors, rank, impl, where, fix))
-
-    def _order(self, norms: tuple[str, str], local: bool) -> list[tuple[str, int | None, tuple]]:
-        """(model key, layer, shape on one rank) of a rank's parameters, `named_parameters`'s
-        order: embedding, each layer's, final norm, output layer."""
-        c, tp = self.config, self.tp
-        D, F, H, N, K = c.dim, c.ffn_dim, c.head_dim, c.n_heads, c.n_kv_heads
-        rows = self.expected[EMBED][0] // tp
-        attention = [(LAYERS + norms[0], (D,)), (LAYERS + PROJ, (D, N * H // tp))]
-        layer = [*(attention if local else attention[::-1]),
-                 (LAYERS + QKV, ((N + 2 * K) * H // tp, D)), (LAYERS + norms[1], (D,)),
-                 (LAYERS + FC1, (2 * F // tp, D)), (LAYERS + FC2, (D, F // tp))]
-        return [(EMBED, None, (rows, D)),
-                *[(key, i, shape) for i in range(c.n_layers) for key, shape in layer],
-                (FINAL_NORM, None, (D,)), *([] if c.tie_embeddings else [(HEAD, None, (rows, D))])]
-
-    def _layout(self, order: list[tuple[str, int | None, tuple]], sizes: list[int],
-                tensors: dict[str, Any], rank: int, impl: str, where: Path,
-                fix: str) -> dict[tuple[str, int | None], tuple[int, int, tuple]]:
-        """(bucket, start, shape) of each parameter of `rank`, checked against the chunks."""
-        place, spans, bucket, start = {}, [[] for _ in sizes], 0, 0
-        for key, layer, shape in reversed(order):
-            end = start + int(np.prod(shape))
-            if bucket == len(sizes) or end > sizes[bucket]:
-                break
-            place[key, layer] = (bucket, start, shape)
-            spans[bucket].append((start, end))
-            start = -(-end // _ALIGN) * _ALIGN
-            if sizes[bucket] in (end, start):  # the bucket closes, its end padding not saved
-                bucket, start = bucket + 1, 0
-        problem = len(place) != len(order) or bucket != len(sizes)
-        for b in range(len(sizes)):
-            chunks = tensors[self.keys[rank, b, "param"]].chunks
-            problem = problem or not _chunks_fit(chunks, spans[b])
-        if problem:
-            raise UserError(f"{where}: the distributed optimizer's buckets of rank {rank} "
-                            f"({len(sizes)} of {sizes} elements) do not hold this model's "
-                            f"parameters in the order of Megatron-Core's {impl} layer spec at "
-                            f"their chunks' bounds: {fix}")
-        return place
-
-    def read(self, field: str, model_key: str) -> np.ndarray:
-        """Adam's `field` ('param' for the fp32 weights) of a model tensor, at its global
-        shape: every rank's part of every layer, read from its bucket."""
-        import torch
-
-        out = np.empty(self.expected[model_key], np.float32)
-        split = model_key in _SPLIT or model_key == LAYERS + FC1
-        layers = range(self.config.n_layers) if model_key.startswith(LAYERS) else [None]
-        parts = []
-        for rank in range(self.tp if split else 1):
-            for layer in layers:
-                bucket, start, shape = self.place[rank][model_key, layer]
-                tensor = torch.empty(int(np.prod(shape)), dtype=self.dtype)
-                parts.append((self.keys[rank, bucket, field], start, tensor, rank, layer, shape))
-        dcp.load(self.iteration, {}, _ranges_planner([p[:3] for p in parts], {},
-                                                     self.iteration))
-        for _, _, tensor, rank, layer, shape in parts:
-            x = tensor.to(torch.float32).numpy().reshape(shape)
-            target = out if layer is None else out[layer]
-            if model_key == LAYERS + FC1:  # this rank's gate rows, then its up rows
-                half, F = shape[0] // 2, self.config.ffn_dim
-                target[rank * half:(rank + 1) * half] = x[:half]
-                target[F + rank * half:F + (rank + 1) * half] = x[half:]
-            elif split:
-                axis = _SPLIT[model_key]
-                n = shape[axis]
-                index = (slice(None),) * axis + (slice(rank * n, (rank + 1) * n),)
-                target[index] = x
-            else:
-                target[...] = x
-        return out
-
-
-def _chunks_fit(chunks: list[Any], spans: list[tuple[int, int]]) -> bool:
-    """Every parameter's span starts a chunk, and no chunk crosses a span's bounds (a chunk
-    outside every span is padding)."""
-    starts = {int(c.offsets[0]) for c in chunks}
-    lefts = [a for a, _ in spans]
-    if any(a not in starts for a in lefts):
-        return False
-    for c in chunks:
-        a, b = int(c.offsets[0]), int(c.offsets[0]) + int(c.sizes[0])
-        i = bisect.bisect_right(lefts, a) - 1
-        if i >= 0 and a < spans[i][1]:
-            if b > spans[i][1]:
-                return False
-        elif i + 1 < len(lefts) and b > lefts[i + 1]:
-            return False
-    return True
-
-
 class _Unfused:
     """hotjax parameters made one at a time from the Megatron tensors they come from: a tensor
     is read (fp32) when the first of its parameters is made, and dropped once the last one is,
@@ -543,6 +309,26 @@ class _Unfused:
         return value
 
 
+def _master(read: Any, iteration: Path, info: Any, key: str, where: Path) -> np.ndarray:
+    """The optimizer's fp32 copy of model tensor `key` (`read()`), refused unless the model's
+    own weights are that copy rounded to their dtype, as Megatron keeps them after every step:
+    Megatron-Core 0.16.1's fully reshardable save of a run whose gradient buffer has several
+    buckets writes every element of its optimizer state wrong, and this is how it shows."""
+    import torch
+
+    master = read()
+    model = _read_tensor(iteration, info, key)
+    rounded = torch.from_numpy(master).to(info.properties.dtype).to(torch.float32).numpy()
+    wrong = int(np.count_nonzero(rounded != model))
+    if wrong:
+        raise UserError(f"{where}: the optimizer's fp32 copy of {key} is not the model's "
+                        f"weights ({wrong:,} of {model.size:,} elements differ): its optimizer "
+                        f"state was saved wrong (Megatron-Core 0.16's fully reshardable save "
+                        f"of a run with several gradient buckets does this): pass "
+                        f"--weights-only, or save with the default dp_reshardable format")
+    return master
+
+
 def _read_tensor(iteration: Path, info: Any, key: str) -> np.ndarray:
     """One checkpoint tensor, whole, in fp32."""
     import torch
@@ -550,16 +336,6 @@ def _read_tensor(iteration: Path, info: Any, key: str) -> np.ndarray:
     loaded = {key: torch.empty(tuple(info.size), dtype=info.properties.dtype)}
     dcp.load(iteration, loaded)
     return loaded.pop(key).to(torch.float32).numpy()
-
-
-def _distributed_groups(iteration: Path, metadata: Any) -> list[Any]:
-    """The distributed optimizer's saved param groups (its step, lr, betas), if any."""
-    objects: dict[str, Any] = {}
-    keys = [k for k in metadata.state_dict_metadata if _GROUPS.fullmatch(k)]
-    if keys:
-        dcp.load(iteration, {k: io.BytesIO() for k in keys},
-                 _ranges_planner([], objects, iteration / ".metadata"))
-    return list(objects.values())
 
 
 def import_megatron_core(directory: str | Path, out: str | Path, *,
@@ -588,10 +364,10 @@ def import_megatron_core(directory: str | Path, out: str | Path, *,
         if state:
             raise UserError(f"{where}: holds Adam's state both per parameter and in the "
                             f"distributed optimizer's buckets: pass --weights-only")
-        buckets = _Buckets(iteration, tensors, bucketed, config, expected, norms,
+        buckets = Buckets(iteration, tensors, bucketed, config, expected, norms,
                            common.get("args"), where)
         common = {**common, "optimizer": [common.get("optimizer"),
-                                          *_distributed_groups(iteration, metadata)]}
+                                          *distributed_groups(iteration, metadata)]}
     moment_fields = [f for f in dcp.MOMENTS if f in state or buckets]
     step = _step(common, iteration / "common.pt") if moment_fields else None
     if moment_fields and step is None:
@@ -606,10 +382,16 @@ def import_megatron_core(directory: str | Path, out: str | Path, *,
 
     def reads(field: str) -> dict[str, Any]:
         if buckets is not None:
-            return {k: functools.partial(buckets.read, "param" if field == "weight" else field,
-                                         k) for k in expected}
-        return {k: functools.partial(_read_tensor, iteration, tensors[key], key)
-                for k, key in sources[field].items()}
+            found = {k: functools.partial(buckets.read, "param" if field == "weight" else field,
+                                          k) for k in expected}
+        else:
+            found = {k: functools.partial(_read_tensor, iteration, tensors[key], key)
+                     for k, key in sources[field].items()}
+        if field == "weight" and (buckets is not None or "param" in state):
+            # The optimizer's fp32 copy, checked against the model's own weights.
+            return {k: functools.partial(_master, read, iteration, tensors[k], k, where)
+                    for k, read in found.items()}
+        return found
 
     unfused = _Unfused(config, expected)
     trees = {field: unfused.pending(field, reads(field)) for field in ("weight", *moment_fields)}

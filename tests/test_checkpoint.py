@@ -372,6 +372,12 @@ def test_ckpt_errors_exit_2_without_a_traceback_in_a_new_process(tmp_path):
                                      f"checkpoint directory")
 
 
+# The model the imports' memory is measured on: 32 layers, the largest parameter (w_gate,
+# stacked) a fifth of the weights.
+MEMORY_MODEL = LlamaConfig(vocab_size=512, dim=384, n_layers=32, n_heads=6, n_kv_heads=6,
+                           ffn_dim=1024, compute_dtype="float32")
+
+
 def _peak_bytes(tmp_path: Path, *args: str | Path) -> int:
     """`hotjax *args` in a fresh process; its peak RSS, bytes."""
     file = tmp_path / "peak"
@@ -389,8 +395,7 @@ def test_import_and_export_hf_hold_one_parameter_at_a_time_not_the_checkpoint(tm
 
     from models.hf import CONFIG_FILE, WEIGHTS_FILE, config_to_hf, hf_tensor_shapes
 
-    config = LlamaConfig(vocab_size=512, dim=384, n_layers=32, n_heads=6, n_kv_heads=6,
-                         ffn_dim=1024, compute_dtype="float32")
+    config = MEMORY_MODEL
     hf = tmp_path / "hf"
     hf.mkdir()
     rng = np.random.default_rng(0)
@@ -411,30 +416,37 @@ def test_import_and_export_hf_hold_one_parameter_at_a_time_not_the_checkpoint(tm
     assert load_hf_checkpoint(tmp_path / "out").config.n_layers == 32
 
 
+def import_growth(tmp_path: Path, write) -> tuple[int, int, int]:
+    """How much more an import's peak RSS is for MEMORY_MODEL than for its 2-layer version
+    (which starts the same readers), the full checkpoint's bytes on disk, and the bytes of our
+    largest parameter. `write(directory, model)` writes the checkpoint there and returns the
+    `hotjax ckpt` arguments that import it (without the output directory)."""
+    peaks, nbytes = {}, 0
+    for layers in (2, MEMORY_MODEL.n_layers):
+        source = tmp_path / str(layers)
+        argv = write(source, dataclasses.replace(MEMORY_MODEL, n_layers=layers))
+        peaks[layers] = _peak_bytes(tmp_path, "ckpt", *argv, tmp_path / f"ck-{layers}")
+        nbytes = sum(f.stat().st_size for f in source.rglob("*") if f.is_file())
+    largest = abstract_params(MEMORY_MODEL)["layers"]["w_gate"].size * 4
+    return peaks[MEMORY_MODEL.n_layers] - peaks[2], nbytes, largest
+
+
 @pytest.mark.parametrize("source", ["megatron-core", "megatron"])
 def test_megatron_imports_hold_a_few_tensors_at_a_time_not_the_checkpoint(source, tmp_path):
-    # Measured against the same import of a 2-layer model, which starts the same readers (torch
-    # alone is 0.24 GB): the growth is a few of the largest tensors, of the Megatron checkpoint
-    # (a torch_dist checkpoint's stacked fc1, gate and up together, which torch's DCP reader
-    # holds three times while reading it) or of ours (w_gate); filling the whole output before
-    # writing held the checkpoint once.
+    # The growth is a few of the largest tensors, of the Megatron checkpoint (a torch_dist
+    # checkpoint's stacked fc1, gate and up together, which torch's DCP reader holds three
+    # times while reading it) or of ours (w_gate); filling the whole output before writing
+    # held the checkpoint once. (torch alone is 0.24 GB, in both imports.)
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     import bench_ckpt  # its Megatron writers: random weights, Megatron's names and layout
 
-    config = LlamaConfig(vocab_size=512, dim=384, n_layers=32, n_heads=6, n_kv_heads=6,
-                         ffn_dim=1024, compute_dtype="float32")
-    peaks, nbytes = {}, 0
-    for layers in (2, config.n_layers):
-        model, source_dir = dataclasses.replace(config, n_layers=layers), tmp_path / str(layers)
+    def write(directory: Path, model: LlamaConfig) -> list:
         if source == "megatron-core":
-            bench_ckpt.write_megatron_core(source_dir, model)
-            argv = ["import-megatron-core", source_dir]
-        else:
-            bench_ckpt.write_megatron(source_dir, model, tp=2, pp=2)
-            argv = ["import-shards", "--format", "megatron", source_dir, "--workers", "1"]
-        peaks[layers] = _peak_bytes(tmp_path, "ckpt", *argv, tmp_path / f"ck-{layers}")
-        nbytes = sum(f.stat().st_size for f in source_dir.rglob("*") if f.is_file())
-    w_gate = abstract_params(config)["layers"]["w_gate"].size * 4
+            bench_ckpt.write_megatron_core(directory, model)
+            return ["import-megatron-core", directory]
+        bench_ckpt.write_megatron(directory, model, tp=2, pp=2)
+        return ["import-shards", "--format", "megatron", directory, "--workers", "1"]
+
+    growth, nbytes, w_gate = import_growth(tmp_path, write)
     largest, times = (2 * w_gate, 5) if source == "megatron-core" else (w_gate, 4)
-    growth = peaks[config.n_layers] - peaks[2]
     assert growth < times * largest < nbytes, (growth, largest, nbytes)

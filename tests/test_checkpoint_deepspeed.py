@@ -232,24 +232,17 @@ def test_a_zero2_import_holds_a_few_tensors_at_a_time_not_the_rank_files(tmp_pat
     # growth is a few of our largest (stacked) parameters (a stacked one and its layers, for
     # the weights and each moment: 0.34 GB here); keeping every rank file open, its pages once
     # read stayed in memory, and the import grew by 1.4 times the checkpoint (0.94 GB).
-    from test_checkpoint import _peak_bytes
+    from test_checkpoint import import_growth
 
     from models.hf import config_to_hf
-    from models.llama import LlamaConfig, abstract_params
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     import bench_ckpt  # its ZeRO-2 writer: random weights and moments, DeepSpeed's layout
 
-    config = LlamaConfig(vocab_size=512, dim=384, n_layers=32, n_heads=6, n_kv_heads=6,
-                         ffn_dim=1024, compute_dtype="float32")
-    peaks, nbytes = {}, 0
-    for layers in (2, config.n_layers):
-        model, source = dataclasses.replace(config, n_layers=layers), tmp_path / str(layers)
-        bench_ckpt.write_zero(source, model, dp=4)
-        (source / "config.json").write_text(json.dumps(config_to_hf(model, "float32")))
-        peaks[layers] = _peak_bytes(tmp_path, "ckpt", "import-deepspeed", source,
-                                    tmp_path / f"ck-{layers}")
-        nbytes = sum(f.stat().st_size for f in source.rglob("*") if f.is_file())
-    largest = abstract_params(config)["layers"]["w_gate"].size * 4
-    growth = peaks[config.n_layers] - peaks[2]
+    def write(directory: Path, model) -> list:
+        bench_ckpt.write_zero(directory, model, dp=4)
+        (directory / "config.json").write_text(json.dumps(config_to_hf(model, "float32")))
+        return ["import-deepspeed", directory]
+
+    growth, nbytes, largest = import_growth(tmp_path, write)
     assert growth < 8 * largest < nbytes, (growth, largest, nbytes)

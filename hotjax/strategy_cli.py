@@ -120,11 +120,13 @@ def _show(args: argparse.Namespace) -> None:
         if pipeline:
             tokens = (rows or shards) * bucket.max_len
             console.print(
-                f"pipeline: {pipeline['stages']} stages of {pipeline['layers_per_stage']} "
-                f"layer(s), {pipeline['microbatches']} micro-batches, "
-                f"{pipeline['iterations']} iterations; bubble {pipeline['bubble']:.0%}; each "
-                f"device sends the next stage {_mib(pipeline['stage_bytes_per_token'] * tokens)}"
-                f" per micro-step of {tokens:,} tokens (activations forward, gradients back)")
+                f"pipeline ({pipeline['schedule']}): {pipeline['stages']} stages of "
+                f"{pipeline['layers_per_stage']} layer(s), {pipeline['microbatches']} "
+                f"micro-batches, {pipeline['iterations']} ticks; bubble "
+                f"{pipeline['bubble']:.0%}; at most {pipeline['in_flight']} micro-batches' "
+                f"activations held per stage; each device sends the next stage "
+                f"{_mib(pipeline['stage_bytes_per_token'] * tokens)} per micro-step of "
+                f"{tokens:,} tokens (activations forward, gradients back)")
         activations = Table("activation", "placement", title="activations",
                             title_justify="left")
         for name, spec in report["activations"].items():

@@ -176,7 +176,7 @@ def test_bench_plan() -> None:
     assert hot["predicted_s"] == pytest.approx(
         sum(b["predicted_s"] for b in hot["table"]) + hot["switch_predicted_s"])
     memory = report["memory"]
-    assert memory["model"]["layers"] == 2 and len(memory["results"]) == 2
+    assert memory["model"]["layers"] == 4 and len(memory["results"]) == 2
     for r in memory["results"]:
         assert r["xla_bytes"] > 0 and r["predicted_bytes"] > 0
         # The cost model's own tolerance on LLaMA2-7B widths (tests/test_cost.py).

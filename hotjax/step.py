@@ -111,7 +111,7 @@ def balanced_order(seq_len: int, ways: int) -> np.ndarray:
 
 
 def micro_step_inputs(layout: Layout, batch: Batch, micro_rows: int,
-                  order: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:
+                      order: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:
     """A bucket's rows as host arrays of `micro_rows` rows each, ready to place under `layout`:
     targets made, columns in the strategy's order. Rows run in `order` (a multiple of
     `micro_rows` row indices, -1 for an empty row: `hotjax.balance.place`), else as they come

@@ -49,6 +49,7 @@ from models.llama import (
     loss_and_gradients,
     param_axes,
 )
+from models.pipeline import filled_microbatches
 from sharding.strategy import (
     ACCUMULATE,
     Layout,
@@ -139,6 +140,26 @@ def micro_step_inputs(layout: Layout, batch: Batch, micro_rows: int,
             for start in range(0, len(order), micro_rows)]
 
 
+def chain_inputs(micro: list[dict[str, np.ndarray]], chain: int, data_shards: int,
+                 microbatches: int) -> dict[str, np.ndarray]:
+    """A pipeline bucket's micro-steps as the rows of one schedule of `chain` x `microbatches`
+    micro-batches (empty micro-steps added up to `chain`). A micro-step's data shard holds its
+    rows as [rows per micro-batch, micro-batch] (`models.pipeline` takes every M-th row); in the
+    chain each data shard holds all micro-steps' rows the same way, micro-step k's micro-batch
+    m becoming micro-batch k·M + m, so that the micro-batches holding rows come first."""
+    empty = {k: np.full_like(v, NO_TARGET if k == "targets" else 0)
+             for k, v in micro[0].items()}
+    steps = micro + [empty] * (chain - len(micro))
+
+    def chained(key: str) -> np.ndarray:
+        x_KxRxT = np.stack([arrays[key] for arrays in steps])
+        K, R, T = x_KxRxT.shape
+        x = x_KxRxT.reshape(K, data_shards, R // (data_shards * microbatches), microbatches, T)
+        return x.transpose(1, 2, 0, 3, 4).reshape(K * R, T)
+
+    return {k: chained(k) for k in micro[0]}
+
+
 def step_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
     """Per-device bytes of a compiled program, as XLA reports them (`memory_analysis`).
 
@@ -197,16 +218,24 @@ class BucketStep:
                              self.grad_shardings, shapes), replicated, replicated)
         self._zeros = jax.jit(lambda: _zeros(config, self.shards),
                               out_shardings=self.acc_shardings)
-        self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._compiled: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self._reduce: dict[tuple, Callable[[Accumulator], Accumulator]] = {}
 
     def zeros(self) -> Accumulator:
         return self._zeros()
 
-    def compiled(self, shape: tuple[int, int]) -> jax.stages.Compiled:
-        """The micro-step for micro-steps of `shape` (rows, length); the accumulator is
-        donated."""
-        if shape not in self._compiled:
+    @property
+    def chains(self) -> bool:
+        """Whether a bucket's micro-steps run as one pipeline schedule (1F1B: one fill and one
+        drain per bucket) rather than one each."""
+        return self.layout.pipeline is not None and self.config.pipeline_schedule == "1f1b"
+
+    def compiled(self, shape: tuple[int, int], chain: int = 1) -> jax.stages.Compiled:
+        """The micro-step for micro-steps of `shape` (rows, length), or under a 1F1B pipeline
+        for `chain` of them in one schedule (`chain_inputs` lays them out); the accumulator
+        is donated."""
+        key = (*shape, chain)
+        if key not in self._compiled:
             rows = shape[0]
             if rows % self.layout.batch_shards:
                 raise UserError(f"micro-steps of {rows} rows do not split over the "
@@ -214,17 +243,30 @@ class BucketStep:
                                 f"{self.layout.strategy}: use a multiple of "
                                 f"{self.layout.batch_shards}")
             step = functools.partial(_micro_step, config=self.config, layout=self.inner,
-                                     partial=self.partial if self.shards > 1 else ())
-            batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in BATCH_KEYS}
+                                     partial=self.partial if self.shards > 1 else (),
+                                     chain=chain)
+            batch = {k: jax.ShapeDtypeStruct((chain * rows, shape[1]), jnp.int32)
+                     for k in BATCH_KEYS}
             jitted = jax.jit(step, in_shardings=(
                 self.param_shardings, self.acc_shardings,
                 {k: self.layout.batch_sharding for k in BATCH_KEYS}, self.layout.replicated),
                 out_shardings=self.acc_shardings, donate_argnums=1)
             compute = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, self.config.dtype),
                                    abstract_params(self.config))
-            self._compiled[shape] = jitted.lower(
+            self._compiled[key] = jitted.lower(
                 compute, _accumulator_shapes(self.config, self.shards), batch, SCALE).compile()
-        return self._compiled[shape]
+        return self._compiled[key]
+
+    def calls(self, micro: list[dict[str, np.ndarray]]) -> list[tuple[int, dict[str, np.ndarray]]]:
+        """How a bucket's micro-steps run, as (chain, host arrays) per compiled call: one call
+        each, or under 1F1B all in one schedule (`chain_inputs`), its length rounded up to a
+        power of two so that few lengths compile (the empty micro-steps past the bucket's
+        rows are not computed)."""
+        if not self.chains or len(micro) == 1:
+            return [(1, arrays) for arrays in micro]
+        chain = 1 << (len(micro) - 1).bit_length()
+        return [(chain, chain_inputs(micro, chain, self.layout.data_shards,
+                                     self.layout.strategy.microbatches))]
 
     def reducer(self, shardings: Accumulator) -> Callable[[Accumulator], Accumulator]:
         """The bucket's end, compiled once per target: its sums into `shardings` (the home's
@@ -305,15 +347,20 @@ def _accumulator_shapes(config: LlamaConfig, shards: int = 1) -> Accumulator:
 
 def _micro_step(params: Params, acc: Accumulator, batch: dict[str, jax.Array],
                 scale: jax.Array, *, config: LlamaConfig, layout: Layout,
-                partial: tuple[str, ...]) -> Accumulator:
+                partial: tuple[str, ...], chain: int) -> Accumulator:
     # The backward pass runs on the loss per token slot times the loss scale: the size loss
     # scales are tuned for (a mean loss), so small fp16 gradients do not underflow. The fp32
     # gradients are then unscaled back to those of the summed loss.
-    slots = batch["tokens"].size
+    slots = batch["tokens"].size // chain
+    filled = None
+    if layout.pipeline is not None and config.pipeline_schedule == "1f1b":
+        # Counted over every data shard's rows, so that each runs as many micro-batches.
+        filled = filled_microbatches(batch["segment_ids"], layout.pipeline[1] * chain)
 
     def shard_gradients(params: Params, rows: dict[str, jax.Array]
                         ) -> tuple[Params, tuple[jax.Array, jax.Array]]:
-        return loss_and_gradients(config, params, rows, layout, token_loss, scale / slots)
+        return loss_and_gradients(config, params, rows, layout, token_loss, scale / slots,
+                                  chain, filled)
 
     if partial:
         # Each data shard's rows (a contiguous block) and its own gradients, never added up.

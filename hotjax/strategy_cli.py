@@ -119,12 +119,16 @@ def _show(args: argparse.Namespace) -> None:
         console.print(_gradients_line(report["gradients"]))
         if pipeline:
             tokens = (rows or shards) * bucket.max_len
+            per_bucket = (f" for one micro-step, {pipeline['bubble_four_micro_steps']:.0%} for "
+                          f"a bucket of 4 (one schedule per bucket)"
+                          if pipeline["schedule_per"] == "bucket"
+                          else " (one schedule per micro-step)")
             console.print(
                 f"pipeline ({pipeline['schedule']}): {pipeline['stages']} stages of "
                 f"{pipeline['layers_per_stage']} layer(s), {pipeline['microbatches']} "
                 f"micro-batches, {pipeline['iterations']} ticks; bubble "
-                f"{pipeline['bubble']:.0%}; at most {pipeline['in_flight']} micro-batches' "
-                f"activations held per stage; each device sends the next stage "
+                f"{pipeline['bubble']:.0%}{per_bucket}; at most {pipeline['in_flight']} "
+                f"micro-batches' activations held per stage; each device sends the next stage "
                 f"{_mib(pipeline['stage_bytes_per_token'] * tokens)} per micro-step of "
                 f"{tokens:,} tokens (activations forward, gradients back)")
         activations = Table("activation", "placement", title="activations",

@@ -157,8 +157,9 @@ class Trainer:
     def _micro_rows(self, i: int, bucket: BucketStep, device_memory: float | None,
                     typical_rows: Sequence[float] | None) -> tuple[int, bool]:
         """Bucket i's rows per micro-step under `bucket`'s compiled step, and whether they fit
-        `device_memory`: the table's rows, else the most that fit by XLA's memory analysis,
-        else one row per batch shard (the fewest empty rows)."""
+        `device_memory`: the table's rows, else the most that fit by XLA's memory analysis
+        (under 1F1B one row per micro-batch and data shard), else one row per batch shard (the
+        fewest empty rows)."""
         spec = self.table.buckets[i]
         shards = bucket.layout.batch_shards
         available = None if device_memory is None else (device_memory * MiB
@@ -177,6 +178,10 @@ class Trainer:
                 available
         if available is None:
             return shards, True
+        if bucket.chains:
+            # A 1F1B bucket runs all its micro-steps in one schedule: the smallest micro-batches
+            # (one row per data shard) hold the least and leave the smallest bubble.
+            return shards, peak(1) <= available
         # No more rows than a typical mini-batch fills (else MAX_MICRO_UNITS units).
         most = (MAX_MICRO_UNITS if typical_rows is None
                 else max(1, int(typical_rows[i] // shards)))
@@ -250,9 +255,10 @@ class Trainer:
                 moved += self.weight_transfers[previous, i].bytes_moved
             previous = i
             switched = self._wait(compute)
-            step = bucket.compiled((rows, batch.tokens.shape[1]))
             acc, bucket_scale = bucket.zeros(), bucket.place_scale(scale)
-            for arrays in micro:  # placed while the previous micro-step computes
+            # Placed while the previous call computes; a 1F1B pipeline's in one schedule.
+            for chain, arrays in bucket.calls(micro):
+                step = bucket.compiled((rows, batch.tokens.shape[1]), chain)
                 acc = step(compute, acc, bucket.place(arrays), bucket_scale)
             computed = self._wait(acc)
             if bucket.acc_shardings.grads != bucket.grad_shardings:

@@ -15,7 +15,7 @@ from flax import nnx
 from models.attention import AttentionSharding, accumulating, attention
 from models.errors import UserError
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
-from models.pipeline import SCHEDULES, gpipe, one_f_one_b
+from models.pipeline import SCHEDULES, filled_microbatches, gpipe, one_f_one_b
 
 Array = jax.Array
 # Logical axis names: strategies map these to mesh axes. `seq` is the residual stream's
@@ -424,11 +424,14 @@ def bind(config: LlamaConfig, params: Params) -> Llama:
 
 
 def loss_and_gradients(config: LlamaConfig, params: Params, rows: dict[str, Array],
-                       placement: Placement | None, loss: Loss, seed: Array
-                       ) -> tuple[Params, tuple[Array, Array]]:
+                       placement: Placement | None, loss: Loss, seed: Array, chain: int = 1,
+                       filled: Array | None = None) -> tuple[Params, tuple[Array, Array]]:
     """The loss sum and target count of `rows` (`tokens`, `segment_ids`, `positions`,
     `targets`) and the gradients of `seed` times the loss sum: by autodiff of the model, or
-    under a 1F1B pipeline by the schedule itself, which runs the head and the loss inside."""
+    under a 1F1B pipeline by the schedule itself, which embeds, runs the head and the loss
+    inside, over `chain` micro-steps' micro-batches at once (`chain` x the strategy's),
+    the first `filled` of them (default: up to the last holding a token; `pipeline_inputs`
+    lays the rows out so)."""
     pipeline = None if placement is None else placement.pipeline
     if pipeline is None or config.pipeline_schedule == "gpipe":
         def scaled(params: Params) -> tuple[Array, tuple[Array, Array]]:
@@ -440,27 +443,30 @@ def loss_and_gradients(config: LlamaConfig, params: Params, rows: dict[str, Arra
         (_, sums), grads = jax.value_and_grad(scaled, has_aux=True)(params)
         return grads, sums
     cfg, constrain = config, placement.constrain
+    stages, microbatches = pipeline[0], pipeline[1] * chain
+    if filled is None:
+        filled = filled_microbatches(rows["segment_ids"], microbatches)
     tied = cfg.tie_embeddings
-    embed_VxD, pull_embed = jax.vjp(lambda e: _compute_embedding(cfg, e, constrain),
-                                    params["embed"])
-    x_BxTxD, pull_x = jax.vjp(lambda e: _embedded(e, rows["tokens"], constrain), embed_VxD)
-    positions_BxT = rows["positions"]
-    block_rows = (rows["segment_ids"], positions_BxT, *rope_tables(cfg, positions_BxT))
+    # The embedding's cast and layout have the identity as their gradient: the schedule's fp32
+    # sum is the embedding's gradient as it stands.
+    embed_VxD = _compute_embedding(cfg, params["embed"], constrain)
 
     def head(p: Params, x_BxTxD: Array, targets_BxT: Array) -> tuple[Array, Array]:
         head_DxV = _head_weights(cfg, p["head"], constrain)
         return loss(_logits(cfg, p["final_norm"], head_DxV, x_BxTxD, placement.across_stages),
                     targets_BxT)
 
+    def block_rows(r: dict[str, Array]) -> tuple[Array, ...]:
+        return (r["segment_ids"], r["positions"], *rope_tables(cfg, r["positions"]))
+
     head_params = {"final_norm": params["final_norm"],
                    "head": embed_VxD if tied else params["lm_head"]}
-    sums, d_layers, d_head, d_x = one_f_one_b(
-        _block(cfg, placement, packed=True), head, x_BxTxD, params["layers"], head_params,
-        block_rows, rows["targets"], *pipeline, constrain=constrain, seed=seed,
-        remat_stages=cfg.remat == "full")
-    (d_embed_VxD,) = pull_x(d_x)
+    sums, d_layers, d_head, d_embed_VxD = one_f_one_b(
+        _block(cfg, placement, packed=True), head,
+        lambda e, tokens_BxT: _embedded(e, tokens_BxT, constrain), block_rows,
+        params["layers"], head_params, embed_VxD, rows, stages, microbatches,
+        constrain=constrain, seed=seed, filled=filled, remat_stages=cfg.remat == "full")
     if tied:
         d_embed_VxD = d_embed_VxD + d_head["head"]
-    grads = {"embed": pull_embed(d_embed_VxD)[0], "layers": d_layers,
-             "final_norm": d_head["final_norm"]}
+    grads = {"embed": d_embed_VxD, "layers": d_layers, "final_norm": d_head["final_norm"]}
     return (grads if tied else grads | {"lm_head": d_head["head"]}), sums

@@ -36,6 +36,8 @@ import jax.numpy as jnp
 Array = jax.Array
 # (head weights, x [B, T, D], targets [B, T]) -> (loss sum, target count)
 Head = Callable[[Any, Array, Array], tuple[Array, Array]]
+# (embedding weights, tokens [B, T]) -> x [B, T, D]
+Embed = Callable[[Array, Array], Array]
 SCHEDULES = ("1f1b", "gpipe")
 
 
@@ -114,26 +116,36 @@ class _Carry(NamedTuple):
     sent: Array  # [S, rows, T, D]: each stage's last forward output, for the next stage
     returned: Array  # [S, rows, T, D]: each stage's last input gradient, for the one before
     slots: list[Array]  # [S, 2S - 1, ...]: the residuals of the micro-batches in flight
-    d_staged: Any  # [S, L/S, ...]: the stages' weight gradients
+    d_staged: Any  # [S, L/S, ...]: the stages' weight gradients (fp32 sums)
     d_head: Any
-    d_inputs: Array  # [M, rows, T, D]: the gradient of each micro-batch's input
+    d_embed: Array
     total: Array
     count: Array
 
 
-def one_f_one_b(block: Callable[[Array, Any, Any], Array], head: Head, x_BxTxD: Array,
-                stacked: Any, head_params: Any, rows: Any, targets_BxT: Array, stages: int,
-                microbatches: int, constrain: Callable[[Array, tuple], Array], seed: Array,
+def filled_microbatches(segment_ids_BxT: Array, microbatches: int) -> Array:
+    """How many of the `microbatches` micro-batches of these rows (`_micro_batches`) the
+    schedule must run: up to the last that holds a token (rows past it are empty)."""
+    holds_M = jnp.any(_micro_batches(segment_ids_BxT, microbatches) > 0,
+                      axis=tuple(range(1, segment_ids_BxT.ndim + 1)))
+    return jnp.max(jnp.where(holds_M, jnp.arange(1, microbatches + 1), 0))
+
+
+def one_f_one_b(block: Callable[[Array, Any, Any], Array], head: Head, embed: Embed,
+                prepare: Callable[[Any], Any], stacked: Any, head_params: Any,
+                embed_params: Array, rows: dict[str, Array], stages: int, microbatches: int,
+                constrain: Callable[[Array, tuple], Array], seed: Array, filled: Array,
                 remat_stages: bool = False) -> tuple[tuple[Array, Array], Any, Any, Array]:
-    """The 1F1B schedule (module docstring) of `block` over `stacked`'s layers, then `head`.
-    `head(head params, x, targets)` gives a loss sum and a target count for its rows (its work
-    is per token). Returns the loss sum and count over all rows, and the gradients of `seed`
-    times the loss sum for `stacked`, `head_params` and `x_BxTxD`."""
+    """The 1F1B schedule (module docstring) over `microbatches` micro-batches of `rows`
+    (`tokens`, `targets` and what `prepare` turns into the rows each block reads), of which the
+    first `filled` (a traced count) run: `embed(embed_params, tokens)` into the first stage,
+    `block` over `stacked`'s layers, then `head(head params, x, targets)`, a loss sum and a
+    target count (its work is per token). Returns the loss sum and count over the filled
+    micro-batches, and the fp32 gradients of `seed` times the loss sum for `stacked`,
+    `head_params` and `embed_params`."""
     S, M = stages, microbatches
     slots = in_flight(S, M)
-    inputs_MxBxTxD = _micro_batches(x_BxTxD, M)
     rows_M = jax.tree.map(lambda r: _micro_batches(r, M), rows)
-    targets_MxBxT = _micro_batches(targets_BxT, M)
     staged = _staged(stacked, S)
     run_stage = _stage(block, remat_stages)
     stage_S = jnp.arange(S)
@@ -159,60 +171,70 @@ def one_f_one_b(block: Callable[[Array, Any, Any], Array], head: Head, x_BxTxD: 
     forward_S = jax.vmap(forward, spmd_axis_name="stage")
     backward_S = jax.vmap(backward, spmd_axis_name="stage")
     read_S = jax.vmap(lambda ring, slot: ring[slot], spmd_axis_name="stage")
+    prepare_S = jax.vmap(prepare, spmd_axis_name="stage")
 
-    def of_stages(micro_S: Array) -> Any:  # each stage's rows for its micro-batch
-        return jax.tree.map(lambda r: on_stages(r[jnp.clip(micro_S, 0, M - 1)]), rows_M)
+    def of_stages(micro_S: Array) -> Any:  # the rows each stage's blocks read
+        picked = {k: on_stages(rows_M[k][jnp.clip(micro_S, 0, M - 1)])
+                  for k in rows_M if k not in ("tokens", "targets")}
+        return prepare_S(picked)
 
-    def tick(c: _Carry, t: Array, forwards: bool, backwards: bool) -> tuple[_Carry, None]:
+    def add(total: Any, part: Any, valid: Array | bool = True) -> Any:
+        return jax.tree.map(lambda a, g: a + jnp.where(valid, g, 0).astype(jnp.float32),
+                            total, part)
+
+    def tick(t: Array, c: _Carry, forwards: bool, backwards: bool) -> _Carry:
         returned_S = jnp.zeros_like(c.returned)
-        if forwards:  # stage s runs micro-batch t - s forward
+        if forwards:  # stage s runs micro-batch t - s forward; the first embeds it
             x_S = on_stages(jnp.roll(c.sent, 1, axis=0).at[0].set(
-                inputs_MxBxTxD[jnp.minimum(t, M - 1)]))
+                embed(embed_params, rows_M["tokens"][jnp.minimum(t, M - 1)])))
             sent, kept = forward_S(staged, x_S, of_stages(t - stage_S))
             c = c._replace(sent=on_stages(sent), slots=[
                 ring.at[:, t % slots].set(k) for ring, k in zip(c.slots, kept, strict=True)])
         if forwards and backwards:  # the last stage's micro-batch through the head and loss
             last = t - (S - 1)
             total, pull, count = jax.vjp(
-                lambda p, y: _per_token(head, p, y, targets_MxBxT[last], S), head_params,
+                lambda p, y: _per_token(head, p, y, rows_M["targets"][last], S), head_params,
                 c.sent[S - 1], has_aux=True)
             d_head, dy = pull(seed.astype(total.dtype))
             returned_S = returned_S.at[S - 1].set(dy)
-            c = c._replace(d_head=jax.tree.map(jnp.add, c.d_head, d_head),
-                           total=c.total + total, count=c.count + count)
+            c = c._replace(d_head=add(c.d_head, d_head), total=c.total + total,
+                           count=c.count + count)
         if backwards:  # stage s runs micro-batch t - 2S + 2 + s backward
             micro_S = t - (2 * S - 2) + stage_S
             g_S = on_stages(jnp.where((stage_S == S - 1)[:, None, None, None], returned_S,
                                       jnp.roll(c.returned, -1, axis=0)))
             kept = [read_S(ring, (micro_S + stage_S) % slots) for ring in c.slots]
             d_w, d_x = backward_S(staged, of_stages(micro_S), kept, g_S)
-            valid_S = (micro_S >= 0) & (micro_S < M)
+            valid_S = (micro_S >= 0) & (micro_S < filled)
             first = jnp.clip(micro_S[0], 0, M - 1)
+            _, pull_embed = jax.vjp(lambda e: embed(e, rows_M["tokens"][first]), embed_params)
             c = c._replace(
                 returned=on_stages(d_x),
                 d_staged=jax.tree.map(lambda a, g: a + jnp.where(
-                    valid_S.reshape(S, *(1,) * (g.ndim - 1)), g, 0), c.d_staged, d_w),
-                d_inputs=c.d_inputs.at[first].set(
-                    jnp.where(micro_S[0] >= 0, d_x[0], c.d_inputs[first])))
-        return c, None
+                    valid_S.reshape(S, *(1,) * (g.ndim - 1)), g, 0).astype(jnp.float32),
+                    c.d_staged, d_w),
+                d_embed=add(c.d_embed, pull_embed(d_x[0])[0], valid_S[0]))
+        return c
 
-    x_S = on_stages(jnp.zeros((S, *inputs_MxBxTxD.shape[1:]), x_BxTxD.dtype))
+    x_S = on_stages(jnp.zeros((S, *rows_M["tokens"].shape[1:], embed_params.shape[-1]),
+                              embed_params.dtype))
     _, kept = jax.eval_shape(forward_S, staged, x_S, of_stages(stage_S))
-    start = _Carry(
+    fp32_zeros = functools.partial(jax.tree.map, lambda w: jnp.zeros(w.shape, jnp.float32))
+    c = _Carry(
         sent=x_S, returned=x_S,
         slots=[jnp.zeros((S, slots, *k.shape[1:]), k.dtype) for k in kept],
-        d_staged=jax.tree.map(jnp.zeros_like, staged),
-        d_head=jax.tree.map(jnp.zeros_like, head_params),
-        d_inputs=jnp.zeros_like(inputs_MxBxTxD),
+        d_staged=fp32_zeros(staged), d_head=fp32_zeros(head_params),
+        d_embed=fp32_zeros(embed_params),
         total=jnp.zeros((), jnp.float32), count=jnp.zeros((), jnp.int32))
-    c = start
-    # S - 1 ticks forward only, M of both, S - 1 backward only.
-    for first, ticks, forwards, backwards in ((0, S - 1, True, False), (S - 1, M, True, True),
-                                              (M + S - 1, S - 1, False, True)):
-        c, _ = jax.lax.scan(functools.partial(tick, forwards=forwards, backwards=backwards), c,
-                            first + jnp.arange(ticks))
+    # S - 1 ticks forward only, one of both for each filled micro-batch, S - 1 backward only:
+    # one fill and one drain, however many micro-batches run.
+    for start, end, forwards, backwards in ((0, S - 1, True, False),
+                                            (S - 1, filled + S - 1, True, True),
+                                            (filled + S - 1, filled + 2 * S - 2, False, True)):
+        c = jax.lax.fori_loop(start, end, functools.partial(
+            tick, forwards=forwards, backwards=backwards), c)
     d_stacked = jax.tree.map(lambda g, w: g.reshape(w.shape), c.d_staged, stacked)
-    return (c.total, c.count), d_stacked, c.d_head, _rows_back(c.d_inputs)
+    return (c.total, c.count), d_stacked, c.d_head, c.d_embed
 
 
 def _per_token(head: Head, params: Any, x_BxTxD: Array, targets_BxT: Array, stages: int

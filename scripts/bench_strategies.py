@@ -91,8 +91,10 @@ def host_available_bytes() -> int | None:
 
 
 def bench_one(config: LlamaConfig, optim: OptimConfig, strategy: Strategy, batch: Batch,
-              devices: tuple[jax.Device, ...], steps: int, cache_misses: list[str]) -> dict:
-    """Compile seconds, XLA memory and median step seconds of one strategy on one batch.
+              devices: tuple[jax.Device, ...], steps: int, cache_misses: list[str],
+              micro_rows: int | None = None) -> dict:
+    """Compile seconds, XLA memory and median step seconds of one strategy on one batch, in
+    micro-steps of `micro_rows` rows (None: one micro-step holding every row).
 
     Simulated CPU devices share the host's memory: a step whose planned peak would exhaust it
     is compiled and measured by XLA, but not run.
@@ -106,7 +108,9 @@ def bench_one(config: LlamaConfig, optim: OptimConfig, strategy: Strategy, batch
 
     rows, seq_len = batch.tokens.shape
     shards = bucket_step(config, strategy, devices).layout.batch_shards
-    micro_rows = -(-rows // shards) * shards  # one micro-step's rows, padded to split evenly
+    # Rows per micro-step, padded to split evenly (all rows by default).
+    micro_rows = -(-(micro_rows or rows) // shards) * shards
+    micro_steps = -(-rows // micro_rows)
     table = StrategyTable((Bucket(seq_len, strategy, micro_rows),), str(strategy))
     trainer = Trainer(config, optim, table, devices)
     misses_before = len(cache_misses)
@@ -114,7 +118,8 @@ def bench_one(config: LlamaConfig, optim: OptimConfig, strategy: Strategy, batch
     trainer.prepare()
     step = step_memory(trainer.buckets[0].compiled((micro_rows, seq_len)))
     resident = trainer.home.resident_bytes()
-    result = {"rows_run": micro_rows, "compile_s": time.perf_counter() - started,
+    result = {"rows_run": micro_rows * micro_steps, "micro_rows": micro_rows,
+              "micro_steps": micro_steps, "compile_s": time.perf_counter() - started,
               "compile_cached": (jax.config.jax_enable_compilation_cache
                                  and len(cache_misses) == misses_before),
               "notes": list(trainer.notes),
@@ -155,6 +160,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                         f"{args.batch_tokens}: a mini-batch holds at least one row")
     if args.steps < 1:
         raise UserError(f"--steps {args.steps}: time at least one step")
+    if args.micro_rows is not None and args.micro_rows < 1:
+        raise UserError(f"--micro-rows {args.micro_rows}: pass a positive number of rows")
     devices = tuple(select_devices(args.devices))
     on_cpu = devices[0].platform == "cpu"
     dtype = args.compute_dtype or ("float32" if on_cpu else "bfloat16")
@@ -176,7 +183,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                      "notes": []}
             try:
                 entry |= bench_one(config, optim, strategy, batch, devices, args.steps,
-                                   cache_misses)
+                                   cache_misses, args.micro_rows)
             except UserError as e:
                 entry |= {"status": "does not fit", "error": str(e)}
             except Exception as e:  # an XLA failure (out of memory...): report it, go on
@@ -189,7 +196,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         "model": {"preset": args.model, "params": config.num_params(),
                   "vocab_size": config.vocab_size, "compute_dtype": dtype},
         "batch_tokens": args.batch_tokens, "steps": args.steps,
-        "simulated": on_cpu,
+        # One process's several CPU devices share its cores; `--processes` pins one per core.
+        "simulated": on_cpu and len(devices) > jax.process_count(),
         "results": results,
     }
 
@@ -215,8 +223,8 @@ def print_table(report: dict, console: Console) -> None:
     table = Table(title=f"strategies on {model['preset']} ({model['params'] / 1e6:.1f}M params, "
                         f"{model['compute_dtype']}), {report['batch_tokens']:,} tokens per step",
                   title_justify="left")
-    for column in ("strategy", "seq", "rows", "compile s", "resident MiB", "step MiB",
-                   "peak MiB", "step s", "tokens/s"):
+    for column in ("strategy", "seq", "rows", "micro-steps", "compile s", "resident MiB",
+                   "step MiB", "peak MiB", "step s", "tokens/s"):
         table.add_column(column, justify="left" if column == "strategy" else "right",
                          no_wrap=column == "strategy")
     errors: list[str] = []  # footnotes, each message once
@@ -236,7 +244,8 @@ def print_table(report: dict, console: Console) -> None:
                 cells[5] = f"[red]({errors.index(message) + 1})[/]"
             rows = f"{r['rows']}" + (f"→{r['rows_run']}" if r.get("rows_run", r["rows"])
                                      != r["rows"] else "")
-            table.add_row(escape(r["strategy"]), str(seq_len), rows, *cells)
+            micro = (f"{r['micro_steps']} x {r['micro_rows']}" if "micro_steps" in r else "-")
+            table.add_row(escape(r["strategy"]), str(seq_len), rows, micro, *cells)
         table.add_section()
     console.print(table)
     print_machine(m, console)
@@ -245,8 +254,9 @@ def print_table(report: dict, console: Console) -> None:
                   f"peak (compute weights, accumulator, batch, temporaries); peak: both. step s: "
                   f"median of "
                   f"{report['steps']} after a warm-up; tokens/s counts real (non-padding) tokens; "
-                  f"rows a→b: padded with empty rows to split evenly. * compile loaded from the "
-                  f"persistent cache.", highlight=False)
+                  f"rows a→b: padded with empty rows to split evenly; micro-steps: how many x "
+                  f"their rows (a pipeline runs them in one 1F1B schedule). * compile loaded "
+                  f"from the persistent cache.", highlight=False)
     for i, error in enumerate(errors, 1):
         console.print(f"({i}) {error}", markup=False, highlight=False)
     for note in sorted({n for r in report["results"] for n in r["notes"]}):
@@ -279,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokens per mini-batch: rows = batch tokens / row length "
                         "(default: %(default)s)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    parser.add_argument("--micro-rows", type=int, help="rows per micro-step (default: every "
+                        "row in one micro-step); a pipeline runs a bucket's micro-steps in one "
+                        "1F1B schedule")
     parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"),
                         help="default: float32 on CPU, bfloat16 on accelerators")
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES,

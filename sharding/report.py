@@ -74,7 +74,8 @@ def describe(strategy: Strategy, config: LlamaConfig, platform: str = "cpu") -> 
 
 
 def _pipeline(strategy: Strategy, config: LlamaConfig) -> dict[str, Any] | None:
-    """Stages, layers and micro-batches of a pipeline; its schedule, bubble and the
+    """Stages, layers and micro-batches of a pipeline; its schedule (per bucket or per
+    micro-step), bubble (of one micro-step, and of a bucket of four) and the
     micro-batches a stage holds in flight; and what each device sends per token of a
     micro-step's rows: to the next stage (forward activations, then as many gradient bytes
     back) and, under 1F1B, from the last stage to the groups sharing the head, and back."""
@@ -87,8 +88,12 @@ def _pipeline(strategy: Strategy, config: LlamaConfig) -> dict[str, Any] | None:
     # Every tick moves each stage's slot (a micro-batch of rows/M) one stage on.
     sent = 2 * (M + S - 1) * config.dim * itemsize / (M * data)
     head = 2 * (S - 1) / S * config.dim * itemsize / data if schedule == "1f1b" else 0.0
+    # 1F1B runs all of a bucket's micro-steps in one schedule: n of them, n·M + S - 1 ticks.
+    per = "bucket" if schedule == "1f1b" else "micro-step"
     return {"stages": S, "layers_per_stage": config.n_layers // S, "microbatches": M,
-            "schedule": schedule, "iterations": M + S - 1, "bubble": bubble(S, M),
+            "schedule": schedule, "schedule_per": per, "iterations": M + S - 1,
+            "bubble": bubble(S, M),
+            "bubble_four_micro_steps": bubble(S, 4 * M if per == "bucket" else M),
             "in_flight": in_flight(S, M, schedule), "stage_bytes_per_token": sent,
             "head_bytes_per_token": head}
 

@@ -13,14 +13,14 @@ from test_parallelism import compiled_update
 from hotjax.cli import main
 from hotjax.data import Batch, MiniBatch
 from hotjax.optim import OptimConfig
-from hotjax.step import Home, bucket_step, step_memory
+from hotjax.step import Home, bucket_step, chain_inputs, micro_step_inputs, step_memory
 from hotjax.train import Trainer
 from models.errors import UserError
 from models.llama import PRESETS, abstract_params
-from models.pipeline import bubble, in_flight
+from models.pipeline import bubble, filled_microbatches, in_flight
 from sharding.report import describe
 from sharding.strategy import Strategy
-from sharding.table import StrategyTable
+from sharding.table import Bucket, StrategyTable
 
 # Eight layers, so that each of eight stages holds one; fp32, so that every layout must give the
 # one-device numbers to reduction-order noise.
@@ -42,8 +42,10 @@ def minibatch() -> MiniBatch:
     return MiniBatch((Batch(tokens.astype(np.int32), segments, positions.astype(np.int32)),))
 
 
-def _one_step(strategy: str, devices, minibatch: MiniBatch, config=CONFIG):
-    table = StrategyTable.single(Strategy.parse(strategy), SEQ, strategy)
+def _one_step(strategy: str | Strategy, devices, minibatch: MiniBatch, config=CONFIG,
+              rows: int | None = None):
+    strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
+    table = StrategyTable((Bucket(SEQ, strategy, rows),), str(strategy))
     trainer = Trainer(config, OPTIM, table, devices)
     state, metrics, _ = trainer.step(trainer.init(seed=0), minibatch)
     return float(metrics["loss"]), jax.tree.map(np.asarray, state.params)
@@ -87,6 +89,52 @@ def test_each_schedule_and_remat_policy_over_several_micro_steps_equals_one_devi
                                  pipeline_schedule=schedule)
     _assert_equal(_one_step(strategy, devices, minibatch, config),
                   _one_step("data=1", devices[:1], minibatch, config))
+
+
+def test_a_bucket_of_three_micro_steps_runs_as_one_schedule_and_equals_one_device(
+        devices, minibatch):
+    """Ten rows in micro-steps of four: one 1F1B schedule over a chain of four micro-steps'
+    micro-batches, the fourth micro-step empty and not run, the third half empty."""
+    rows = minibatch.buckets[0]
+    ten = MiniBatch((Batch(rows.tokens[:10], rows.segment_ids[:10], rows.positions[:10]),))
+    strategy = Strategy.parse("stage=2,data=2,tensor=2,microbatches=2")
+    bucket = bucket_step(CONFIG, strategy, tuple(devices))
+    micro = micro_step_inputs(bucket.layout, ten.buckets[0], 4)
+    ((chain, arrays),) = bucket.calls(micro)
+    assert (len(micro), chain) == (3, 4)
+    # Micro-batches of two rows (one per data shard): six hold rows, the last two none.
+    assert int(filled_microbatches(arrays["segment_ids"], chain * 2)) == 6
+    _assert_equal(_one_step(strategy, devices, ten, rows=4),
+                  _one_step("data=1", devices[:1], ten))
+
+
+def test_chained_micro_batches_are_the_micro_steps_own_on_the_same_data_shards():
+    """Micro-step k's micro-batch m becomes micro-batch k·M + m of the chain, each data shard
+    keeping its rows: rows numbered (micro-step, shard, row), read back through the schedule's
+    view of micro-batches."""
+    K, shards, M, per = 3, 2, 2, 2  # rows per micro-step: shards x M x rows per micro-batch
+    R = shards * M * per
+    micro = [{"tokens": (100 * k + np.arange(R, dtype=np.int32))[:, None].repeat(3, axis=1)}
+             for k in range(K)]
+    tokens = chain_inputs(micro, 4, shards, M)["tokens"][:, 0]
+    by_micro_batch = tokens.reshape(-1, 4 * M).T  # `models.pipeline._micro_batches`
+    for k in range(K):
+        own = micro[k]["tokens"][:, 0].reshape(-1, M).T  # the micro-step run alone
+        for m in range(M):
+            np.testing.assert_array_equal(by_micro_batch[k * M + m], own[m])
+    assert not by_micro_batch[K * M:].any()  # the empty micro-step's micro-batches last
+    # Each data shard's half of the chain holds its own rows of every micro-step.
+    for shard, half in enumerate(np.split(tokens, shards)):
+        assert {t % 100 // (R // shards) for t in half if t} == {shard}
+
+
+def test_a_chained_schedule_holds_no_more_than_one_micro_step_by_xla(devices):
+    """Four micro-steps in one schedule hold the residuals of 2S - 1 micro-batches, as one
+    does: XLA's temporaries grow by less than a tenth (the four's int32 rows), not fourfold."""
+    bucket = bucket_step(CONFIG, Strategy.parse("stage=2,data=4,microbatches=2"),
+                         tuple(devices))
+    one, four = (step_memory(bucket.compiled((8, SEQ), chain))["temp"] for chain in (1, 4))
+    assert one <= four < 1.1 * one
 
 
 def test_1f1b_holds_fewer_micro_batches_than_gpipe_by_xla(devices):

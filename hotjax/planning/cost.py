@@ -53,7 +53,9 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   the next stage forward (again in a stage recomputed under remat "full"), and their gradient
   backward; the S - 1 ticks beyond M are the bubble, the same share under both schedules, priced
   at the layers' work per tick. 1F1B also sends each micro-batch from the last stage to the
-  stage groups sharing its head, and its gradient back.
+  stage groups sharing its head, and its gradient back, and runs all of a bucket's micro-steps
+  in one schedule: n micro-steps take n·M + S - 1 ticks, one bubble
+  (`MicroStepTime.bucket_seconds`); GPipe pays the bubble every micro-step.
 
 Memory (bytes per device at the micro-step's peak; `MicroStepMemory` keeps each term):
 - Arguments, exactly: the compute-dtype weights in the parameter layout, the fp32 accumulator in
@@ -110,8 +112,9 @@ from sharding.transfers import TransferSchedule
 # Bumped whenever a change to this model changes what a measured profile's fitted constants
 # mean (they are fitted through `micro_step_time`): cached profiles of another version are
 # measured again (`hotjax.planning.measure.profile_path`). 2: one gradient reduction per bucket,
-# pipelines without whole-stage recompute, the LM head shared by stage groups.
-COST_MODEL_VERSION = 2
+# pipelines without whole-stage recompute, the LM head shared by stage groups. 3: 1F1B's one
+# schedule per bucket, the embedding inside it.
+COST_MODEL_VERSION = 3
 FP32, INT32 = 4, 4
 BATCH_ARRAYS = 4  # tokens, segment ids, positions, targets
 ADAM_MOMENTS = 2
@@ -273,11 +276,11 @@ def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int,
     gpipe = config.pipeline_schedule == "gpipe"
     kept = in_flight(S, M, config.pipeline_schedule)
     if S > 1 and config.remat == "full":  # the stage inputs held; layers recomputed
-        activations += (kept + (not gpipe) * (M + 2)) * tokens * D * held
+        activations += (kept + (not gpipe) * 2) * tokens * D * held
     elif S > 1 and gpipe:  # every tick's activations as the policy saves them, and its carry
         activations = kept * (activations + (M + 1) * tokens * D * held)
     elif S > 1:  # the micro-batches in flight, and the carry (held once)
-        activations = kept * activations + (M + 2) * tokens * D * held
+        activations = kept * activations + 2 * tokens * D * held
     # 1F1B runs the head inside the schedule, one micro-batch at a time.
     head_rows = _head_share(s, config.pipeline_schedule) * (M if S > 1 and not gpipe else 1)
     # A pipeline carries its stage's gradient sum through the iterations at the matmuls' width,
@@ -324,11 +327,20 @@ class MicroStepTime:
     bubble: float
     ring: float = 0.0  # all the ring's K/V traffic, of which `context` is exposed (not summed)
     overhead: float = 0.0  # what every micro-step costs whatever its size (the profile's)
+    # A 1F1B pipeline runs a bucket's micro-steps in one schedule: one bubble for all of them.
+    one_schedule: bool = False
 
     @property
     def seconds(self) -> float:
         return (self.matmuls + self.attention + self.tensor + self.context + self.fsdp
                 + self.gradients + self.stages + self.bubble + self.overhead)
+
+    def bucket_seconds(self, shares: Sequence[float]) -> float:
+        """A bucket's micro-steps, one per entry of `shares` (the busiest device's attention
+        share of each: `with_attention`); under one schedule the bubble is paid once."""
+        seconds = sum(self.with_attention(share).seconds for share in shares)
+        return seconds - self.bubble * (len(shares) - 1) if self.one_schedule and shares \
+            else seconds
 
     def with_attention(self, share: float) -> MicroStepTime:
         """The micro-step with `share` of its priced attention pairs on the busiest device (its
@@ -415,7 +427,7 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
         matmuls=layer_matmuls + head_matmuls, attention=attention, tensor=tensor,
         context=max(0.0, ring - attention), fsdp=fsdp, gradients=gradients, stages=stages,
         bubble=(S - 1) * per_iteration if S > 1 else 0.0, ring=ring,
-        overhead=profile.step_overhead)
+        overhead=profile.step_overhead, one_schedule=S > 1 and config.pipeline_schedule == "1f1b")
 
 
 def bucket_reduction_seconds(config: LlamaConfig, strategy: Strategy, profile: Profile,
@@ -495,9 +507,9 @@ def visible_pairs(seq_len: int, context: int, balanced: bool, block: int) -> flo
 
 def step_seconds(micro_steps: Iterable[tuple[MicroStepTime, int]],
                  switches: Iterable[TransferSchedule] = ()) -> float:
-    """One optimizer step: each bucket's micro-step times its number of micro-steps, plus each
-    hot switch as the transfer scheduler estimates it (plan it on `Profile.topology()`)."""
-    return (sum(time.seconds * count for time, count in micro_steps)
+    """One optimizer step: each bucket's micro-steps (`MicroStepTime.bucket_seconds`), plus
+    each hot switch as the transfer scheduler estimates it (plan it on `Profile.topology()`)."""
+    return (sum(time.bucket_seconds([1.0] * count) for time, count in micro_steps)
             + sum(plan.estimated_seconds for plan in switches))
 
 

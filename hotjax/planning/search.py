@@ -170,7 +170,7 @@ class _MicroStep:
 
     @property
     def seconds(self) -> float:
-        return self.steps * self.time.seconds + self.reduction
+        return self.time.bucket_seconds([1.0] * self.steps) + self.reduction
 
 
 class Search:
@@ -209,20 +209,27 @@ class Search:
             room = self.budget - home_bytes - first
             if room < 0:
                 continue
-            blocks = min(1 + int(room // max(per_shard, 1)), max(math.ceil(rows / shards), 1))
-            key = (strategy, max_len, remat, accumulate, blocks * shards)
-            if key not in self._time:
-                config = dataclasses.replace(self.config, remat=remat)
-                self._time[key] = micro_step_time(config, strategy, (blocks * shards, max_len),
-                                                  self.profile, accumulate)
-            found = _MicroStep(blocks * shards, remat, accumulate, self._time[key],
-                               bucket_reduction_seconds(self.config, strategy, self.profile,
-                                                        accumulate),
-                               first + (blocks - 1) * per_shard,
-                               math.ceil(rows / (blocks * shards)))
-            if best is None or found.seconds < best.seconds:
-                best = found
+            most = min(1 + int(room // max(per_shard, 1)), max(math.ceil(rows / shards), 1))
+            # A 1F1B pipeline runs a bucket's micro-steps in one schedule: the smallest
+            # micro-batches may beat the largest (a smaller bubble).
+            for blocks in {most, 1} if strategy.stages > 1 else (most,):
+                found = self._micro_step_of(strategy, max_len, remat, accumulate, blocks * shards,
+                                            first + (blocks - 1) * per_shard, rows)
+                if best is None or found.seconds < best.seconds:
+                    best = found
         return best
+
+    def _micro_step_of(self, strategy: Strategy, max_len: int, remat: str, accumulate: str,
+                       micro_rows: int, peak_bytes: int, rows: int) -> _MicroStep:
+        key = (strategy, max_len, remat, accumulate, micro_rows)
+        if key not in self._time:
+            config = dataclasses.replace(self.config, remat=remat)
+            self._time[key] = micro_step_time(config, strategy, (micro_rows, max_len),
+                                              self.profile, accumulate)
+        return _MicroStep(micro_rows, remat, accumulate, self._time[key],
+                          bucket_reduction_seconds(self.config, strategy, self.profile,
+                                                   accumulate),
+                          peak_bytes, math.ceil(rows / micro_rows))
 
     def _memory_line(self, strategy: Strategy, max_len: int, remat: str, accumulate: str
                      ) -> tuple[int, int, int] | None:
@@ -250,8 +257,7 @@ class Search:
             return None
         shares, imbalance = self._attention_shares(lengths, rows, max_len, strategy, micro.rows,
                                                    masked)
-        seconds = sum(micro.time.with_attention(share).seconds for share in shares) + (
-            micro.reduction if len(shares) else 0.0)
+        seconds = micro.time.bucket_seconds(shares) + (micro.reduction if len(shares) else 0.0)
         return Choice(low, max_len, strategy, micro.rows, micro.remat, micro.steps, len(rows),
                       sum(len(r) for r in rows), int(sum(lengths[i] for r in rows for i in r)),
                       seconds, micro.peak_bytes + home_bytes, imbalance)

@@ -20,6 +20,9 @@ How a bucket accumulates (`ACCUMULATE`), as Megatron's and DeepSpeed's data para
   for buckets where a whole partial sum does not fit.
 Axes the gradient layout is split on already (fsdp under ZeRO-2 and ZeRO-3) reduce-scatter
 every micro-step either way, as FSDP does; so do the context and tensor axes.
+
+Under a 1F1B pipeline a bucket's micro-steps run as one compiled call, one pipeline schedule over
+all their micro-batches (`BucketStep.calls`, `chain_inputs`): one fill and one drain per bucket.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ For each mini-batch, the fp32 master weights are cast to the compute dtype once;
 bucket in the planned order (empty buckets skipped), the weights are hot-switched into the
 bucket's layout, its rows run as micro-steps of one fixed shape (as many micro-steps as this
 mini-batch needs, each data shard's gradients accumulated in its own fp32 partial sum, or in a
-split sum where those do not fit: `hotjax.step`), and the sums are reduced once into the home's
+split sum where those do not fit; under 1F1B all of them in one pipeline schedule:
+`hotjax.step`), and the sums are reduced once into the home's
 layout and added. One optimizer update then divides by the mini-batch's real target count,
 so the update is the one a single strategy computes on the same data (HotSPa's lossless
 property). Nothing waits for the devices inside a step unless per-bucket timings are asked for.

@@ -14,14 +14,18 @@ in reverse; a stage keeps what its layers' remat policy saves for every tick (un
 
 1F1B (`one_f_one_b`): the forward and the backward interleaved in one schedule, each stage's
 backward taken explicitly (`jax.vjp`). Stage s runs micro-batch m forward at tick m + s and
-backward at tick m + 2S - 2 - s; the last stage runs the final norm, the LM head and the loss on
-its micro-batch between the two (rows, or tokens, shared by all stage groups), so its backward
-starts in the same tick. S - 1 forward-only ticks, M ticks of both, S - 1 backward-only ticks:
-the same (M + S - 1)(F + B) as GPipe, and the same bubble, but a stage holds the residuals of at
-most 2S - 1 micro-batches in flight (ring slots in the scan's carry) rather than all M + S - 1
-ticks'. What a residual is follows the layers' remat policy, as in GPipe (under "full", the
-stage input; the stage recomputed in its backward). The weights a stage's backward reads are
-not copied into the slots: they are the stage's own, passed again.
+backward at tick m + 2S - 2 - s; the first stage embeds its micro-batch, and the last runs the
+final norm, the LM head and the loss on its micro-batch between the two (rows, or tokens,
+shared by all stage groups), so its backward starts in the same tick. S - 1 forward-only ticks,
+one tick of both per micro-batch run, S - 1 backward-only ticks: the same (M + S - 1)(F + B) as
+GPipe for M micro-batches, and the same bubble, but a stage holds the residuals of at most
+2S - 1 micro-batches in flight (ring slots in the loop's carry) rather than all M + S - 1
+ticks', and nothing per micro-batch beyond its int32 rows. So the trainer runs a whole bucket
+(every micro-step's micro-batches) as one schedule, and the number run is a traced count
+(`filled_microbatches`): the micro-batches past the last holding a token cost no tick. What a
+residual is follows the layers' remat policy, as in GPipe (under "full", the stage input; the
+stage recomputed in its backward). The weights a stage's backward reads are not copied into the
+slots: they are the stage's own, passed again. The weight gradients are summed in fp32.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ COLUMNS = ("plan", "paper c1", "paper c2", "static, masked", "static, no masking
 
 
 def paper_strategy(dp: int, tp: int, pp: int):
-    """<DP, TP, PP> as a hotjax strategy: Megatron tensor parallelism, GPipe stages."""
+    """<DP, TP, PP> as a hotjax strategy: Megatron tensor parallelism, 1F1B pipeline stages."""
     from sharding.strategy import Strategy
 
     mesh = {"stage": pp, "data": dp, "tensor": tp}

@@ -267,6 +267,24 @@ def test_the_pipeline_bubble_is_the_gpipe_share_of_the_stage_work():
     assert time.bubble == pytest.approx(share / (1 - share) * useful)
 
 
+def test_a_1f1b_bucket_pays_one_bubble_for_all_its_micro_steps_and_gpipe_one_each():
+    """Three micro-steps of M = 4 over two stages: 1F1B runs 12 micro-batches in 13 ticks, as
+    one micro-step of M = 12 prices them; GPipe runs three schedules of 5 ticks."""
+    strategy = Strategy.parse("stage=2,tensor=4,microbatches=4,rules=megatron")
+    one = micro_step_time(LLAMA2_7B, strategy, (8, 4096), H100)
+    assert one.one_schedule and one.bubble > 0
+    assert step_seconds([(one, 3)]) == pytest.approx(3 * one.seconds - 2 * one.bubble)
+    assert one.bucket_seconds([1.0] * 3) == step_seconds([(one, 3)])
+    whole = micro_step_time(LLAMA2_7B, Strategy.parse(
+        "stage=2,tensor=4,microbatches=12,rules=megatron"), (24, 4096), H100)
+    assert step_seconds([(one, 3)]) == pytest.approx(whole.seconds - 2 * one.overhead,
+                                                     rel=0.02)
+    gpipe = micro_step_time(dataclasses.replace(LLAMA2_7B, pipeline_schedule="gpipe"),
+                            strategy, (8, 4096), H100)
+    assert not gpipe.one_schedule
+    assert step_seconds([(gpipe, 3)]) == pytest.approx(3 * gpipe.seconds)
+
+
 def test_a_step_adds_its_micro_steps_and_the_planned_switches():
     time = micro_step_time(LLAMA2_7B, Strategy.parse("data=8"), (8, 4096), H100)
     array = ArraySwitch("w", (1024, 1024), 4, {0: ((0, 1024), (0, 1024))},

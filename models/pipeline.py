@@ -231,12 +231,15 @@ def one_f_one_b(block: Callable[[Array, Any, Any], Array], head: Head, embed: Em
         d_embed=fp32_zeros(embed_params),
         total=jnp.zeros((), jnp.float32), count=jnp.zeros((), jnp.int32))
     # S - 1 ticks forward only, one of both for each filled micro-batch, S - 1 backward only:
-    # one fill and one drain, however many micro-batches run.
-    for start, end, forwards, backwards in ((0, S - 1, True, False),
-                                            (S - 1, filled + S - 1, True, True),
-                                            (filled + S - 1, filled + 2 * S - 2, False, True)):
-        c = jax.lax.fori_loop(start, end, functools.partial(
-            tick, forwards=forwards, backwards=backwards), c)
+    # one fill and one drain, however many micro-batches run. Loops of static length (ticks
+    # past the filled micro-batches skipped by a `cond`): in a loop of traced length XLA holds
+    # a tick's fresh residuals beside the ring's instead of writing them in place.
+    def middle(i: Array, c: _Carry) -> _Carry:
+        return jax.lax.cond(i < filled, lambda c: tick(S - 1 + i, c, True, True), lambda c: c, c)
+
+    c = jax.lax.fori_loop(0, S - 1, lambda t, c: tick(t, c, True, False), c)
+    c = jax.lax.fori_loop(0, M, middle, c)
+    c = jax.lax.fori_loop(0, S - 1, lambda i, c: tick(filled + S - 1 + i, c, False, True), c)
     d_stacked = jax.tree.map(lambda g, w: g.reshape(w.shape), c.d_staged, stacked)
     return (c.total, c.count), d_stacked, c.d_head, c.d_embed
 

@@ -71,7 +71,7 @@ Memory (bytes per device at the micro-step's peak; `MicroStepMemory` keeps each 
 - Activations saved for the backward pass: per layer and token, `SAVED` arrays of each width by
   remat policy, for each micro-batch a pipeline stage holds (`models.pipeline.in_flight`: GPipe
   every one of its M + S - 1 ticks', with the scan's carry, the stage slot and the M finished
-  micro-batches; 1F1B at most 2S - 1 and a tick's fresh ones, beside a carry of two stage slots:
+  micro-batches; 1F1B at most 2S - 1, beside a carry of two stage slots:
   nothing grows with the micro-batches a schedule runs); under remat "full" a pipeline keeps only
   those micro-batches' stage inputs and recomputes one micro-batch's layers at a time. Under 1F1B
   the head's logits are one micro-batch's.
@@ -80,13 +80,13 @@ Memory (bytes per device at the micro-step's peak; `MicroStepMemory` keeps each 
 Which arrays exist and how many was read off XLA's buffer assignment of the compiled micro-step, and
 the counts calibrated against its memory analysis on LLaMA2-7B widths (XLA:CPU, 8 devices;
 tests/test_cost.py checks six strategies): with remat "none", data, fsdp, tensor and context
-strategies within 7 % at 2, 4 and 32 layers, pipelines within 5 % at 32 layers (1F1B, M = 2 and 8)
+strategies within 7 % at 2, 4 and 32 layers, pipelines within 8 % at 32 layers (1F1B, M = 2 and 8)
 and 14 % at 2 layers per stage (one layer per stage XLA plans 15-30 % leaner); remat "dots" and
 "full" within 10 % at 2 and 4 layers and 2 % at 32, outside pipelines (a pipeline under remat is not
 calibrated: over-predicted by 25-50 % at 32 layers). A 1F1B pipeline (stage=2, tensor=4 at 4 layers,
-its bucket in one schedule) within 1 % at M = 2 and 3 % at M = 8; GPipe's terms were fitted at M = 2
-and over-predict by 24 % at M = 8, where XLA plans 1F1B a third leaner than GPipe. `resident_bytes`
-is what stays besides: the home's fp32 weights, AdamW moments and gradient sum.
+its bucket in one schedule) within 2 % at M = 2 and 8; GPipe's terms were fitted at M = 2 and
+over-predict by 24 % at M = 8, where XLA plans 1F1B a third leaner than GPipe. `resident_bytes` is
+what stays besides: the home's fp32 weights, AdamW moments and gradient sum.
 """
 
 from __future__ import annotations
@@ -279,9 +279,8 @@ def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int,
         activations += (kept + (not gpipe) * 2) * tokens * D * held
     elif S > 1 and gpipe:  # every tick's activations as the policy saves them, and its carry
         activations = kept * (activations + (M + 1) * tokens * D * held)
-    elif S > 1:  # the micro-batches in flight, a tick's fresh residuals beside them (XLA does
-        # not write them into the ring in place inside the schedule's loop), and the carry
-        activations = (kept + 1) * activations + 2 * tokens * D * held
+    elif S > 1:  # the micro-batches in flight, and the carry (held once)
+        activations = kept * activations + 2 * tokens * D * held
     # 1F1B runs the head inside the schedule, one micro-batch at a time.
     head_rows = _head_share(s, config.pipeline_schedule) * (M if S > 1 and not gpipe else 1)
     # A pipeline carries its stage's gradient sum through the iterations at the matmuls' width,

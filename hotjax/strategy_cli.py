@@ -113,8 +113,11 @@ def _show(args: argparse.Namespace) -> None:
         split = (f"{shards} way(s)" if not pipeline else
                  f"{shards} ways ({shards // pipeline['microbatches']} batch shard(s) x "
                  f"{pipeline['microbatches']} pipeline micro-batches)")
+        one_schedule = pipeline and pipeline["schedule_per"] == "bucket"
         console.print(f"micro-steps: rows split {split}; " + (
             f"{rows} row(s) each (the table's)" if rows else
+            f"{shards} row(s) each (a bucket's micro-steps run as one pipeline schedule)"
+            if one_schedule else
             f"{shards} row(s) each by default, or the most that fit --device-memory"))
         console.print(_gradients_line(report["gradients"]))
         if pipeline:

@@ -122,7 +122,7 @@ class _Carry(NamedTuple):
     slots: list[Array]  # [S, 2S - 1, ...]: the residuals of the micro-batches in flight
     d_staged: Any  # [S, L/S, ...]: the stages' weight gradients (fp32 sums)
     d_head: Any
-    d_embed: Array
+    d_embed: Array  # [V, D]: the embedding's gradient (fp32 sum)
     total: Array
     count: Array
 

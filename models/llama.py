@@ -430,8 +430,8 @@ def loss_and_gradients(config: LlamaConfig, params: Params, rows: dict[str, Arra
     `targets`) and the gradients of `seed` times the loss sum: by autodiff of the model, or
     under a 1F1B pipeline by the schedule itself, which embeds, runs the head and the loss
     inside, over `chain` micro-steps' micro-batches at once (`chain` x the strategy's),
-    the first `filled` of them (default: up to the last holding a token; `pipeline_inputs`
-    lays the rows out so)."""
+    the first `filled` of them (default: up to the last holding a token; the trainer lays a
+    chain's rows out so that the micro-batches holding tokens come first)."""
     pipeline = None if placement is None else placement.pipeline
     if pipeline is None or config.pipeline_schedule == "gpipe":
         def scaled(params: Params) -> tuple[Array, tuple[Array, Array]]:

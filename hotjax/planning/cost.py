@@ -333,8 +333,13 @@ class MicroStepTime:
 
     @property
     def seconds(self) -> float:
-        return (self.matmuls + self.attention + self.tensor + self.context + self.fsdp
-                + self.gradients + self.stages + self.bubble + self.overhead)
+        return sum(self.terms().values())
+
+    def terms(self) -> dict[str, float]:
+        """The seconds that add up to `seconds`, by name (`ring` and `one_schedule` are not)."""
+        return {k: getattr(self, k) for k in ("matmuls", "attention", "tensor", "context",
+                                              "fsdp", "gradients", "stages", "bubble",
+                                              "overhead")}
 
     def bucket_seconds(self, shares: Sequence[float]) -> float:
         """A bucket's micro-steps, one per entry of `shares` (the busiest device's attention

@@ -20,6 +20,7 @@ from hotjax.config import (
     RunConfig,
     memory_size,
 )
+from hotjax.distributed import HEARTBEAT_TIMEOUT_S
 from hotjax.preemption import REQUEUE_EXIT, Preempted, StopSignals, parse_signal
 from models.errors import UserError
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
@@ -37,7 +38,7 @@ def add_process_options(command: argparse.ArgumentParser) -> None:
     group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
     group.add_argument("--num-processes", type=int, metavar="N")
     group.add_argument("--process-id", type=int, metavar="I")
-    group.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
+    group.add_argument("--heartbeat-timeout", type=int, default=HEARTBEAT_TIMEOUT_S, metavar="S",
                        help="stop when another process has been silent this long "
                        "(default: %(default)s s)")
 

@@ -16,6 +16,8 @@ import numpy as np
 
 from models.errors import UserError
 
+HEARTBEAT_TIMEOUT_S = 30  # a process silent this long ends the run (JAX's default waits 100)
+
 
 def _cluster_processes() -> int:
     """The processes a scheduler started this one among (1: none): an `srun` step of several
@@ -27,9 +29,10 @@ def _cluster_processes() -> int:
 
 
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None,
-               heartbeat_timeout: int = 30) -> None:
+               heartbeat_timeout: int = HEARTBEAT_TIMEOUT_S) -> None:
     """Joins the run's processes (a no-op for a single process). Call before JAX starts. A
-    process silent for `heartbeat_timeout` seconds ends the run (JAX's default waits 100)."""
+    process silent for `heartbeat_timeout` seconds ends the run (JAX's default waits 100): JAX
+    aborts the others with a fatal log, which `hotjax launch` reports in one line."""
     given = [v is not None for v in (coordinator, num_processes, process_id)]
     if any(given) and not all(given):
         raise UserError("--coordinator, --num-processes and --process-id go together: pass all "

@@ -7,7 +7,12 @@ NVIDIA GPUs, its own block of them (`CUDA_VISIBLE_DEVICES`). Their output is pre
 process id. When one fails, the others are stopped and the launcher exits with its code. A stop
 signal the launcher gets (SIGTERM, SIGINT, SIGUSR1: a scheduler's preemption notice) goes on to
 every process, which finish their step, save and exit with `REQUEUE_EXIT` together; so does
-the launcher.
+the launcher. A process that stops answering without exiting (hung, or stopped) misses JAX's
+heartbeats: about `--heartbeat-timeout` seconds after its last one JAX's runtime fails the run
+(a fatal C++ log and an abort in another process), and the launcher at once ends every process
+and says so in one line of its own (10 s of heartbeat: the launch ends in about 10 s, always
+within a minute). The launcher leaves no process behind: one that outlasts a SIGTERM by
+`STOP_GRACE_S` is killed.
 
 On CPU each process is pinned to its own share of this machine's cores (its CPU affinity, which
 XLA's thread pools inherit and size themselves by), so with one device per process a CPU machine
@@ -20,8 +25,10 @@ strategy avoids nor the imbalance between data shards shows. Measure strategies 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -31,6 +38,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from hotjax.distributed import HEARTBEAT_TIMEOUT_S
 from hotjax.preemption import REQUEUE_EXIT
 from models.errors import UserError
 
@@ -76,7 +84,8 @@ def run(program: list[str], processes: int, devices_per_process: int | None,
         out: IO[str] | None = None, pin: bool = True) -> int:
     """Runs `program` (an argv that takes hotjax's `--coordinator/--num-processes/--process-id`)
     as `processes` processes; 0 when all succeed, else the first failure's exit code (the rest
-    stopped). On CPU with `pin`, each process runs on its own cores (`core_shares`), as the
+    stopped), or a `UserError` when JAX's runtime failed the run for a process that stopped
+    answering. On CPU with `pin`, each process runs on its own cores (`core_shares`), as the
     first line says."""
     out = out or sys.stdout
     coordinator = f"127.0.0.1:{_free_port()}"
@@ -85,43 +94,45 @@ def run(program: list[str], processes: int, devices_per_process: int | None,
     if not gpus:
         print(f"hotjax launch: {describe_cpu_cluster(processes, devices_per_process or 4, cores)}",
               file=out, flush=True)
-    started = []
-    for i in range(processes):
-        env = dict(os.environ)
-        if gpus:
-            per = devices_per_process or max(1, len(gpus) // processes)
-            if per * processes > len(gpus):
-                raise UserError(f"{processes} processes x {per} GPUs: this machine has "
-                                f"{len(gpus)}")
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * per:(i + 1) * per])
-        else:
-            env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process or 4)
-        argv = [*program, "--coordinator", coordinator, "--num-processes", str(processes),
-                "--process-id", str(i)]
-        own = cores[i] if cores else None
-        process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                   start_new_session=True,
-                                   preexec_fn=functools.partial(os.sched_setaffinity, 0, own)
-                                   if own else None)
-        threading.Thread(target=_relay, args=(process.stdout, f"[{i}] ", out),
-                         daemon=True).start()
-        started.append(process)
+    started: list[subprocess.Popen] = []
+    relays: list[_Relay] = []
     forwarding = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, functools.partial(_forward, started))
                 for sig in FORWARDED} if forwarding else {}
     try:
-        return _supervise(started, out)
+        for i in range(processes):
+            env = dict(os.environ)
+            if gpus:
+                per = devices_per_process or max(1, len(gpus) // processes)
+                if per * processes > len(gpus):
+                    raise UserError(f"{processes} processes x {per} GPUs: this machine has "
+                                    f"{len(gpus)}")
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * per:(i + 1) * per])
+            else:
+                env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process or 4)
+            argv = [*program, "--coordinator", coordinator, "--num-processes", str(processes),
+                    "--process-id", str(i)]
+            own = cores[i] if cores else None
+            process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                       start_new_session=True,
+                                       preexec_fn=functools.partial(os.sched_setaffinity, 0, own)
+                                       if own else None)
+            started.append(process)
+            relays.append(_Relay(process, f"[{i}] ", out))
+            relays[-1].start()
+        return _supervise(started, relays, program, out)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _stop([p for p in started if p.poll() is None])  # none outlives the launcher
 
 
 def _forward(processes: list[subprocess.Popen], signum: int, _frame) -> None:
     """Passes a stop signal on to every process still running (each in its own session)."""
     for p in processes:
         if p.poll() is None:
-            os.killpg(p.pid, signum)
+            _signal_group(p, signum)
 
 
 def core_shares(processes: int) -> list[set[int]] | None:
@@ -156,43 +167,139 @@ def _ranges(cores: set[int]) -> str:
                 ordered) else "cores " + ",".join(map(str, ordered)))
 
 
-def _supervise(processes: list[subprocess.Popen], out: IO[str]) -> int:
+def _supervise(processes: list[subprocess.Popen], relays: list[_Relay], program: list[str],
+               out: IO[str]) -> int:
     while True:
         codes = [p.poll() for p in processes]
         if REQUEUE_EXIT in codes and all(c in (None, 0, REQUEUE_EXIT) for c in codes):
             if None in codes:  # stopped and saving together: let the others finish theirs
                 time.sleep(0.2)
                 continue
+            _drain(relays)
             print(f"hotjax launch: the run was stopped and saved; exit {REQUEUE_EXIT} (rerun "
                   f"the same command to resume)", file=out, flush=True)
             return REQUEUE_EXIT
         failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
         if failed is not None:
+            relays[failed].join(RELAY_DRAIN_S)
+            silent = relays[failed].silent_process(len(processes))
+            if silent is not None:
+                # The runtime has failed the run: the others can neither step nor save.
+                _stop([p for p in processes if p.poll() is None], grace=0)
+                raise UserError(f"{silent} of the run stopped answering (no heartbeat for "
+                                f"{_heartbeat_timeout(program)} s): every process was ended; "
+                                f"rerun the command to resume from the last complete "
+                                f"checkpoint")
             _stop([p for p in processes if p.poll() is None])
+            _drain(relays)
             print(f"hotjax launch: process {failed} exited with code {codes[failed]}; the "
                   f"others were stopped", file=out, flush=True)
             return codes[failed] if codes[failed] > 0 else 128 - codes[failed]  # killed: 128+N
         if all(c == 0 for c in codes):
+            _drain(relays)
             return 0
         time.sleep(0.2)
 
 
-def _stop(processes: list[subprocess.Popen]) -> None:
+def _drain(relays: list[_Relay]) -> None:
+    """Waits for the ended processes' last lines, so that the launcher's own come after."""
+    deadline = time.monotonic() + RELAY_DRAIN_S
+    for relay in relays:
+        relay.join(max(0.0, deadline - time.monotonic()))
+
+
+def _stop(processes: list[subprocess.Popen], grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM, then SIGKILL for those still running after `grace` seconds (0: at once)."""
     for p in processes:
-        os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
+        if grace > 0:
+            _signal_group(p, signal.SIGTERM)
+            _signal_group(p, signal.SIGCONT)  # a stopped process acts on SIGTERM once continued
+        else:
+            _signal_group(p, signal.SIGKILL)
+    deadline = time.monotonic() + grace
     for p in processes:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            _signal_group(p, signal.SIGKILL)
             p.wait()
 
 
-def _relay(stream: IO[str], prefix: str, out: IO[str]) -> None:
-    for line in stream:
-        out.write(prefix + line)
-        out.flush()
+def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # its group may be gone already
+        os.killpg(process.pid, sig)
+
+
+RELAY_DRAIN_S = 5  # for a failed process's last lines to reach its relay
+# A line of JAX's coordination service in absl's log format ("E1126 03:01:42.037103  4558
+# coordination_service.cc:1549] ..."), and the fatal error it ends a process with when a peer
+# misses its heartbeats. jaxlib's Python callback for that (`missed_heartbeat_callback`) is
+# unusable (it aborts converting the status), so the launcher reads the log instead.
+_COORDINATION_LOG = re.compile(r"[EF]\d{4} [\d:.]+\s+\d+ coordination_service\w*\.cc:\d+\]"
+                               r"|[EF]\d{4} .*JAX distributed service")
+_JAX_FATAL = "Terminating process because the JAX distributed service detected fatal errors"
+HELD_LINES = 200  # a fatal log and its stack trace are a few dozen
+
+
+class _Relay(threading.Thread):
+    """Passes one process's output on, prefixed. From the first line of JAX's coordination
+    service on it holds the lines back: should the process die of JAX's fatal error, they are a
+    C++ log and stack trace the launcher sums up in one line (`silent_process`); otherwise they
+    are passed on when the process ends."""
+
+    def __init__(self, process: subprocess.Popen, prefix: str, out: IO[str]):
+        super().__init__(daemon=True)
+        self.process, self.prefix, self.out = process, prefix, out
+        self.held: list[str] = []
+
+    def run(self) -> None:
+        for line in self.process.stdout:
+            if self.held or _COORDINATION_LOG.match(line):
+                self.held.append(line)
+                if len(self.held) < HELD_LINES:
+                    continue
+                self._pass_on()  # too long for a fatal log: the output as it is
+            else:
+                self._write(line)
+        if self.held:
+            self.process.wait()
+            if not self._fatal():
+                self._pass_on()
+
+    def silent_process(self, processes: int) -> str | None:
+        """Which process JAX's fatal error, held back, says stopped answering ("process 1",
+        or "a process" when it names none); None when the process ended otherwise."""
+        if not self._fatal():
+            return None
+        for before, line in zip(self.held, self.held[1:], strict=False):
+            if "stopped sending heartbeats" in before:
+                ids = re.findall(r"task:(\d+)", line) or re.findall(r"\b\d+\b", line)
+                named = sorted({int(i) for i in ids if int(i) < processes})
+                if named:
+                    return "process" + "es" * (len(named) > 1) + " " + ", ".join(map(str, named))
+        if any("CoordinationService/Heartbeat" in line for line in self.held):
+            return "process 0"  # this one's heartbeats went unanswered: the coordinator's
+        return "a process"
+
+    def _fatal(self) -> bool:
+        return (self.process.poll() not in (None, 0)
+                and any(_JAX_FATAL in line for line in self.held))
+
+    def _pass_on(self) -> None:
+        held, self.held = self.held, []
+        for line in held:
+            self._write(line)
+
+    def _write(self, line: str) -> None:
+        self.out.write(self.prefix + line)
+        self.out.flush()
+
+
+def _heartbeat_timeout(program: list[str]) -> int:
+    """The `--heartbeat-timeout` the processes were given (or its default)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--heartbeat-timeout", type=int, default=HEARTBEAT_TIMEOUT_S)
+    return parser.parse_known_args(program)[0].heartbeat_timeout
 
 
 def _free_port() -> int:

@@ -1,7 +1,9 @@
 """Several processes, one run: `hotjax launch` runs training as 2 processes x 4 CPU devices
 (gloo collectives between them) with the losses of one process on 8 devices; checkpoints pass
 between one process and two under other layouts; a process lost mid-step or mid-save ends the
-run within seconds, and reruns resume from the last complete checkpoint as if never stopped."""
+run within seconds, one that stops answering within a minute in one line, a stop signal to the
+launcher saves on every process, and reruns resume from the last complete checkpoint as if never
+stopped."""
 
 import json
 import os
@@ -16,6 +18,7 @@ import pytest
 
 from hotjax.checkpoint import store
 from hotjax.cli import main
+from hotjax.preemption import REQUEUE_EXIT
 
 TINY = ["train", "--model", "tiny", "--tokenizer", "bytes", "--compute-dtype", "float32",
         "--log-every", "1", "--context", "256", "--batch-tokens", "2048"]
@@ -211,6 +214,140 @@ def test_a_lost_process_ends_the_launch_and_a_rerun_resumes_as_if_never_stopped(
     saving = int(partial[0].name.split(".")[0])
     assert saving not in after_save and saving > max(after_save)  # the partial one never used
     assert last[-1]["step"] == 14 and final[-1] == 14
+
+
+# Two processes of one CPU device each, pinned to its own core: data parallel over both.
+PINNED = ["--steps", "6", "--strategy", "data=2"]
+
+
+def _pinned_launch(tmp_path: Path, *flags: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "hotjax.cli", "launch", "--processes", "2",
+            "--devices-per-process", "1", "--", *TINY, *PINNED, *flags]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp_path, env={**os.environ, "COLUMNS": "400"})
+
+
+def _end(launcher: subprocess.Popen, timeout: float) -> str:
+    """The launcher's output once it exits within `timeout` seconds (else it is killed)."""
+    try:
+        return launcher.communicate(timeout=timeout)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def test_sigterm_to_a_pinned_launch_saves_the_step_reached_and_the_rerun_resumes_equal(tmp_path):
+    """SIGTERM to the launcher mid-run: both processes finish the step under way, save it
+    (each its own part of one complete checkpoint) and exit 75, as does the launcher; the same
+    command again trains the remaining steps with the uninterrupted run's losses."""
+    reference = {r["step"]: r["loss"] for r in _one_process(tmp_path, *PINNED, "--devices", "2")}
+    ck, metrics = tmp_path / "ck", tmp_path / "two.jsonl"
+    flags = ["--ckpt-dir", str(ck), "--metrics-jsonl", str(metrics)]
+    launcher = _pinned_launch(tmp_path, *flags)
+    try:
+        _wait(lambda: metrics.exists() and len(_records(metrics)) >= 1, launcher)
+        launcher.send_signal(signal.SIGTERM)
+    finally:
+        output = _end(launcher, 120)
+    reached = _records(metrics)[-1]["step"]
+    assert launcher.returncode == REQUEUE_EXIT and 1 <= reached < 6, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert (f"[0] hotjax: preempted at step {reached}: saved {ck / str(reached)}; rerun the same "
+            f"command to resume") in output
+    assert "[1] hotjax:" not in output  # process 0 speaks for the run
+    assert output.rstrip().endswith(f"hotjax launch: the run was stopped and saved; exit "
+                                    f"{REQUEUE_EXIT} (rerun the same command to resume)")
+    assert store.steps(ck) == [reached] and not _saving(ck)
+    for item in ("params", "opt_state"):
+        assert {d.name for d in (ck / str(reached) / item).glob("ocdbt.process_*")} == {
+            "ocdbt.process_0", "ocdbt.process_1"}
+    first = _records(metrics)
+
+    again = _pinned_launch(tmp_path, *flags)
+    output = _end(again, 300)
+    assert again.returncode == 0, output[-3000:]
+    assert f"resumed from {ck / str(reached)} (step {reached})" in output, output[-3000:]
+    records = [*first, *_records(metrics)]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([r["loss"] for r in records],
+                               [reference[r["step"]] for r in records], rtol=0, atol=1e-5)
+
+
+HEARTBEAT_S = 10
+ENDED_WITHIN_S = 60  # JAX finds the silence within about 2 x HEARTBEAT_S; a loaded machine
+
+
+def test_a_peer_that_stops_answering_ends_every_process_in_one_line_within_a_minute(tmp_path):
+    """Process 1 is stopped (SIGSTOP: neither dead nor answering) mid-run. JAX's heartbeat
+    finds it, its runtime fails the run with a fatal C++ log and an abort in process 0; the
+    launcher ends every process, process 1 included, and says what happened in one line of
+    its own, within ENDED_WITHIN_S of the stop."""
+    metrics = tmp_path / "two.jsonl"
+    launcher = _pinned_launch(tmp_path, "--heartbeat-timeout", str(HEARTBEAT_S),
+                              "--metrics-jsonl", str(metrics))
+    try:
+        _wait(lambda: metrics.exists() and len(_records(metrics)) >= 1, launcher)
+        children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        process_1 = _process_1(launcher)
+        os.kill(process_1, signal.SIGSTOP)
+        stopped = time.monotonic()
+    finally:
+        output = _end(launcher, ENDED_WITHIN_S)
+    assert time.monotonic() - stopped < ENDED_WITHIN_S
+    assert launcher.returncode == 2, output[-3000:]
+    ours = [line for line in output.splitlines() if "hotjax:" in line]
+    assert ours == [f"hotjax: error: process 1 of the run stopped answering (no heartbeat for "
+                    f"{HEARTBEAT_S} s): every process was ended; rerun the command to resume "
+                    f"from the last complete checkpoint"], output[-3000:]
+    # JAX's own report (a fatal log, a stack trace) is left out, and no traceback is shown.
+    for noise in ("Terminating process", "Check failure", "coordination_service", "Traceback"):
+        assert noise not in output, output[-3000:]
+    assert len(children) == 2
+    for child in map(int, children):  # none left behind, stopped or not
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)
+
+
+# What JAX 0.10's runtime prints as it aborts a process: the coordinator (process 0) found
+# process 1 silent, or process 1 found the coordinator silent. Then a line that is not JAX's.
+SILENT_1 = (
+    "E1126 03:01:42.037103    4558 coordination_service.cc:1549] [98563] Use error polling to "
+    "propagate the following error to all tasks: UNAVAILABLE: The following tasks are unhealthy "
+    "(stopped sending heartbeats):\n1\n"
+    "The tasks have crashed. Check the task logs for an earlier error.\n"
+    "F1126 03:01:42.879348    5884 client.h:80] Terminating process because the JAX distributed "
+    "service detected fatal errors. absl::Status: UNAVAILABLE: ...\n"
+    "*** Check failure stack trace: ***\n"
+    "    @     0x7f84b3440634  absl::lts_20260107::log_internal::LogMessage::SendToLog()\n")
+SILENT_0 = (
+    "F1126 03:03:20.129158    6179 client.h:80] Terminating process because the JAX distributed "
+    "service detected fatal errors. absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded\n\n"
+    "RPC: /xla.coordination.CoordinationService/Heartbeat\n*** Check failure stack trace: ***\n")
+
+
+@pytest.mark.parametrize(("log", "aborts", "silent"), [
+    (SILENT_1, True, "process 1"), (SILENT_0, True, "process 0"),
+    (SILENT_1.replace("\n1\n", "\n/job:jax_worker/replica:0/task:1\n"), True, "process 1"),
+    # The service's error lines, from a process that then ends otherwise, are all shown.
+    (SILENT_1[:SILENT_1.index("F1126")], False, None)])
+def test_the_launcher_reads_jax_s_fatal_log_as_the_process_that_stopped_answering(
+        log, aborts, silent):
+    import io
+
+    from hotjax.launch import _Relay
+
+    code = f"import os, sys; sys.stdout.write({log + 'after'!r}); sys.stdout.flush(); " + (
+        "os.abort()" if aborts else "sys.exit(1)")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    out = io.StringIO()
+    relay = _Relay(process, "[0] ", out)
+    relay.start()
+    relay.join(30)
+    assert relay.silent_process(2) == silent
+    shown = out.getvalue()
+    assert shown == ("" if silent else "".join(f"[0] {line}" for line in
+                                               (log + "after").splitlines(keepends=True)))
 
 
 def test_a_collective_failing_for_a_lost_peer_is_one_line_naming_it():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import functools
 import os
 import re
@@ -116,8 +117,7 @@ def run(program: list[str], processes: int, devices_per_process: int | None,
             process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True, bufsize=1,
                                        start_new_session=True,
-                                       preexec_fn=functools.partial(os.sched_setaffinity, 0, own)
-                                       if own else None)
+                                       preexec_fn=functools.partial(_child_setup, own))
             started.append(process)
             relays.append(_Relay(process, f"[{i}] ", out))
             relays[-1].start()
@@ -126,6 +126,18 @@ def run(program: list[str], processes: int, devices_per_process: int | None,
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _stop([p for p in started if p.poll() is None])  # none outlives the launcher
+
+
+def _child_setup(cores: set[int] | None) -> None:
+    """In each child before it runs: its own cores, and a SIGTERM from the kernel should the
+    launcher die without stopping it (killed outright), so that it saves and ends too."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    with contextlib.suppress(OSError, AttributeError):  # Linux only
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _forward(processes: list[subprocess.Popen], signum: int, _frame) -> None:

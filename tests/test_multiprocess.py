@@ -432,3 +432,25 @@ def test_plan_measures_the_devices_of_every_process_as_nodes(tmp_path):
     # Planning again reads the cached profile (process 0's, for both): nothing is measured.
     again = plan("--json")
     assert "measuring" not in again and '"profile": "measured-cpu-2x2"' in again
+
+
+def test_processes_of_a_launcher_killed_outright_are_stopped_by_the_kernel(tmp_path):
+    """SIGKILL to the launcher leaves it no time to stop its processes: each was asked of the
+    kernel to be sent SIGTERM when the launcher dies, so none runs on."""
+    started = tmp_path / "started"
+    child = f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(300)"
+    launcher = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from hotjax import launch; "
+        f"sys.exit(launch.run([sys.executable, '-c', {child!r}], 2, 1, pin=False))")])
+    deadline, children = time.monotonic() + 60, []
+    while (not started.exists() or len(children) < 2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                  text=True).stdout.split()
+    assert len(children) == 2
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in children)

@@ -12,11 +12,23 @@ import os
 import re
 from pathlib import Path
 
+from models.bounds import MAX_SEQ_LEN, MAX_STEP, MAX_VOCAB, host_memory
 from models.errors import UserError
 
 DEFAULT_BATCH_TOKENS = 8192
 DEFAULT_MODEL = "small"
 DEFAULT_WARMUP_STEPS = 10
+# Host bytes one token of a mini-batch costs in the data pipeline (`hotjax.data.stream`): its
+# int32 id in a tokenized sequence (4); the packed rows' int32 tokens, segment ids and
+# positions (12), doubled for padding (24); and those rows again as arrays of CPU devices,
+# which live in host memory (24): 52, rounded up.
+BATCH_HOST_BYTES_PER_TOKEN = 64
+# The share of host memory a mini-batch may take: the model, its optimizer state, compiled
+# programs, documents read ahead and the tokenizer need the rest.
+BATCH_HOST_FRACTION = 0.25
+# More devices than any job's (TPU pods hold 8,960 chips); a simulated CPU device costs host
+# memory and a thread.
+MAX_DEVICES = 2**16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +81,16 @@ class RunConfig:
             at_least(flag, value, low)
         if self.seed >= 2**32:
             raise UserError(f"--seed {self.seed}: choose a seed from 0 to 2**32 - 1")
+        for flag, value, high, bound in (
+                ("--steps", self.steps, MAX_STEP, "MAX_STEP: steps count in int32"),
+                ("--devices", self.devices, MAX_DEVICES, "MAX_DEVICES"),
+                ("--vocab-size", self.vocab_size, MAX_VOCAB, "MAX_VOCAB"),
+                ("--context", self.context, MAX_SEQ_LEN, "MAX_SEQ_LEN"),
+                ("--attention-block", self.attention_block, MAX_SEQ_LEN, "MAX_SEQ_LEN"),
+                ("--loss-scale-period", self.loss_scale_period, MAX_STEP, "MAX_STEP"),
+                ("--warmup-steps", self.warmup_steps, MAX_STEP, "MAX_STEP")):
+            at_most(flag, value, high, bound)
+        fits_host_memory(self.batch_tokens, self.batch_sequences, self.context)
         for flag, value in (("--lr", self.lr), ("--initial-loss-scale", self.initial_loss_scale),
                             ("--device-memory", self.device_memory)):
             positive(flag, value)
@@ -115,6 +137,33 @@ def at_least(flag: str, value: int | None, low: int) -> None:
     if value is not None and value < low:
         need = "a positive number" if low == 1 else f"{low} or more"
         raise UserError(f"{flag} {value}: pass {need}")
+
+
+def at_most(flag: str, value: int | None, high: int, bound: str) -> None:
+    """A whole-number option (None: not given) is `high` or less (`bound` names the limit)."""
+    if value is not None and value > high:
+        raise UserError(f"{flag} {value}: pass at most {high:,} ({bound})")
+
+
+def fits_host_memory(batch_tokens: int | None, batch_sequences: int | None,
+                     context: int) -> None:
+    """A mini-batch of `batch_tokens` real tokens, or of `batch_sequences` sequences of up to
+    `context` tokens, fits BATCH_HOST_FRACTION of this machine's memory in the data
+    pipeline: refused at once, before any is read."""
+    if batch_sequences is not None:
+        flag, value, tokens = "--batch-sequences", batch_sequences, batch_sequences * context
+    else:
+        flag, value = "--batch-tokens", batch_tokens or DEFAULT_BATCH_TOKENS
+        tokens = max(value, context)  # a mini-batch holds at least one row of the context
+    memory = host_memory()
+    budget = int(memory * BATCH_HOST_FRACTION) // BATCH_HOST_BYTES_PER_TOKEN
+    if tokens > budget:
+        most = budget if batch_sequences is None else budget // context
+        raise UserError(f"{flag} {value}: a mini-batch of {tokens:,} tokens would take "
+                        f"{tokens * BATCH_HOST_BYTES_PER_TOKEN / 2**30:,.1f} GiB of host "
+                        f"memory, past {BATCH_HOST_FRACTION:.0%} of this machine's "
+                        f"{memory / 2**30:,.1f} GiB (BATCH_HOST_FRACTION): pass at most "
+                        f"{most:,}" + (f" at --context {context}" if batch_sequences else ""))
 
 
 def positive(flag: str, value: float | None) -> None:

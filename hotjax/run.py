@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -16,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hotjax import distributed
+from hotjax.checkpoint import lock as ckpt_lock
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint import store
 from hotjax.checkpoint.training import restore_state, run_record
@@ -30,6 +32,7 @@ from hotjax.data import (
     open_corpus,
     typical_rows,
 )
+from hotjax.data.corpus import check_batch
 from hotjax.optim import OptimConfig
 from hotjax.planning import search as plan_lib
 from hotjax.planning.measure import local_profile
@@ -136,7 +139,9 @@ def _model(run: RunConfig, resume: str | Path | None) -> tuple[str, LlamaConfig]
     one, the checkpoint's own (an import of any architecture resumes as it is)."""
     if run.model is None and resume:
         step_dir = store.find(resume)
-        return f"of {step_dir}", LlamaConfig.from_dict(meta_lib.read(step_dir)["model"])
+        return f"of {step_dir}", LlamaConfig.checked(
+            meta_lib.read(step_dir)["model"], f"{step_dir / meta_lib.META_FILE}: model",
+            meta_lib.DAMAGED)
     name = run.model or DEFAULT_MODEL
     return name, preset(name)
 
@@ -166,11 +171,22 @@ class Run:
     A state restored from a checkpoint (`restore`, or `initial_state` with `resume_from` or a
     `ckpt_dir` holding one) is laid out in this run's home strategy, whatever mesh wrote it.
     JAX must have been started first (`hotjax.start_jax`), for the device count and the
-    compilation cache. `console` gets the run's header (default: stderr, process 0 only)."""
+    compilation cache. `console` gets the run's header (default: stderr, process 0 only).
+    A `ckpt_dir` is this run's alone until `close` (a second run there stops at its start)."""
 
     def __init__(self, config: RunConfig, console: Console | None = None):
         self.config = run = config
         self.console = console = console or Console(stderr=True, quiet=not distributed.is_main())
+        self.checkpoints: store.Checkpoints | None = None
+        # Before anything slow: a checkpoint directory that takes files, and no other run's.
+        self._lock = ckpt_lock.hold(run.ckpt_dir) if run.ckpt_dir else None
+        try:
+            self._assemble(run, console)
+        except BaseException:
+            self._release()
+            raise
+
+    def _assemble(self, run: RunConfig, console: Console) -> None:
         self.devices = devices = select_devices(run.devices)
         platform = devices[0].platform
         if platform != "cpu":
@@ -186,6 +202,8 @@ class Run:
         self.model_name, model = _model(run, self.resume_path)
         scaling, scale = run.loss_scaling  # checked before the slow set-up
         self.corpus = corpus = open_corpus(run.data)
+        check_batch(corpus, context=table.max_len if table else run.context,
+                    long_documents=run.long_documents, **run.batch)
         self.tokenizer = tokenizer = load_tokenizer(run.tokenizer, corpus,
                                                     vocab_size=run.vocab_size)
         self.model = model_config(run, model, tokenizer.vocab_size)
@@ -292,15 +310,29 @@ class Run:
                                      self.batches.get_state())
 
     def close(self) -> None:
-        """Waits for the last save to commit."""
-        if self.checkpoints:
-            self.checkpoints.close()
+        """Waits for the last save to commit; then the checkpoint directory is free."""
+        try:
+            if self.checkpoints:
+                self.checkpoints.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, failed: type[BaseException] | None, *exc) -> None:
+        if failed is None:
+            self.close()
+            return
+        # The run's own failure is the one to report: its save failing again as it closes
+        # (the same full disk) says nothing more.
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 def train(run: RunConfig, console: Console | None = None,

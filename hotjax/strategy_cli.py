@@ -11,7 +11,8 @@ import argparse
 import dataclasses
 import json
 
-from hotjax.config import RunConfig, at_least
+from hotjax.config import RunConfig, at_least, at_most
+from models.bounds import MAX_SEQ_LEN
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 
 
@@ -49,6 +50,7 @@ def _show(args: argparse.Namespace) -> None:
     from hotjax import start_jax
 
     at_least("--context", args.context, 1)
+    at_most("--context", args.context, MAX_SEQ_LEN, "MAX_SEQ_LEN")
     # Enough simulated devices for the widest mesh (a table's meshes are not known yet).
     start_jax(None)
     from hotjax.planning.cost import most_sharded

@@ -17,8 +17,10 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
+from models import bounds
 from models.errors import UserError
-from models.llama import Llama, LlamaConfig, RopeScaling, abstract_params, bind
+from models.llama import Llama, LlamaConfig, abstract_params, bind
+from models.paths import inside
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -42,44 +44,49 @@ _LAYER = {
 }
 
 
-def config_from_hf(hf_config: dict[str, Any], compute_dtype: str = "float32") -> LlamaConfig:
-    """The hotjax config of a Hugging Face LLaMA config.json; rejects what hotjax cannot run."""
-    hf = hf_config
+# config.json's names for the fields of `LlamaConfig`, for messages.
+_HF_NAMES = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+             "ffn_dim": "intermediate_size", "head_dim": "head_dim", "rope_theta": "rope_theta",
+             "rope_scaling": "rope_scaling", "norm_eps": "rms_norm_eps",
+             "tie_embeddings": "tie_word_embeddings", "max_seq_len": "max_position_embeddings"}
+_FIX = "fix the model's config.json"
+
+
+def config_from_hf(hf_config: Any, compute_dtype: str = "float32") -> LlamaConfig:
+    """The hotjax config of a Hugging Face LLaMA config.json; rejects what hotjax cannot run,
+    and every field of the wrong type or out of range (`LlamaConfig.checked`)."""
+    hf = bounds.mapping(hf_config, "config.json", "config.json", "pass a JSON object")
     for field, supported in [("model_type", "llama"), ("hidden_act", "silu"),
                              ("attention_bias", False), ("mlp_bias", False)]:
         if hf.get(field, supported) != supported:
-            raise UserError(f"config.json: {field}={hf[field]!r} is not supported "
+            raise UserError(f"config.json: {field}={bounds.show(hf[field])} is not supported "
                             f"(hotjax supports {supported!r})")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in hf]
     if missing:
         raise UserError(f"config.json: lacks {', '.join(missing)}")
     theta, scaling = _rope_from_hf(hf)
-    try:
-        return LlamaConfig(
-            vocab_size=hf["vocab_size"],
-            dim=hf["hidden_size"],
-            n_layers=hf["num_hidden_layers"],
-            n_heads=hf["num_attention_heads"],
-            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            ffn_dim=hf["intermediate_size"],
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            rope_theta=theta,
-            rope_scaling=scaling,
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-            compute_dtype=_check_dtype(compute_dtype),
-        )
-    except ValueError as e:
-        raise UserError(f"config.json: {e}") from None
+    kv_heads = hf.get("num_key_value_heads")
+    fields = {"vocab_size": hf["vocab_size"], "dim": hf["hidden_size"],
+              "n_layers": hf["num_hidden_layers"], "n_heads": hf["num_attention_heads"],
+              "n_kv_heads": hf["num_attention_heads"] if kv_heads is None else kv_heads,
+              "ffn_dim": hf["intermediate_size"], "head_dim": hf.get("head_dim"),
+              "rope_theta": theta, "rope_scaling": scaling,
+              "norm_eps": hf.get("rms_norm_eps", 1e-6),
+              "tie_embeddings": hf.get("tie_word_embeddings", False),
+              "max_seq_len": hf.get("max_position_embeddings", 2048),
+              "compute_dtype": _check_dtype(compute_dtype)}
+    return LlamaConfig.checked(fields, "config.json", _FIX, _HF_NAMES)
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+    """rope_theta and the llama3 scaling fields, unchecked (`LlamaConfig.checked` checks)."""
     # transformers 5 writes `rope_parameters` with the theta inside; 4.x wrote `rope_theta` and
     # `rope_scaling` (type under "type" or "rope_type"). Like transformers, `rope_scaling` wins.
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope = bounds.mapping(rope, "rope_scaling", "config.json", _FIX)
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UserError("config.json: partial_rotary_factor is not supported (hotjax rotates "
                         "the whole head)")
@@ -87,18 +94,15 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
-        raise UserError(f"config.json: rope_type={rope_type!r} is not supported "
+        raise UserError(f"config.json: rope_type={bounds.show(rope_type)} is not supported "
                         "(hotjax supports 'default' and 'llama3')")
-    try:
-        return theta, RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope.get(
-                "original_max_position_embeddings", hf.get("max_position_embeddings", 2048))),
-        )
-    except KeyError as e:
-        raise UserError(f"config.json: llama3 rope scaling lacks {e.args[0]!r}") from None
+    lacks = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in rope]
+    if lacks:
+        raise UserError(f"config.json: llama3 rope scaling lacks {lacks[0]!r}")
+    return theta, {
+        **{k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor")},
+        "original_max_position_embeddings": rope.get(
+            "original_max_position_embeddings", hf.get("max_position_embeddings", 2048))}
 
 
 def config_to_hf(cfg: LlamaConfig, torch_dtype: str, *, bos_token_id: int | None = None,
@@ -297,13 +301,11 @@ def _tensor_files(files: dict[str, Path]) -> LazyTensors:
     return LazyTensors({n: shapes[n] for n in files if n in shapes}, read)
 
 
-def read_json(file: Path) -> dict[str, Any]:
+def read_json(file: Path) -> Any:
+    """A JSON file of a Hugging Face directory, within `bounds.MAX_JSON_BYTES` and depth."""
     if not file.is_file():
         raise UserError(f"{file}: not found")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{file}: not valid JSON ({e})") from None
+    return bounds.read_json(file, "JSON", f"fix {file.name}")
 
 
 def hf_tensors_of(path: Path) -> LazyTensors:
@@ -319,7 +321,9 @@ def hf_tensors_of(path: Path) -> LazyTensors:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise UserError(f"{index}: lacks a weight_map")
-        files = {name: path / file for name, file in weight_map.items()}
+        # A Hugging Face cache links a snapshot's files to its repository's blobs/.
+        hub = path.parent.parent if path.parent.name == "snapshots" else path
+        files = {name: inside(path, file, index, within=hub) for name, file in weight_map.items()}
         absent = sorted({f.name for f in files.values() if not f.is_file()})
         if absent:
             raise UserError(f"{index}: names missing shard file(s) {_some(absent)}")

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import AttentionSharding, accumulating, attention
+from models.bounds import check_model
 from models.errors import UserError
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 from models.pipeline import SCHEDULES, filled_microbatches, gpipe, one_f_one_b
@@ -127,6 +128,14 @@ class LlamaConfig:
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         return cls(**d)
+
+    @classmethod
+    def checked(cls, fields: dict[str, Any], where: str, fix: str,
+                names: dict[str, str] | None = None) -> LlamaConfig:
+        """A config from fields read from a file (untrusted): every field checked for type
+        and range, and the model for fitting this host, before anything is built; one
+        `UserError` line, naming `where` and the field (as `names` calls it), otherwise."""
+        return cls.from_dict(check_model(fields, where, fix, names))
 
 
 _LLAMA3_ROPE = RopeScaling(8.0, 1.0, 4.0, 8192)

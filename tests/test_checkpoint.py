@@ -17,6 +17,7 @@ import pytest
 
 from hotjax.checkpoint import convert, store
 from hotjax.checkpoint import meta as meta_lib
+from hotjax.checkpoint.lock import LOCK_FILE
 from hotjax.checkpoint.training import restore_state
 from hotjax.cli import main
 from hotjax.data import Batch, MiniBatch
@@ -246,8 +247,9 @@ def run_checkpoint(tmp_path_factory) -> Path:
 
 
 def _digest(directory: Path) -> str:
+    """The checkpoints' bytes (the lock file, which each run rewrites, aside)."""
     h = hashlib.sha256()
-    for file in sorted(p for p in directory.rglob("*") if p.is_file()):
+    for file in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != LOCK_FILE):
         h.update(str(file).encode() + file.read_bytes())
     return h.hexdigest()
 

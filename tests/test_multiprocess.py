@@ -62,6 +62,7 @@ def test_two_processes_train_a_hot_table_as_one_process_does_and_one_resumes_it(
                                        "--ckpt-dir", str(ck), *saves),
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:]
+    assert (ck / ".hotjax.lock").is_file()  # taken by process 0 alone: a second would fail
     # Process 0 speaks for the run: its lines alone carry the progress and the summary.
     assert "[0] step     5" in done.stdout and "[1] step" not in done.stdout
     assert "jax.device_put: the run spans 2 processes" in done.stdout

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,8 @@ def export_hf(path: str | Path, out: str | Path, dtype: str = "float32") -> Path
     out = store.check_new_directory(out)
     step_dir = store.find(path)
     meta = meta_lib.read(step_dir)
-    config = LlamaConfig.from_dict(meta["model"])
+    config = LlamaConfig.checked(meta["model"], f"{step_dir / meta_lib.META_FILE}: model",
+                                 meta_lib.DAMAGED)
     vocab = meta_lib.real_vocab(meta)
     axes = {store.array_path(p): a for p, a in jax.tree_util.tree_flatten_with_path(
         param_axes(config), is_leaf=lambda a: isinstance(a, tuple))[0]}
@@ -74,16 +74,15 @@ def model_config(config_json: str | Path | None, model: str | None, *, beside: P
     if config_json is not None and model is not None:
         raise UserError("--config and --model both name the model: pass one")
     if model is not None:
-        return dataclasses.replace(preset(model), vocab_size=vocab_size(),
-                                   compute_dtype="float32")
+        # The vocabulary is the checkpoint's claim: checked before the model is sized by it.
+        return LlamaConfig.checked({**preset(model).to_dict(), "vocab_size": vocab_size(),
+                                    "compute_dtype": "float32"}, f"{beside} (with --model "
+                                   f"{model})", "pass the checkpoint's own --config")
     file = Path(config_json) if config_json is not None else beside / CONFIG_FILE
     if not file.is_file():
         raise UserError(f"{file}: no such config.json: pass the model's Hugging Face config "
                         f"with --config, or a preset with --model")
-    try:
-        return config_from_hf(json.loads(file.read_text()))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{file}: unreadable config.json ({meta_lib.first_line(e)})") from None
+    return config_from_hf(read_json(file))
 
 
 def describe(path: str | Path) -> dict[str, Any]:

@@ -35,8 +35,9 @@ import numpy as np
 import optax
 
 from hotjax.checkpoint import meta as meta_lib
-from hotjax.checkpoint import store
+from hotjax.checkpoint import store, untrusted
 from hotjax.optim import OptimConfig, make_optimizer
+from models import bounds
 from models.errors import UserError
 from models.hf import LazyTensors, hf_param_makers, hf_tensor_shapes, hf_tensors, param_keys
 from models.llama import LlamaConfig, abstract_params, param_axes
@@ -49,6 +50,7 @@ _GROUP_FIELDS = ("lr", "betas", "eps", "weight_decay", "params")
 _WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"}
 BUFFERS = ("rotary_emb.inv_freq", "freqs_cis")  # rotary tables some models persist
 HEADS = ("lm_head.weight", "output.weight")  # with tied embeddings, the embedding again
+_MAX_DIMS = 8  # a LLaMA's tensors have 1 or 2 dimensions; a claim of more is damage
 # Hugging Face module -> torchtitan module, inside `layers.{i}.`
 _TORCHTITAN_LAYER = {
     "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
@@ -158,15 +160,12 @@ class TorchState:
 
 
 def read_metadata(directory: Path) -> Any:
-    _, dcp = _torch()
+    """The DCP directory's `.metadata`, read without running any code it names."""
+    _torch()
     if not (directory / ".metadata").is_file():
         raise UserError(f"{directory}: holds no .metadata file: not a PyTorch Distributed "
                         f"Checkpoint directory (torch.distributed.checkpoint.save writes one)")
-    try:
-        return dcp.FileSystemReader(str(directory)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - torch's unpickler raises many types
-        raise UserError(f"{directory / '.metadata'}: unreadable ({meta_lib.first_line(e)}): "
-                        f"the checkpoint is damaged") from None
+    return untrusted.read_dcp_metadata(directory)
 
 
 def embedding_rows(directory: str | Path) -> int:
@@ -177,9 +176,26 @@ def embedding_rows(directory: str | Path) -> int:
     for key, info in metadata.state_dict_metadata.items():
         parts = _components(key, metadata.planner_data or {})
         if ".".join(parts).endswith(ends) and "state" not in parts:
-            return int(info.size[0])
+            return claimed_shape(info.size, key, directory / ".metadata")[0]
     raise UserError(f"{directory / '.metadata'}: holds no embedding (embed_tokens or "
                     f"tok_embeddings): not a LLaMA checkpoint, or saved without its model")
+
+
+def claimed_shape(size: Any, key: str, where: Path) -> tuple[int, ...]:
+    """A tensor's global shape as a checkpoint's metadata claims it, before anything is sized
+    by it: a few whole numbers, whose elements (as fp32) fit this host's memory, since an
+    import reads a tensor whole."""
+    damaged = "the checkpoint is damaged"
+    if not isinstance(size, tuple | list) or not 1 <= len(size) <= _MAX_DIMS:
+        raise UserError(f"{where}: tensor {key} has shape {bounds.show(size)}, not 1 to "
+                        f"{_MAX_DIMS} dimensions: {damaged}")
+    shape = tuple(bounds.whole(n, f"a dimension of {key}", 0, bounds.MAX_COUNT, str(where),
+                               damaged) for n in size)
+    elements, memory = math.prod(shape), bounds.host_memory()
+    if elements * bounds.PARAM_BYTES > memory:
+        raise UserError(f"{where}: tensor {key} claims {elements:,} elements, more than this "
+                        f"machine's {memory / 2**30:,.1f} GiB of memory holds as fp32: {damaged}")
+    return shape
 
 
 def _detect(keys: Iterable[list[str]], config: LlamaConfig, naming: str | None) -> str:
@@ -249,7 +265,9 @@ def read_dcp(directory: str | Path, config: LlamaConfig, naming: str | None = No
             raise UserError(f"{directory / '.metadata'}: {entries['step', odd].key} is "
                             f"{steps[odd]:g} but {entries['step', first].key} is "
                             f"{steps[first]:g}: AdamW steps must agree")
-        step = int(steps[first])
+        step = int(bounds.real(steps[first], f"{entries['step', first].key}",
+                               str(directory / ".metadata"), "the checkpoint is damaged",
+                               low=-1.0, high=bounds.MAX_STEP + 1.0))
     return TorchState(naming, weights, moments, step,
                       hyperparameters({g: state[k] for k, g in groups.items()},
                                        _inverse(config, naming)))
@@ -302,18 +320,23 @@ def _entries(tensors: dict[str, Any], parts: dict[str, list[str]], config: Llama
 def load(directory: Path, state: dict[str, Any], planner: Any = None) -> None:
     """`dcp.load` of the DCP directory into `state` (tensors allocated at their global shapes,
     filled in place; or whatever `planner`, a torch `LoadPlanner`, asks for), whatever wrote
-    it; a failure is one line naming the directory."""
+    it, running no code it holds (saved objects are read as plain data); a failure is one line
+    naming the directory."""
     _, dcp = _torch()
     from torch.distributed.checkpoint.api import CheckpointException
 
+    metadata = read_metadata(directory)
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), planner=planner,
+            dcp.load(state, storage_reader=untrusted.dcp_reader(directory, metadata),
+                     planner=untrusted.dcp_planner(directory) if planner is None else planner,
                      no_dist=True)
     # torch's CheckpointException, which wraps each rank's error, is a BaseException.
     except (Exception, CheckpointException) as e:  # noqa: BLE001
         cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        if isinstance(cause, UserError):
+            raise cause from None
         raise UserError(f"{directory}: reading its tensors failed ({type(cause).__name__}: "
                         f"{meta_lib.first_line(cause)}): the checkpoint is truncated or "
                         f"damaged") from None
@@ -419,6 +442,7 @@ def save_trees(out: str | Path, config: LlamaConfig, params: Any, moments: dict[
     """A hotjax checkpoint of a PyTorch run's parameters and, unless None, its AdamW moments
     (exp_avg and exp_avg_sq, trees shaped as `params`) and step; `hyperparameters` are
     recorded, not applied. Leaves may be `store.Pending`, made one at a time as written."""
+    bounds.whole(step, "its step", 0, bounds.MAX_STEP, source, "the checkpoint is damaged")
     items = {store.PARAMS: params}
     optimizer = None
     if moments is not None:
@@ -502,7 +526,8 @@ class ExportSource:
     def of(cls, path: str | Path) -> ExportSource:
         step_dir = store.find(path)
         meta = meta_lib.read(step_dir)
-        config = LlamaConfig.from_dict(meta["model"])
+        config = LlamaConfig.checked(meta["model"], f"{step_dir / meta_lib.META_FILE}: model",
+                                     meta_lib.DAMAGED)
         optim = _saved_optimizer(meta)
         adam = step = None
         if store.OPT_STATE in meta["items"]:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from hotjax.checkpoint import dcp
+from hotjax.checkpoint import dcp, untrusted
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint.dcp import MOMENTS, TorchState
 from models.errors import UserError
@@ -88,8 +88,8 @@ def load_pt(file: Path) -> Any:
         with _LOADING, torch.serialization.safe_globals(_DEEPSPEED_CLASSES):
             return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
-        detail = " ".join(str(e).split("WeightsUnpickler error:")[-1].split()[:12])
-        raise UserError(f"{file}: torch's weights-only loader refuses it ({detail}): not a "
+        raise UserError(f"{file}: torch's weights-only loader refuses it "
+                        f"({untrusted.refused_by_torch(e)}): not a "
                         f"DeepSpeed checkpoint file hotjax reads") from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:
         raise UserError(f"{file}: unreadable ({meta_lib.first_line(e)}): the file is "
@@ -165,11 +165,12 @@ def step_directory(directory: Path) -> Path:
     `latest_universal` names the step) or as the step directory itself."""
     for latest in ("latest_universal", "latest"):
         if (directory / latest).is_file():
-            tag = (directory / latest).read_text().strip()
-            if not (directory / tag).is_dir():
+            tag = (directory / latest).read_text(errors="replace").strip()
+            step = untrusted.inside(directory, tag, directory / latest)
+            if not step.is_dir():
                 raise UserError(f"{directory / latest}: names step {tag!r}, which "
                                 f"{directory} lacks: copy the whole checkpoint directory")
-            return directory / tag
+            return step
     return directory
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from hotjax.checkpoint import untrusted
 from hotjax.checkpoint.manifest import Manifest, TensorSpec
 from hotjax.checkpoint.manifest import load as load_manifest
 from models.errors import UserError
@@ -128,8 +129,7 @@ def pt_file(file: str | Path) -> Any:
         with torch.serialization.safe_globals(_PT_CLASSES):
             loaded = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
-        detail = str(e).split("WeightsUnpickler error:")[-1].split("Check the documentation")[0]
-        detail = " ".join(detail.split(" Please use")[0].split())
+        detail = untrusted.refused_by_torch(e)
         raise UserError(f"{file}: torch's weights-only loader refuses it: {detail} (hotjax "
                         f"loads tensors, plain containers, numpy arrays and "
                         f"argparse.Namespace only)") from None
@@ -504,9 +504,7 @@ def import_manifest(manifest: Manifest, out: str | Path, workers: int | None, *,
 
 def model_config(manifest: Manifest) -> Any:
     """The manifest's model: a preset, config fields over an optional preset, or an HF config."""
-    import json
-
-    from models.hf import config_from_hf
+    from models.hf import config_from_hf, read_json
     from models.llama import LlamaConfig, preset
 
     model, where = manifest.model, f"{manifest.path}: model"
@@ -514,13 +512,8 @@ def model_config(manifest: Manifest) -> Any:
         return dataclasses.replace(preset(model), compute_dtype="float32")
     if "hf_config" in model:
         file = manifest.path.parent / model["hf_config"]
-        try:
-            return config_from_hf(json.loads(file.read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise UserError(f"{file}: unreadable HF config ({e})") from None
+        return config_from_hf(read_json(file))
     fields = {k: v for k, v in model.items() if k != "preset"}
     base = preset(model["preset"]).to_dict() if "preset" in model else {}
-    try:
-        return LlamaConfig.from_dict({**base, **fields, "compute_dtype": "float32"})
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{where}: {e}") from None
+    return LlamaConfig.checked({**base, **fields, "compute_dtype": "float32"}, where,
+                               "fix the manifest's model")

@@ -17,13 +17,15 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hotjax.checkpoint import foreign
+from hotjax.checkpoint import foreign, untrusted
 from hotjax.checkpoint.manifest import FORMAT, Manifest, parse
+from models import bounds
 from models.errors import UserError
-from models.llama import LlamaConfig, RopeScaling
+from models.llama import LlamaConfig
 
 FILE = "model_optim_rng.pt"
 TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER_BYTES = 64  # the tracker holds an iteration number or "release", and a newline
 EMBED = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
 HEAD = "output_layer.weight"
@@ -139,17 +141,37 @@ def iteration_directory(directory: Path) -> Path:
     tracker = directory / TRACKER
     if not tracker.is_file():
         return directory
-    text = tracker.read_text().strip()
-    if text != "release" and not text.isdigit():
-        raise UserError(f"{tracker}: holds {text!r}, neither an iteration number nor 'release'")
-    iteration = directory / (text if text == "release" else f"iter_{int(text):07d}")
+    try:
+        with tracker.open("rb") as f:
+            raw = f.read(TRACKER_BYTES + 1)
+    except OSError as e:
+        raise UserError(f"{tracker}: unreadable ({e.strerror})") from None
+    text = raw.decode("ascii", errors="replace").strip()
+    if len(raw) > TRACKER_BYTES or not (text == "release" or (text.isascii() and text.isdigit())):
+        raise UserError(f"{tracker}: holds {bounds.show(text)}, neither an iteration number "
+                        f"(0 to {bounds.MAX_STEP:,}) nor 'release': the checkpoint is damaged")
+    if text != "release" and int(text) > bounds.MAX_STEP:
+        raise UserError(f"{tracker}: names iteration {bounds.show(int(text))}, past "
+                        f"{bounds.MAX_STEP:,} (MAX_STEP): the checkpoint is damaged")
+    iteration = untrusted.inside(directory, text if text == "release" else
+                                 f"iter_{int(text):07d}", tracker)
     if not iteration.is_dir():
         raise UserError(f"{tracker}: names iteration {text}, but {iteration} is missing")
     return iteration
 
 
+# Megatron's args for the fields of `LlamaConfig`, for messages.
+_ARG_NAMES = {"vocab_size": "the embedding's rows", "dim": "args.hidden_size",
+              "n_layers": "args.num_layers", "n_heads": "args.num_attention_heads",
+              "n_kv_heads": "args.num_query_groups", "ffn_dim": "args.ffn_hidden_size",
+              "head_dim": "args.kv_channels", "rope_theta": "args.rotary_base",
+              "rope_scaling": "args' rope scaling", "norm_eps": "args.norm_epsilon",
+              "max_seq_len": "args.max_position_embeddings"}
+
+
 def config_from_args(args: argparse.Namespace, file: Path, vocab_size: int) -> LlamaConfig:
-    """The model Megatron's `args` describe, with `vocab_size` rows of vocabulary."""
+    """The model Megatron's `args` describe, with `vocab_size` rows of vocabulary, every value
+    checked (`LlamaConfig.checked`)."""
     missing = [f for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
                if getattr(args, f, None) is None]
     if missing:
@@ -158,27 +180,20 @@ def config_from_args(args: argparse.Namespace, file: Path, vocab_size: int) -> L
     heads = args.num_attention_heads
     groups = getattr(args, "num_query_groups", None) if getattr(
         args, "group_query_attention", False) else None
-    scaling = (RopeScaling(factor=float(getattr(args, "rope_scaling_factor", 8.0)))
+    scaling = ({"factor": getattr(args, "rope_scaling_factor", 8.0)}
                if getattr(args, "use_rope_scaling", False) else None)
-    try:
-        return LlamaConfig(
-            vocab_size=vocab_size,
-            dim=args.hidden_size,
-            n_layers=args.num_layers,
-            n_heads=heads,
-            n_kv_heads=groups or heads,
-            ffn_dim=args.ffn_hidden_size,
-            head_dim=getattr(args, "kv_channels", None) or args.hidden_size // heads,
-            rope_theta=float(getattr(args, "rotary_base", 10000)),
-            rope_scaling=scaling,
-            norm_eps=float(getattr(args, "norm_epsilon", 1e-5)),
-            tie_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
-            max_seq_len=int(getattr(args, "max_position_embeddings", None)
-                            or getattr(args, "seq_length", None) or 4096),
-            compute_dtype="float32",
-        )
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{file}: args describe no LLaMA hotjax can build ({e})") from None
+    fields = {"vocab_size": vocab_size, "dim": args.hidden_size, "n_layers": args.num_layers,
+              "n_heads": heads, "n_kv_heads": heads if groups is None else groups,
+              "ffn_dim": args.ffn_hidden_size, "head_dim": getattr(args, "kv_channels", None),
+              "rope_theta": getattr(args, "rotary_base", 10000), "rope_scaling": scaling,
+              "norm_eps": getattr(args, "norm_epsilon", 1e-5),
+              "tie_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
+              "max_seq_len": getattr(args, "max_position_embeddings", None)
+              or getattr(args, "seq_length", None) or 4096,
+              "compute_dtype": "float32"}
+    return LlamaConfig.checked(fields, str(file), "its args describe no LLaMA hotjax can build: "
+                               "pass --config (an HF config.json) or --model (a preset)",
+                               _ARG_NAMES)
 
 
 def check_args(args: argparse.Namespace, file: Path) -> None:
@@ -240,6 +255,7 @@ def _rank_files(iteration: Path) -> tuple[int, int, str]:
                                 f"pp={pp}, and this rank's is absent")
             if not (directory / FILE).is_file():
                 raise UserError(f"{directory / FILE}: not found")
+            untrusted.inside(iteration, f"{directory.name}/{FILE}", iteration)  # a link?
     escaped = iteration.name.replace("{", "{{").replace("}", "}}")
     return tp, pp, f"{escaped}/{rank}/{FILE}"
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,6 +45,7 @@ from hotjax.checkpoint.megatron_dist import (
     distributed_groups,
     read_common,
 )
+from models import bounds
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params
 
@@ -68,11 +69,14 @@ def iteration_directory(directory: str | Path) -> Path:
                "torch_dist wrote (its root or one iteration's)")
         raise UserError(f"{iteration}: holds no metadata.json, so it is not a Megatron-Core "
                         f"torch_dist checkpoint: {fix}")
-    try:
-        backend = json.loads(file.read_text()).get("sharded_backend")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        raise UserError(f"{file}: not a JSON object naming the sharded_backend: the checkpoint "
-                        f"is damaged") from None
+    damaged = "the checkpoint is damaged"
+    recorded = bounds.mapping(bounds.read_json(file, "metadata", damaged),
+                              "metadata.json", str(file), damaged)
+    backend = bounds.text(recorded.get("sharded_backend"), "sharded_backend", str(file),
+                          damaged, limit=64)
+    for field in ("sharded_backend_version", "common_backend_version"):
+        if field in recorded:
+            bounds.whole(recorded[field], field, 0, 2**31 - 1, str(file), damaged)
     if backend != BACKEND:
         raise UserError(f"{file}: sharded_backend is {backend!r}, not {BACKEND!r}: hotjax reads "
                         f"torch_dist; convert with Megatron (load it and save with "
@@ -92,10 +96,14 @@ def embedding_rows(directory: str | Path) -> int:
     """The padded vocabulary of a torch_dist checkpoint, read from its embedding's shape."""
     iteration = iteration_directory(directory)
     _, tensors = _tensors(iteration)
+    return _rows(tensors, iteration / ".metadata")
+
+
+def _rows(tensors: dict[str, Any], where: Path) -> int:
+    """The embedding's rows, its claimed shape checked before anything is sized by it."""
     if EMBED not in tensors:
-        raise UserError(f"{iteration / '.metadata'}: lacks tensor {EMBED}: not a Megatron "
-                        f"GPT checkpoint")
-    return int(tensors[EMBED].size[0])
+        raise UserError(f"{where}: lacks tensor {EMBED}: not a Megatron GPT checkpoint")
+    return dcp.claimed_shape(tensors[EMBED].size, EMBED, where)[0]
 
 
 def model_config(iteration: Path, common: dict[str, Any], rows: int,
@@ -234,14 +242,25 @@ def _check_shapes(tensors: dict[str, Any], expected: dict[str, tuple],
 def _step(common: dict[str, Any], where: Path) -> int | None:
     """Adam's step: every param group of every optimizer in `common.pt` (and the distributed
     optimizer's, saved beside the tensors) holds it."""
-    steps = [group["step"] for groups in _find(common.get("optimizer"), "param_groups")
-             for group in groups if isinstance(group, dict) and "step" in group]
+    steps = [_number(group["step"], "a param group's step", where, low=-1.0,
+                     high=bounds.MAX_STEP + 1.0)
+             for groups in _find(common.get("optimizer"), "param_groups")
+             for group in _groups(groups) if "step" in group]
     if not steps:
         return None
-    if any(float(s) != float(steps[0]) for s in steps):
+    if any(s != steps[0] for s in steps):
         raise UserError(f"{where}: its param groups are at Adam steps "
-                        f"{sorted({float(s) for s in steps})}: they must agree")
-    return int(float(steps[0]))
+                        f"{sorted(set(steps))[:4]}: they must agree")
+    return int(steps[0])
+
+
+def _groups(groups: Any) -> list[dict]:
+    return [g for g in groups if isinstance(g, dict)] if isinstance(groups, list | tuple) else []
+
+
+def _number(value: Any, what: str, where: Path, low: float = -math.inf,
+            high: float = math.inf) -> float:
+    return bounds.real(value, what, str(where), "the checkpoint is damaged", low=low, high=high)
 
 
 def _find(node: Any, field: str) -> Iterator[Any]:
@@ -253,22 +272,25 @@ def _find(node: Any, field: str) -> Iterator[Any]:
             yield from _find(value, field)
 
 
-def _hyperparameters(common: dict[str, Any]) -> dict[str, Any]:
+def _hyperparameters(common: dict[str, Any], where: Path) -> dict[str, Any]:
     """lr, betas and eps of the run's param groups, the weight decay of matrices and of norms
     (Megatron's no-decay group, `wd_mult` 0, holds norms and biases), and the clipping norm."""
-    groups = [g for gs in _find(common.get("optimizer"), "param_groups") for g in gs
-              if isinstance(g, dict)]
+    groups = [g for gs in _find(common.get("optimizer"), "param_groups") for g in _groups(gs)]
     out: dict[str, Any] = {}
     if groups:
         first = groups[0]
-        out.update({f: float(first[f]) for f in ("lr", "eps") if f in first})
+        out.update({f: _number(first[f], f, where) for f in ("lr", "eps") if f in first})
         if "betas" in first:
-            out["betas"] = [float(b) for b in first["betas"]]
-        decays = [float(g.get("weight_decay", 0.0)) * float(g.get("wd_mult", 1.0))
-                  for g in groups]
+            betas = first["betas"]
+            if not (isinstance(betas, list | tuple) and len(betas) == 2):
+                raise UserError(f"{where}: betas is {bounds.show(betas)}, not a pair of "
+                                f"numbers: the checkpoint is damaged")
+            out["betas"] = [_number(b, "betas", where) for b in betas]
+        decays = [_number(g.get("weight_decay", 0.0), "weight_decay", where)
+                  * _number(g.get("wd_mult", 1.0), "wd_mult", where) for g in groups]
         out["weight_decay_matrix"], out["weight_decay_norm"] = max(decays), min(decays)
     clip = getattr(common.get("args"), "clip_grad", None)
-    if isinstance(clip, int | float) and clip > 0:
+    if isinstance(clip, int | float) and not isinstance(clip, bool) and 0 < clip < math.inf:
         out["clip_norm"] = float(clip)
     return out
 
@@ -349,9 +371,7 @@ def import_megatron_core(directory: str | Path, out: str | Path, *,
     where = iteration / ".metadata"
     metadata, tensors = _tensors(iteration)
     common = read_common(iteration / "common.pt")
-    if EMBED not in tensors:
-        raise UserError(f"{where}: lacks tensor {EMBED}: not a Megatron GPT checkpoint")
-    rows = int(tensors[EMBED].size[0])
+    rows = _rows(tensors, where)
     config = model_config(iteration, common, rows, config)
     norms = _norms(tensors, where)
     expected = tensor_shapes(config, rows, norms)
@@ -396,12 +416,14 @@ def import_megatron_core(directory: str | Path, out: str | Path, *,
     unfused = _Unfused(config, expected)
     trees = {field: unfused.pending(field, reads(field)) for field in ("weight", *moment_fields)}
     iteration_number = common.get("iteration")
+    if iteration_number is not None:
+        iteration_number = bounds.whole(iteration_number, "iteration", 0, bounds.MAX_STEP,
+                                        str(iteration / "common.pt"), "the checkpoint is damaged")
     foreign = {"format": f"megatron-core {BACKEND}", "naming": "megatron-core",
-               "checkpoint": str(iteration), "iteration": iteration_number
-               if isinstance(iteration_number, int) else None}
+               "checkpoint": str(iteration), "iteration": iteration_number}
     moments = {f: trees[f] for f in moment_fields} or None
     return dcp.save_trees(
         out, config, trees["weight"], moments,
-        step if moments else (iteration_number if isinstance(iteration_number, int) else 0),
-        _hyperparameters(common), source=f"import-megatron-core {iteration}", foreign=foreign,
-        tokenizer=tokenizer)
+        step if moments else (iteration_number or 0),
+        _hyperparameters(common, iteration / "common.pt"),
+        source=f"import-megatron-core {iteration}", foreign=foreign, tokenizer=tokenizer)

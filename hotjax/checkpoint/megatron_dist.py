@@ -1,5 +1,5 @@
 """Reading Megatron-Core's torch_dist files beyond plain tensors: `common.pt` (its pickled args
-and param groups, read without running any of Megatron's code), ranges of 1-D checkpoint
+and param groups, read without running any code they name), ranges of 1-D checkpoint
 tensors read alone, and Adam's state where the distributed optimizer keeps it by default, in
 `dp_reshardable` flat buckets (`Buckets`). `hotjax.checkpoint.megatron_core` imports with them.
 """
@@ -10,16 +10,13 @@ import argparse
 import bisect
 import dataclasses
 import io
-import pickle
 import re
-import zipfile
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hotjax.checkpoint import dcp
+from hotjax.checkpoint import dcp, untrusted
 from hotjax.checkpoint.megatron import EMBED, FC1, FC2, FINAL_NORM, HEAD, PROJ, QKV
 from models.errors import UserError
 from models.llama import LlamaConfig
@@ -34,50 +31,11 @@ _ALIGN = 64  # a bucket's parameters start at multiples of 64 elements
 
 # ---------------------------------------------------------------------------- common.pt
 
-class _Opaque:
-    """An object of a class this reader does not build (an enum or config of Megatron's, a
-    torch dtype): its pickled arguments and state are kept, its code never runs."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-
-_PLAIN = {("collections", "OrderedDict"): OrderedDict, ("argparse", "Namespace"):
-          argparse.Namespace, **{("builtins", t.__name__): t for t in (set, frozenset, slice,
-                                                                       complex)}}
-
-
-class _CommonUnpickler(pickle.Unpickler):
-    """Megatron's args hold its own classes (`AttnBackend`, ...), which torch's weights-only
-    loader refuses: these become `_Opaque`, and tensors None; only plain data is built."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        return _PLAIN.get((module, name)) or type(name, (_Opaque,), {"origin": module})
-
-    def persistent_load(self, pid: Any) -> None:
-        return None
-
-
-def _plain(source: Path | io.BytesIO, where: Path) -> Any:
-    """The plain content of a `torch.save` file or stream, no code of its classes run."""
-    try:
-        with zipfile.ZipFile(source) as archive:
-            pkl = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
-            return _CommonUnpickler(archive.open(pkl)).load()
-    except (zipfile.BadZipFile, StopIteration, pickle.UnpicklingError, EOFError, ValueError,
-            TypeError, AttributeError) as e:
-        raise UserError(f"{where}: not a readable torch.save file ({type(e).__name__}): the "
-                        f"checkpoint is damaged") from None
-
-
 def read_common(file: Path) -> dict[str, Any]:
     """`common.pt`'s plain content: args, iteration, the optimizer's param groups."""
     if not file.is_file():
         raise UserError(f"{file}: missing: copy the whole checkpoint directory")
-    loaded = _plain(file, file)
+    loaded = untrusted.read_torch_save(file, file)
     return loaded if isinstance(loaded, dict) else {}
 
 
@@ -110,7 +68,7 @@ def _ranges_planner(ranges: list[tuple[str, int, Any]], objects: dict[str, Any],
             return narrow_tensor_by_index(tensor, read_item.dest_offsets, read_item.lengths)
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            objects[read_item.dest_index.fqn] = _plain(value, where)
+            objects[read_item.dest_index.fqn] = untrusted.read_torch_save(value, where)
 
     return Ranges(flatten_state_dict=False)
 

@@ -20,17 +20,24 @@ Free of JAX and Orbax, so `inspect` and the shard importer's workers stay light.
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 from typing import Any
 
 from hotjax import __version__
+from models import bounds
 from models.errors import UserError
 
 FORMAT = "hotjax-checkpoint/1"
 META_FILE = Path("meta") / "metadata"  # where Orbax's JSON handler puts the `meta` item
 DATA_FILE = Path("data") / "metadata"
 REQUIRED = ("format", "step", "items", "model", "fingerprints")
+PARAMS = "params"
+# The array items a checkpoint may hold (`store.PARAMS`, `store.OPT_STATE`): each names a
+# directory of the step, so no other name is ever read.
+ITEMS = (PARAMS, "opt_state")
+_TEXT_LIMIT = 8192  # a source names a path (4096 bytes at most on Linux) and a command
+DAMAGED = "the checkpoint is damaged: resume from another checkpoint"
 # Fields that change neither the parameters' shapes nor their meaning.
 _NOT_ARCHITECTURE = ("vocab_size", "compute_dtype", "remat", "attention", "attention_block",
                      "max_seq_len")
@@ -66,21 +73,19 @@ def layout_record(layout: Any) -> dict[str, Any]:
 
 
 def read_json(file: Path, what: str) -> dict[str, Any]:
+    """A JSON object of the checkpoint, within `bounds.MAX_JSON_BYTES` and depth."""
     if not file.is_file():
         raise UserError(f"{file}: not found: the checkpoint lacks its {what}; it was not "
                         f"written by hotjax, or was damaged: resume from another checkpoint")
-    try:
-        value = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{file}: unreadable {what} ({first_line(e)}): the checkpoint is "
-                        f"damaged: resume from another checkpoint") from None
+    value = bounds.read_json(file, what, DAMAGED)
     if not isinstance(value, dict):
         raise UserError(f"{file}: {what} is not a JSON object: the checkpoint is damaged")
     return value
 
 
 def read(step_dir: Path) -> dict[str, Any]:
-    """The metadata of a step directory, checked for the fields restore relies on."""
+    """The metadata of a step directory, every field that restore, resume, export and inspect
+    read checked for type and range."""
     file = step_dir / META_FILE
     meta = read_json(file, "metadata")
     missing = [k for k in REQUIRED if k not in meta]
@@ -88,12 +93,99 @@ def read(step_dir: Path) -> dict[str, Any]:
         raise UserError(f"{file}: lacks {', '.join(missing)}: not a hotjax checkpoint, or "
                         f"damaged: resume from another checkpoint")
     if meta["format"] != FORMAT:
-        raise UserError(f"{file}: format {meta['format']!r} is not {FORMAT!r}: written by "
-                        f"another version of hotjax ({meta.get('hotjax_version', '?')})")
+        raise UserError(f"{file}: format {bounds.show(meta['format'])} is not {FORMAT!r}: "
+                        f"written by another version of hotjax "
+                        f"({bounds.show(meta.get('hotjax_version', '?'))})")
+    _check(meta, str(file))
     return meta
 
 
+def _check(meta: dict[str, Any], where: str) -> None:
+    bounds.whole(meta["step"], "step", 0, bounds.MAX_STEP, where, DAMAGED)
+    items = meta["items"]
+    if not (isinstance(items, list) and all(isinstance(i, str) and i in ITEMS for i in items)
+            and PARAMS in items and len(set(items)) == len(items)):
+        raise UserError(f"{where}: items is {bounds.show(items)}, not a list of distinct "
+                        f"{' and '.join(ITEMS)} with {PARAMS}: {DAMAGED}")
+    # Sized against this host where a parameter is built (`LlamaConfig.checked`), not here:
+    # `inspect` reads the metadata of checkpoints too large for the machine it runs on.
+    bounds.check_model(meta["model"], f"{where}: model", DAMAGED, fits_host=False)
+    fingerprints = bounds.mapping(meta["fingerprints"], "fingerprints", where, DAMAGED)
+    for item, arrays in fingerprints.items():
+        if item not in items:
+            raise UserError(f"{where}: fingerprints name item {bounds.show(item)}, which items "
+                            f"lack: {DAMAGED}")
+        for path, value in bounds.mapping(arrays, f"fingerprints.{item}", where,
+                                          DAMAGED).items():
+            bounds.whole(value, f"the fingerprint of {bounds.show(path)}", 0, 2**32 - 1, where,
+                         DAMAGED)
+    for field in ("source", "hotjax_version"):
+        if meta.get(field) is not None:
+            bounds.text(meta[field], field, where, DAMAGED, limit=_TEXT_LIMIT)
+    if meta.get("seed") is not None:
+        bounds.whole(meta["seed"], "seed", 0, 2**32 - 1, where, DAMAGED)
+    for field in ("strategy_table", "written_from"):
+        if meta.get(field) is not None:
+            bounds.mapping(meta[field], field, where, DAMAGED)
+    _check_fields(meta.get("tokenizer"), "tokenizer", _TOKENIZER, where)
+    if meta.get("tokenizer") is not None and "identity" not in meta["tokenizer"]:
+        raise UserError(f"{where}: tokenizer lacks its identity: {DAMAGED}")
+    _check_fields(meta.get("data"), "data", _DATA, where)
+    _check_fields(meta.get("optimizer"), "optimizer", _OPTIMIZER, where)
+    optimizer = meta.get("optimizer") or {}
+    if optimizer.get("loss_scaling") == "static" and "loss_scale" not in optimizer:
+        raise UserError(f"{where}: optimizer has static loss scaling but no loss_scale: "
+                        f"{DAMAGED}")
+    betas = optimizer.get("betas")
+    if betas is not None and not (isinstance(betas, list) and len(betas) == 2):
+        raise UserError(f"{where}: optimizer.betas is {bounds.show(betas)}, not a pair of "
+                        f"numbers: {DAMAGED}")
+    for beta in betas or ():
+        bounds.real(beta, "optimizer.betas", where, DAMAGED, low=-math.inf)
+
+
+# What the known fields of a record hold: ("whole", low, high), ("real", exclusive low[, and
+# +inf]) or ("text",); others are not read, and null is absent.
+_Spec = dict[str, tuple]
+_TOKENIZER: _Spec = {"identity": ("text",), "vocab_size": ("whole", 1, bounds.MAX_VOCAB),
+                     **dict.fromkeys(("bos_id", "eos_id", "pad_id"),
+                                     ("whole", 0, bounds.MAX_VOCAB))}
+_DATA: _Spec = {"source": ("text",), "tokenizer": ("text",), "long_documents": ("text",),
+                "seq_len": ("whole", 1, bounds.MAX_SEQ_LEN),
+                "batch_tokens": ("whole", 1, bounds.MAX_COUNT),
+                "batch_sequences": ("whole", 1, bounds.MAX_COUNT),
+                "vocab_size": ("whole", 1, bounds.MAX_VOCAB), "seed": ("whole", 0, 2**32 - 1)}
+_OPTIMIZER: _Spec = {"source": ("text",), "loss_scaling": ("text",),
+                     "warmup_steps": ("whole", 0, bounds.MAX_STEP),
+                     "total_steps": ("whole", 1, bounds.MAX_STEP),
+                     "loss_scale_period": ("whole", 1, bounds.MAX_STEP),
+                     "loss_scale": ("real", 0.0),
+                     "clip_norm": ("real", 0.0, math.inf),  # inf: no clipping
+                     **dict.fromkeys(("lr", "min_lr_ratio", "weight_decay", "b1", "b2", "eps",
+                                      "weight_decay_matrix", "weight_decay_norm"),
+                                     ("real", -math.inf))}
+
+
+def _check_fields(record: Any, name: str, spec: _Spec, where: str) -> None:
+    if record is None:
+        return
+    for field, value in bounds.mapping(record, name, where, DAMAGED).items():
+        kind, *limits = spec.get(field, ("any",))
+        what = f"{name}.{field}"
+        if value is None or kind == "any":
+            continue
+        if kind == "whole":
+            bounds.whole(value, what, *limits, where, DAMAGED)
+        elif kind == "real":
+            if value not in limits[1:]:
+                bounds.real(value, what, where, DAMAGED, low=limits[0])
+        else:
+            bounds.text(value, what, where, DAMAGED, limit=_TEXT_LIMIT)
+
+
 def read_data(step_dir: Path) -> dict[str, Any] | None:
+    """The data iterator's position a checkpoint holds (a JSON object of bounded size and
+    depth; `MiniBatches.set_state` checks its fields)."""
     file = step_dir / DATA_FILE
     return read_json(file, "data position") if file.parent.exists() else None
 

@@ -37,6 +37,7 @@ import tensorstore as ts
 from orbax.checkpoint import checkpoint_managers as keep_policies
 from orbax.checkpoint import type_handlers
 
+from hotjax.checkpoint import lock as ckpt_lock
 from hotjax.checkpoint import meta as meta_lib
 from models.errors import UserError
 
@@ -162,19 +163,22 @@ class Checkpoints:
 
     def __init__(self, directory: str | Path, *, keep_last: int | None = 3,
                  keep_every: int | None = None):
-        self.directory = Path(directory).absolute()
-        if self.directory.exists() and not self.directory.is_dir():
-            raise UserError(f"{self.directory}: not a directory: choose a checkpoint directory")
+        self.directory = ckpt_lock.writable(directory)  # one line, before Orbax's traceback
         keep: list[Any] = [keep_policies.LatestN(keep_last)]
         if keep_every:
             keep.append(keep_policies.EveryNSteps(keep_every))
         options = ocp.CheckpointManagerOptions(
             preservation_policy=keep_policies.AnyPreservationPolicy(keep),
             cleanup_tmp_directories=True, enable_async_checkpointing=_async_saves(),
-            save_root_metadata=False)
+            save_root_metadata=False,
+            # Made by the caller: a directory that cannot be made fails the save at once.
+            # Made in the background, its writers would wait for it until Orbax's barrier
+            # timeout, and at exit the process would wait for them.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_handlers=_handlers())
         self._saving: tuple[int, int] | None = None  # the step being written, and its bytes
+        self._identity = _identity(self.directory)  # to tell it was removed or replaced
         _report_failed_writes_once()
 
     def steps(self) -> list[int]:
@@ -211,6 +215,9 @@ class Checkpoints:
         self.wait()  # the previous save, written in the background, may have failed
         with self._writing():
             self._saving = (step, sum(x.nbytes for x in jax.tree.leaves((params, opt_state))))
+            if self._vanished():  # else Orbax would make it anew, without the earlier steps
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT),
+                                        str(self.directory))
             self._manager.save(step, args=ocp.args.Composite(**args), force=True)
         return time.perf_counter() - started
 
@@ -219,8 +226,16 @@ class Checkpoints:
             self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self.wait()
+        try:
+            self.wait()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the failure was said: close all the same
+                self._manager.close()
+            raise
         self._manager.close()
+
+    def _vanished(self) -> bool:
+        return self._identity is not None and _identity(self.directory) != self._identity
 
     def _remove_failed_save(self) -> None:
         """Removes a failed save's partial directory once nothing writes into it any more:
@@ -235,24 +250,34 @@ class Checkpoints:
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
-        """Turns a save's failed write (a full disk, a quota, a permission) into one line:
-        the directory, what failed and the space a checkpoint needs; the partial save is
+        """Turns a save's failed write (a full disk, a quota, a read-only file system, a
+        permission, the directory removed) into one line: the directory, the cause and what
+        to do, with the space a checkpoint needs when space ran out; the partial save is
         removed, the complete ones stay."""
         try:
             yield
         except Exception as e:
-            reason = write_failure(e)
-            if reason is None or self._saving is None:
+            vanished = self._vanished()
+            code = write_errno(e)
+            if (code is None and not vanished) or self._saving is None:
                 raise
             step, size = self._saving
             self._saving = None
+            where = f"--ckpt-dir {self.directory}: saving step {step} failed"
+            if vanished:
+                raise UserError(f"{where}: the directory vanished (removed or moved while the "
+                                f"run wrote to it): rerun with a --ckpt-dir that nothing else "
+                                f"removes") from None
             self._remove_failed_save()
             kept = self.steps()
-            free = shutil.disk_usage(self.directory).free if self.directory.is_dir() else 0
+            needs = ""
+            if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                free = (shutil.disk_usage(self.directory).free
+                        if self.directory.is_dir() else 0)
+                needs = (f": a checkpoint needs about {size / 2**20:,.1f} MiB and "
+                         f"{free / 2**20:,.1f} MiB is free there")
             raise UserError(
-                f"--ckpt-dir {self.directory}: saving step {step} failed ({reason}): a "
-                f"checkpoint needs about {size / 2**20:,.1f} MiB and {free / 2**20:,.1f} MiB "
-                f"is free there: free space or choose another --ckpt-dir"
+                f"{where} ({os.strerror(code)}){needs}: {ckpt_lock.advice(code)}"
                 + (f"; the checkpoints of steps {', '.join(map(str, kept))} are intact"
                    if kept else "")) from None
 
@@ -268,19 +293,34 @@ _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ER
                  errno.EFBIG, errno.EIO)
 
 
-def write_failure(error: BaseException | None) -> str | None:
-    """The system's reason ("No space left on device") if `error`, or an error it was raised
-    from or during, is a refused write; None otherwise."""
+def write_errno(error: BaseException | None) -> int | None:
+    """The errno (ENOSPC) if `error`, or an error it was raised from or during, is a refused
+    write; None otherwise."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in _WRITE_ERRNOS:
-            return os.strerror(error.errno)
+            return error.errno
         code = re.search(r"os_error_code='(\d+)'", str(error))
         if code and int(code.group(1)) in _WRITE_ERRNOS:
-            return os.strerror(int(code.group(1)))
+            return int(code.group(1))
         error = error.__cause__ or error.__context__
     return None
+
+
+def write_failure(error: BaseException | None) -> str | None:
+    """The system's reason ("No space left on device") if `error` is a refused write."""
+    code = write_errno(error)
+    return None if code is None else os.strerror(code)
+
+
+def _identity(directory: Path) -> tuple[int, int] | None:
+    """The directory's device and inode (None: it is not there)."""
+    try:
+        found = directory.stat()
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 class _WithoutFailedWrites(logging.Filter):

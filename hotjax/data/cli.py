@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from hotjax.config import RunConfig, at_least
+from hotjax.config import RunConfig, at_least, at_most
 from hotjax.data.packing import LONG_DOCUMENTS
+from models.bounds import MAX_SEQ_LEN, MAX_VOCAB
 from models.errors import UserError
 
 _RUN = RunConfig()  # the defaults `hotjax train` uses
@@ -49,6 +50,7 @@ def _stats(args: argparse.Namespace) -> None:
     from hotjax.data.stats import corpus_stats, document_lengths
 
     at_least("--vocab-size", args.vocab_size, 1)
+    at_most("--vocab-size", args.vocab_size, MAX_VOCAB, "MAX_VOCAB")
     max_lens, context = _buckets(args)
     if args.plot and not _writable(args.plot):
         raise UserError(f"--plot {args.plot}: its directory does not exist: create it or "
@@ -75,6 +77,7 @@ def _buckets(args: argparse.Namespace) -> tuple[list[int], int]:
     """Bucket lengths and the context, from --strategies, --buckets or --context."""
     if args.context is not None and args.context < 1:
         raise UserError(f"--context {args.context}: pass a positive number of tokens")
+    at_most("--context", args.context, MAX_SEQ_LEN, "MAX_SEQ_LEN")
     if args.strategies:
         from sharding.table import load_table
 
@@ -86,6 +89,7 @@ def _buckets(args: argparse.Namespace) -> tuple[list[int], int]:
             raise UserError(f"--buckets {args.buckets}: give lengths like 512,2048,8192") from None
         if min(max_lens) < 1 or max_lens != sorted(set(max_lens)):
             raise UserError(f"--buckets {args.buckets}: give positive, increasing lengths")
+        at_most("--buckets", max_lens[-1], MAX_SEQ_LEN, "MAX_SEQ_LEN")
     else:
         context = args.context or _RUN.context
         return sorted({max(context >> k, 1) for k in range(4)}), context

@@ -24,6 +24,7 @@ EMBEDDED_CORPORA = ("stdlib", "shakespeare")
 RECORD_SUFFIXES = (".jsonl", ".parquet")  # read as records wherever they are found
 BLOCK_CACHE = 8  # decoded JSON files or Parquet row groups kept in memory
 _GLOB_CHARS = frozenset("*?[")
+_ADDED_TOKENS = 3  # per document, beyond one per byte: BOS, EOS, SentencePiece's "▁" prefix
 _FIX = (
     "pass stdlib or shakespeare, a directory or glob of text files, a text file, a .jsonl/.json "
     "file of records, or a .parquet file"
@@ -167,19 +168,31 @@ def _index(source: str, root: Path, paths: list[Path], text_field: str,
     empty = replaced = binary = 0
     for p in paths:
         kind = (kinds or {}).get(p) or records.kind_of(p, named=False) or "text"
-        raw = _read_bytes(p)
-        if kind == "text" and b"\0" in raw[:BINARY_SNIFF_BYTES]:
-            binary += 1
-            continue
         name = p.relative_to(root).as_posix().encode()
-        hasher.update(len(name).to_bytes(8, "little") + name + len(raw).to_bytes(8, "little"))
-        hasher.update(raw)
-        if kind == "text":
-            found = records.Found("text", np.array([[0, 0, len(raw)]], np.int64),
-                                  np.array([len(raw)], np.int64), int(not raw),
-                                  int(not records.is_utf8(raw)))
-        else:
-            found = records.index(p, kind, raw, text_field)
+        try:
+            if kind == "jsonl" or (kind == "json" and not records.is_json_array(p)):
+                with p.open("rb") as f:  # read a line at a time: a line's length is bounded
+                    hasher.update(len(name).to_bytes(8, "little") + name
+                                  + os.fstat(f.fileno()).st_size.to_bytes(8, "little"))
+                    found = records.index_jsonl(p, f, text_field, hasher.update)
+            else:
+                if kind == "text" and _is_binary(p):
+                    binary += 1
+                    continue
+                if kind == "text" and p.stat().st_size > records.MAX_DOCUMENT_BYTES:
+                    raise records.too_long(str(p), p.stat().st_size, "split it into smaller "
+                                           "files, or into the records of a .jsonl file")
+                raw = p.read_bytes()
+                hasher.update(len(name).to_bytes(8, "little") + name
+                              + len(raw).to_bytes(8, "little"))
+                hasher.update(raw)
+                found = (records.Found("text", np.array([[0, 0, len(raw)]], np.int64),
+                                       np.array([len(raw)], np.int64), int(not raw),
+                                       int(not records.is_utf8(raw))) if kind == "text"
+                         else records.index(p, kind, raw, text_field))
+        except OSError as e:
+            raise UserError(f"cannot read corpus file {p}: {e.strerror} — fix its "
+                            f"permissions") from e
         found.spans_Nx3[:, 0] = len(kept)
         kept.append(p)
         kept_kinds.append(found.kind)
@@ -198,11 +211,29 @@ def _index(source: str, root: Path, paths: list[Path], text_field: str,
                   text_field, stats, hasher.hexdigest()[:16])
 
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise UserError(
-            f"cannot read corpus file {path}: {e.strerror} — fix its permissions"
-        ) from e
+def _is_binary(path: Path) -> bool:
+    """A NUL byte near its start marks a file as binary."""
+    with path.open("rb") as f:
+        return b"\0" in f.read(BINARY_SNIFF_BYTES)
 
+
+def check_batch(corpus: Corpus, *, context: int, long_documents: str,
+                batch_tokens: int | None = None, batch_sequences: int | None = None) -> None:
+    """Refuses a mini-batch larger than the whole corpus, which cannot be filled. A document
+    gives at most a token per byte (each token of every tokenizer hotjax loads stands for a
+    byte or more) and _ADDED_TOKENS, cut to the context when truncated, or into pieces of the
+    context when split."""
+    tokens_D = corpus.sizes_D[corpus.sizes_D > 0] + _ADDED_TOKENS
+    split = long_documents == "split"
+    if batch_sequences is not None:
+        flag, value, unit = "--batch-sequences", batch_sequences, "sequences"
+        most = int((-(-tokens_D // context)).sum()) if split else len(tokens_D)
+    else:
+        flag, value, unit = "--batch-tokens", batch_tokens, "tokens"
+        most = int(tokens_D.sum() if split else np.minimum(tokens_D, context).sum())
+    if value is not None and value > most:
+        cut = f"split into pieces of {context}" if split else f"truncated to {context}"
+        raise UserError(f"{flag} {value:,}: the corpus {corpus.source} holds at most {most:,} "
+                        f"{unit} ({corpus.stats.bytes:,} bytes in {len(tokens_D):,} documents, "
+                        f"{cut} tokens), so a mini-batch cannot be filled: pass at most "
+                        f"{most:,}, or a larger corpus")

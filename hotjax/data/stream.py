@@ -23,20 +23,30 @@ process would have read it, having done 1/count of the reading.
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grain
 import numpy as np
 
+from hotjax.config import BATCH_HOST_FRACTION
 from hotjax.data.buckets import pack_buckets
 from hotjax.data.corpus import Corpus
 from hotjax.data.packing import LONG_DOCUMENTS, Batch, assemble, to_sequences
 from hotjax.data.tokenizer import Tokenizer
+from models import bounds
+from models.bounds import host_memory
 from models.errors import UserError
 
 READ_THREADS = 2  # threads reading and tokenizing ahead of the packer
 READ_AHEAD = 256  # documents read ahead
 PACKING = ("ffd", "none")  # first-fit-decreasing, or one sequence per row (padded)
 ROUND = 32  # documents per process read between two exchanges of a run of several processes
+# Host bytes per byte of text that a document read back costs: at most one int32 token per
+# byte, plus BOS and EOS.
+RESTORE_BYTES_PER_BYTE = 4
+# Documents a position may name as read ahead: a round per process, for up to 1024 processes
+# (each is read again when the position is restored).
+MAX_AHEAD = ROUND * 1024
 
 
 @dataclass(frozen=True)
@@ -120,17 +130,40 @@ class MiniBatches(_Iterator):
 
     def set_state(self, state: dict) -> None:
         """Continue exactly where `get_state` was called (in this or another iterator)."""
+        _check_position(state)
         if state["check"] != self._identity():
-            raise UserError(f"data iterator state was saved for {state['check']}, but this "
+            saved = str(state["check"])[:300]  # as written, or a stranger's text of any size
+            raise UserError(f"data iterator state was saved for {saved}, but this "
                             f"iterator is {self._identity()}: resume with the same corpus, "
                             f"tokenizer, seed, context, long-document handling and batch size")
+        ahead, pending = state.get("ahead", []), state["pending"]
+        self._check_documents([*ahead, *{doc for _, doc, _ in pending}])
         self._parent.set_state(dict(state["documents"]))
         self._read = int(state["read"])
         # Documents read ahead are read again here, by every process: at most a round of them.
-        self._ahead = deque(self._sequences(doc) for doc in state.get("ahead", []))
-        pieces = {doc: self._sequences(doc)[1] for _, doc, _ in state["pending"]}
-        self._pending = [(i, doc, piece, pieces[doc][piece])
-                         for i, doc, piece in state["pending"]]
+        self._ahead = deque(self._sequences(doc) for doc in ahead)
+        pieces = {doc: self._sequences(doc)[1] for _, doc, _ in pending}
+        odd = next(((doc, piece) for _, doc, piece in pending if piece >= len(pieces[doc])),
+                    None)
+        if odd is not None:
+            raise UserError(f"the data position names piece {odd[1]} of document {odd[0]}, "
+                            f"which has {len(pieces[odd[0]])}: resume with the checkpoint's "
+                            f"corpus, tokenizer and context")
+        self._pending = [(i, doc, piece, pieces[doc][piece]) for i, doc, piece in pending]
+
+    def _check_documents(self, docs: list[int]) -> None:
+        """The documents a position names exist, and read back fit a share of host memory."""
+        count = self.corpus.num_documents
+        bad = next((doc for doc in docs if not 0 <= doc < count), None)
+        if bad is not None:
+            raise UserError(f"the data position names document {bad}, but {self.corpus.source}"
+                            f" has {count}: resume with the checkpoint's corpus")
+        cost = int(self.corpus.sizes_D[docs].sum()) * RESTORE_BYTES_PER_BYTE if docs else 0
+        if cost > host_memory() * BATCH_HOST_FRACTION:
+            raise UserError(f"the data position names {len(docs):,} documents to read again, "
+                            f"about {cost / 2**30:,.1f} GiB of tokens, past "
+                            f"{BATCH_HOST_FRACTION:.0%} of this machine's memory: the "
+                            f"checkpoint is damaged: resume from another checkpoint")
 
     def __next__(self) -> MiniBatch:
         chosen: list[_Piece] = []
@@ -197,6 +230,32 @@ class MiniBatches(_Iterator):
         return {"corpus": self.corpus.fingerprint, "tokenizer": self.tokenizer.identity,
                 "seed": self.seed, "context": self.context,
                 "long_documents": self.long_documents, "batch": batch}
+
+
+def _check_position(state: Any) -> None:
+    """A position read from a checkpoint holds what `set_state` reads, of the right types and
+    ranges (`MiniBatches._check_documents` checks its documents against the corpus)."""
+    where, fix = "the data position", "the checkpoint is damaged: resume from another one"
+    state = bounds.mapping(state, "the position", where, fix)
+    bounds.mapping(state.get("check"), "check", where, fix)
+    bounds.whole(state.get("read"), "read", 0, bounds.MAX_COUNT, where, fix)
+    ahead, pending = state.get("ahead", []), state.get("pending")
+    if not isinstance(ahead, list) or len(ahead) > MAX_AHEAD:
+        raise UserError(f"{where}: ahead is {bounds.show(ahead)}, not a list of at most "
+                        f"{MAX_AHEAD:,} documents (MAX_AHEAD): {fix}")
+    for doc in ahead:
+        bounds.whole(doc, "a document read ahead", 0, bounds.MAX_COUNT, where, fix)
+    if not isinstance(pending, list):
+        raise UserError(f"{where}: pending is {bounds.show(pending)}, not a list: {fix}")
+    for entry in pending:
+        if not (isinstance(entry, list) and len(entry) == 3):
+            raise UserError(f"{where}: a pending piece is {bounds.show(entry)}, not [read, "
+                            f"document, piece]: {fix}")
+        for value in entry:
+            bounds.whole(value, "a pending piece's number", 0, bounds.MAX_COUNT, where, fix)
+    documents = bounds.mapping(state.get("documents"), "documents", where, fix)
+    bounds.whole(documents.get("next_index"), "documents.next_index", 0, bounds.MAX_COUNT,
+                 where, fix)
 
 
 def _packed(documents: list[list[np.ndarray]]) -> np.ndarray:

@@ -1,0 +1,451 @@
+"""Hostile or broken input ends in one line: every flag, corpus, model config and checkpoint field
+is checked for type, range and depth as it is read, and a claim that the machine cannot hold is
+refused at once, before it costs memory."""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pickle
+import random
+import resource
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hotjax.checkpoint import megatron, megatron_core
+from hotjax.checkpoint import meta as meta_lib
+from hotjax.cli import main
+from hotjax.data import ByteTokenizer, MiniBatches, open_corpus
+from hotjax.data.corpus import check_batch
+from hotjax.data.records import MAX_DOCUMENT_BYTES
+from hotjax.optim import OptimConfig
+from models import bounds
+from models.errors import UserError
+from models.hf import config_from_hf, config_to_hf, read_json
+from models.llama import PRESETS, LlamaConfig, RopeScaling
+
+TINY = PRESETS["tiny"]
+# A model with every optional field set, Llama 3's rope scaling included.
+SCALED = dataclasses.replace(TINY, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 256))
+# A child that never starts JAX runs in ~40 MiB resident; its address space is capped well
+# above that (so a regression fails in the child, not on the machine), its peak held lower.
+ADDRESS_SPACE = 4 * 2**30
+PEAK_MIB = 256
+# What the readers may allocate over all the fuzzed cases together (each is a few KiB).
+FUZZ_GROWTH_MIB = 256
+
+
+def _one_line(err: str) -> str:
+    """The one error line of stderr, its last (a run's header may come before), no traceback."""
+    errors = [line for line in err.splitlines() if line.startswith("hotjax: error: ")]
+    assert len(errors) == 1 and err.rstrip().endswith(errors[0]), err
+    assert "Traceback" not in err, err
+    return errors[0]
+
+
+def _error(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    return _one_line(capsys.readouterr().err)
+
+
+def _hotjax(*args: str, cwd: Path) -> tuple[int, str, float, float]:
+    """`hotjax args` in a fresh process that caps its own address space first: its exit code,
+    stderr, peak resident MiB (its VmHWM at exit: the fork's copy of this process is not its
+    own) and CPU seconds."""
+    capped = (f"import atexit, resource, runpy, sys; resource.setrlimit(resource.RLIMIT_AS, "
+              f"({ADDRESS_SPACE}, {ADDRESS_SPACE})); atexit.register(lambda: open('peak', 'w')"
+              f".write(open('/proc/self/status').read())); sys.argv[0] = 'hotjax'; "
+              f"runpy.run_module('hotjax.cli', run_name='__main__')")
+    with open(cwd / "stderr.txt", "w+") as err:
+        child = subprocess.Popen([sys.executable, "-c", capped, *args], cwd=cwd,
+                                 stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        stderr = err.read()
+    status_lines = (cwd / "peak").read_text().splitlines()
+    (peak_kib,) = [int(line.split()[1]) for line in status_lines if line.startswith("VmHWM:")]
+    return child.returncode, stderr, peak_kib / 1024, usage.ru_utime + usage.ru_stime
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _nested(depth: int, leaf: Any = 0) -> list:
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+# ---------------------------------------------------------------------------- flags
+
+HUGE = str(2**40)
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["train", "--batch-tokens", str(10**12)], ["--batch-tokens", "BATCH_HOST_FRACTION"]),
+    (["train", "--batch-sequences", str(10**9), "--context", "4096"],
+     ["--batch-sequences", "BATCH_HOST_FRACTION", "at --context 4096"]),
+    (["train", "--vocab-size", HUGE], ["--vocab-size", "MAX_VOCAB"]),
+    (["train", "--context", HUGE], ["--context", "MAX_SEQ_LEN"]),
+    (["train", "--steps", str(2**31)], ["--steps", "MAX_STEP"]),
+    (["train", "--devices", HUGE], ["--devices", "MAX_DEVICES"]),
+    (["plan", "--batch-tokens", str(10**12)], ["--batch-tokens", "BATCH_HOST_FRACTION"]),
+    (["data", "stats", "--vocab-size", HUGE], ["--vocab-size", "MAX_VOCAB"]),
+    (["data", "stats", "--context", HUGE], ["--context", "MAX_SEQ_LEN"]),
+    (["strategy", "show", "data=8", "--context", HUGE], ["--context", "MAX_SEQ_LEN"]),
+])
+def test_a_size_flag_past_what_the_machine_holds_is_one_line_naming_flag_and_bound(
+        argv, names, capsys):
+    err = _error(argv, capsys)
+    assert all(name in err for name in names), err
+
+
+def test_a_trillion_token_batch_is_refused_at_once_in_bounded_memory(tmp_path):
+    code, err, peak, cpu = _hotjax("train", "--batch-tokens", str(10**12), cwd=tmp_path)
+    assert code == 2 and "--batch-tokens 1000000000000" in _one_line(err)
+    assert cpu < 1.0 and peak < PEAK_MIB, (cpu, peak)
+
+
+def test_a_batch_larger_than_the_whole_corpus_is_refused_naming_both_numbers(tmp_path, capsys):
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(json.dumps({"text": "x" * 50}) + "\n" for _ in range(10)))
+    # Ten documents of 50 bytes: at most 53 tokens each (a token per byte, BOS, EOS, a prefix).
+    err = _error(["train", "--model", "tiny", "--tokenizer", "bytes", "--data", str(path),
+                  "--batch-tokens", "1000"], capsys)
+    assert "--batch-tokens 1,000" in err and "at most 530 tokens" in err, err
+    corpus = open_corpus(str(path))
+    check_batch(corpus, context=512, long_documents="split", batch_tokens=530)
+    with pytest.raises(UserError, match="--batch-sequences 11: .* at most 10 sequences"):
+        check_batch(corpus, context=512, long_documents="truncate", batch_sequences=11)
+    with pytest.raises(UserError, match="at most 20 sequences"):  # split in two at 32 tokens
+        check_batch(corpus, context=32, long_documents="split", batch_sequences=21)
+
+
+# ---------------------------------------------------------------------------- corpora
+
+def test_a_200_mb_jsonl_line_is_refused_naming_file_line_and_bound_in_bounded_memory(tmp_path):
+    path = tmp_path / "long.jsonl"
+    with path.open("wb") as f:
+        f.write(b'{"text": "short"}\n{"text": "')
+        for _ in range(200):
+            f.write(b"a" * 2**20)
+        f.write(b'"}\n')
+    code, err, peak, _ = _hotjax("data", "stats", "--data", str(path), "--tokenizer", "bytes",
+                                 cwd=tmp_path)
+    line = _one_line(err)
+    assert code == 2 and f"{path}:2: a line longer than" in line, line
+    assert f"{MAX_DOCUMENT_BYTES:,} bytes" in line and "MAX_DOCUMENT_BYTES" in line
+    assert peak < PEAK_MIB, peak
+
+
+@pytest.mark.parametrize("name, content, expect", [
+    ("a.jsonl", b'{"text": "ok"}\n{"text": 5}\n', "{path}:2: no 'text' string field"),
+    ("a.jsonl", b'{"text": "ok"}\n{"text": "a", "x": ' + b"[" * 10**5 + b"]" * 10**5 + b"}\n",
+     "{path}:2: nests deeper"),
+    ("a.jsonl", b'{"text": "a", "n": ' + b"9" * 5000 + b"}\n", "{path}:1: not valid JSON"),
+    ("a.json", b'[{"text": ' + b"[" * 10**5 + b"]" * 10**5 + b"}]", "{path}: nests deeper"),
+    ("a.jsonl", b'{"text": "\\ud800"}\n', "{path}:1: its text holds a lone surrogate"),
+    ("a.txt", b"a" * (MAX_DOCUMENT_BYTES + 1),
+     f"{{path}}: a document of {MAX_DOCUMENT_BYTES + 1:,} bytes, past the"),
+])
+def test_a_broken_corpus_record_is_one_line_naming_the_file(name, content, expect, tmp_path):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(UserError) as caught:
+        open_corpus(str(path))
+    assert str(caught.value).startswith(expect.format(path=path)), caught.value
+    assert "\n" not in str(caught.value)
+
+
+# ---------------------------------------------------------------------------- model configs
+
+def _hf_dir(tmp_path: Path, text: str) -> Path:
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    (directory / "config.json").write_text(text)
+    return directory
+
+
+def _hf_text(**changes: Any) -> str:
+    return json.dumps({**config_to_hf(TINY, "float32"), **changes})
+
+
+@pytest.mark.parametrize("text, expect", [
+    (_hf_text(num_hidden_layers=10**8), "num_hidden_layers is 100000000, outside 1 to 4,096"),
+    (_hf_text(hidden_size="64"), "hidden_size is '64', not a whole number"),
+    (_hf_text(vocab_size=True), "vocab_size is True, not a whole number"),
+    (_hf_text(num_attention_heads=0), "num_attention_heads is 0, outside 1 to"),
+    (_hf_text(num_key_value_heads=3), "num_attention_heads (8) is not a multiple of "
+     "num_key_value_heads (3)"),
+    (_hf_text(intermediate_size=2**63), "intermediate_size is 9223372036854775808, outside 1"),
+    (_hf_text(rms_norm_eps=math.nan), "rms_norm_eps is nan, not a finite number"),
+    (_hf_text(rope_scaling={"rope_type": "llama3", "factor": "8", "low_freq_factor": 1,
+                            "high_freq_factor": 4}), "rope_scaling.factor is '8', not a number"),
+    (_hf_text(rope_scaling=[1]), "rope_scaling is a list of 1, not an object"),
+    (_hf_text(hidden_size=2**16, intermediate_size=2**18, num_hidden_layers=2**9,
+              num_attention_heads=2**9, num_key_value_heads=2**9, head_dim=128),
+     "the model's largest parameter alone would take 32,768.0 GiB"),
+    ('{"vocab_size": ' + "[" * 10**5 + "]" * 10**5 + "}", "nests deeper than 64 levels"),
+    ("[1, 2]", "config.json is a list of 2, not an object"),
+])
+def test_a_hostile_hf_config_json_is_refused_in_one_line_before_memory_grows(
+        text, expect, tmp_path, capsys):
+    before = _peak_mib()
+    err = _error(["ckpt", "import-hf", str(_hf_dir(tmp_path, text)), str(tmp_path / "out")],
+                 capsys)
+    assert expect in err and "config.json" in err, err
+    assert _peak_mib() - before < 100  # 10^8 layers once grew to 4.8 GB
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_shared_validator_knows_every_field_of_llama_config():
+    fields = dataclasses.fields(LlamaConfig)
+    required = tuple(f.name for f in fields if f.default is dataclasses.MISSING)
+    optional = tuple(f.name for f in fields if f.default is not dataclasses.MISSING)
+    assert (required, optional) == (bounds.MODEL_REQUIRED, bounds.MODEL_OPTIONAL)
+    assert dataclasses.asdict(RopeScaling()) == bounds.ROPE_DEFAULTS
+    for config in PRESETS.values():  # every real model passes (unsized: some exceed a laptop)
+        assert bounds.check_model(config.to_dict(), "preset", "", fits_host=False)
+    for config in (TINY, SCALED):
+        assert LlamaConfig.checked(config.to_dict(), "preset", "") == config
+
+
+# ---------------------------------------------------------------------------- Megatron-Core
+
+def _megatron_root(tmp_path: Path, tracker: bytes, metadata: str | None = None) -> Path:
+    root = tmp_path / "mc"
+    (root / "iter_0000100").mkdir(parents=True)
+    (root / megatron.TRACKER).write_bytes(tracker)
+    (root / "iter_0000100" / "metadata.json").write_text(
+        metadata or json.dumps({"sharded_backend": "torch_dist"}))
+    return root
+
+
+@pytest.mark.parametrize("tracker, metadata, expect", [
+    (b"-5\n", None, "holds '-5', neither an iteration number"),
+    (b"9" * 100, None, "neither an iteration number"),
+    (b"99999999999", None, "past 2,147,483,647 (MAX_STEP)"),
+    (b"100", "[1]", "metadata.json is a list of 1, not an object"),
+    (b"100", '{"sharded_backend": 5}', "sharded_backend is 5, not a string"),
+    (b"100", '{"sharded_backend": "torch_dist", "sharded_backend_version": -1}',
+     "sharded_backend_version is -1, outside 0 to"),
+    (b"100", "[" * 10**5 + "]" * 10**5, "nests deeper than 64 levels (MAX_JSON_DEPTH)"),
+])
+def test_a_hostile_megatron_core_tracker_or_metadata_json_is_one_line(
+        tracker, metadata, expect, tmp_path, capsys):
+    root = _megatron_root(tmp_path, tracker, metadata)
+    err = _error(["ckpt", "import-megatron-core", str(root), str(tmp_path / "out")], capsys)
+    assert expect in err, err
+    assert str(root / (megatron.TRACKER if metadata is None else "iter_0000100")) in err
+
+
+def _megatron_args(**changes: Any) -> argparse.Namespace:
+    return argparse.Namespace(**{
+        "hidden_size": 64, "num_layers": 2, "ffn_hidden_size": 176, "num_attention_heads": 8,
+        "group_query_attention": True, "num_query_groups": 4, "kv_channels": 8,
+        "rotary_base": 10000, "norm_epsilon": 1e-5, "max_position_embeddings": 1024,
+        "untie_embeddings_and_output_weights": True, **changes})
+
+
+@pytest.mark.parametrize("changes, expect", [
+    ({"hidden_size": "64"}, "args.hidden_size is '64', not a whole number"),
+    ({"num_attention_heads": 0}, "args.num_attention_heads is 0, outside 1 to"),
+    ({"num_layers": 10**8}, "args.num_layers is 100000000, outside 1 to 4,096"),
+    ({"kv_channels": -1}, "args.kv_channels is -1, outside 1 to"),
+    ({"norm_epsilon": math.inf}, "args.norm_epsilon is inf, not a finite number"),
+    ({"rotary_base": [10000]}, "args.rotary_base is a list of 1, not a number"),
+])
+def test_hostile_megatron_args_are_one_line_naming_the_arg(changes, expect, tmp_path):
+    file = tmp_path / "common.pt"
+    assert megatron.config_from_args(_megatron_args(), file, 259) == dataclasses.replace(
+        TINY, compute_dtype="float32", max_seq_len=1024, head_dim=8)
+    with pytest.raises(UserError) as caught:
+        megatron.config_from_args(_megatron_args(**changes), file, 259)
+    assert str(caught.value).startswith(f"{file}: {expect}") and "\n" not in str(caught.value)
+
+
+# ---------------------------------------------------------------------------- DCP
+
+def test_a_dcp_checkpoint_claiming_a_tensor_of_10_to_the_15_elements_is_refused_at_once(
+        tmp_path, capsys):
+    import torch
+    import torch.distributed.checkpoint as torch_dcp
+
+    directory = tmp_path / "dcp"
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        torch_dcp.save({"model.embed_tokens.weight": torch.zeros(4, 64)},
+                       storage_writer=torch_dcp.FileSystemWriter(str(directory)), no_dist=True)
+    metadata = pickle.loads((directory / ".metadata").read_bytes())  # written just above
+    metadata.state_dict_metadata["model.embed_tokens.weight"].size = torch.Size([10**15, 64])
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    before = _peak_mib()
+    err = _error(["ckpt", "import-dcp", str(directory), str(tmp_path / "out"), "--model",
+                  "tiny"], capsys)
+    assert f"{directory / '.metadata'}: tensor model.embed_tokens.weight claims " \
+           f"64,000,000,000,000,000 elements" in err, err
+    assert _peak_mib() - before < 100
+
+
+# ---------------------------------------------------------------------------- hotjax's own
+
+def _record(model: LlamaConfig = TINY) -> dict[str, Any]:
+    """The metadata a training run writes, as `meta.record` makes it."""
+    return meta_lib.record(
+        step=3, source="train", items=["params", "opt_state"], model=model.to_dict(), seed=11,
+        tokenizer={"identity": "bytes", "vocab_size": 259, "bos_id": 257, "eos_id": 258,
+                   "pad_id": 256},
+        data={"source": "corpus.jsonl", "seq_len": 256, "long_documents": "split",
+              "batch_tokens": 2048, "tokenizer": "bytes", "vocab_size": 8192, "seed": 11},
+        optimizer={**dataclasses.asdict(OptimConfig()), "betas": [0.9, 0.95]},
+        strategy_table={"bucket": [{"max_len": 256, "mesh": {"data": 8}}]},
+        written_from={"strategy": "data=8", "devices": 8},
+        fingerprints={"params": {"embed": 12, "layers/wq": 2**32 - 1}, "opt_state": {}})
+
+
+def _step_dir(tmp_path: Path, text: str) -> Path:
+    step_dir = tmp_path / "ckpt" / "3"
+    (step_dir / "meta").mkdir(parents=True, exist_ok=True)
+    (step_dir / meta_lib.META_FILE).write_text(text)
+    return step_dir
+
+
+@pytest.mark.parametrize("changes, expect", [
+    ({"step": -5}, "step is -5, outside 0 to 2,147,483,647"),
+    ({"items": ["params", "../../elsewhere"]}, "items is a list of 2, not a list of distinct"),
+    ({"model": {**TINY.to_dict(), "n_layers": 10**8}}, "n_layers is 100000000, outside 1 to"),
+    ({"fingerprints": {"params": {"embed": -1}}}, "the fingerprint of 'embed' is -1"),
+    ({"data": {"seq_len": "256"}}, "data.seq_len is '256', not a whole number"),
+    ({"tokenizer": {"identity": "bytes", "vocab_size": 0}}, "tokenizer.vocab_size is 0"),
+    ({"optimizer": {"lr": math.nan}}, "optimizer.lr is nan, not a finite number"),
+])
+def test_hotjax_checkpoint_metadata_out_of_range_is_refused_in_one_line(
+        changes, expect, tmp_path, capsys):
+    step_dir = _step_dir(tmp_path, json.dumps({**_record(), **changes}))
+    assert meta_lib.read(_step_dir(tmp_path / "valid", json.dumps(_record())))["step"] == 3
+    # Resuming reads it first: step -5 no longer resumes and trains past --steps.
+    err = _error(["train", "--resume-from", str(step_dir)], capsys)
+    assert f"{step_dir / meta_lib.META_FILE}: " in err and expect in err, err
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory) -> MiniBatches:
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": "abc" * i}) + "\n" for i in range(1, 40)))
+    return MiniBatches(open_corpus(str(path)), ByteTokenizer(), (16, 64), batch_tokens=256,
+                       long_documents="split")
+
+
+@pytest.mark.parametrize("change, expect", [
+    ({"read": -1}, "read is -1, outside 0 to"),
+    ({"ahead": [0] * 40000}, "ahead is a list of 40000, not a list of at most 32,768"),
+    ({"ahead": [10**6]}, "names document 1000000, but"),
+    ({"pending": [[3, 32, 99]]}, "names piece 99 of document 32, which has 2"),
+    ({"pending": [[3, "32", 1]]}, "a pending piece's number is '32'"),
+    ({"documents": {"next_index": None}}, "documents.next_index is None"),
+])
+def test_a_hostile_data_position_is_refused_in_one_line(stream, change, expect):
+    next(stream)
+    state = {**stream.get_state(), "pending": [[3, 32, 1]]}
+    stream.set_state(state)  # a valid position: document 32 has two pieces at context 64
+    with pytest.raises(UserError) as caught:
+        stream.set_state({**state, **change})
+    assert expect in str(caught.value) and "\n" not in str(caught.value), caught.value
+
+
+# ---------------------------------------------------------------------------- fuzz
+
+_HOSTILE_JSON = ["null", "true", "false", "0", "-1", "-5", str(10**18), str(2**63), "NaN",
+                 "Infinity", "-Infinity", "1.5", "1e309", '""', json.dumps("x" * 10**5), '"32"',
+                 "[]", "[1, 2, 3]", "{}", '{"a": 1}', "[" * 10**5 + "]" * 10**5, "9" * 5000]
+_HOSTILE = [None, True, False, 0, -1, -5, 10**18, 2**63, math.nan, math.inf, -math.inf, 1.5, "",
+            "x" * 10**5, "32", [], [1, 2, 3], {}, {"a": 1}, _nested(10**5), 10**5000,
+            {"a": _nested(10**5)}]
+
+
+def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
+    """Every key path into nested dicts and lists."""
+    found = [prefix] if prefix else []
+    items = (value.items() if isinstance(value, dict)
+             else enumerate(value) if isinstance(value, list) else ())
+    for key, child in items:
+        found += _paths(child, (*prefix, key))
+    return found
+
+
+def _mutated(rng: random.Random, record: Any, hostile: Any) -> Any:
+    """`record` (a deep copy) with a random field set to `hostile`, deleted, or one added."""
+    record = json.loads(json.dumps(record))
+    *parent_path, key = rng.choice(_paths(record))
+    parent = record
+    for k in parent_path:
+        parent = parent[k]
+    move = rng.random()
+    if move < 0.1 and isinstance(parent, dict):
+        del parent[key]
+    elif move < 0.2 and isinstance(parent, dict):
+        parent["unknown_field"] = hostile
+    else:
+        parent[key] = hostile
+    return record
+
+
+def _expect_clean_or_one_line(read: Callable[[], Any], case: str) -> None:
+    try:
+        read()
+    except UserError as e:
+        assert str(e) and "\n" not in str(e), (case, str(e))
+    except Exception as e:  # noqa: BLE001 - any other exception is the failure reported
+        pytest.fail(f"{case}: {type(e).__name__}: {str(e)[:300]}")
+
+
+def test_fuzzed_metadata_and_configs_end_clean_or_in_one_line_within_bounded_memory(tmp_path):
+    rng = random.Random(32)
+    before = _peak_mib()
+    hf_record = config_to_hf(SCALED, "float32")
+    fields = SCALED.to_dict()
+    common = tmp_path / "common.pt"
+    root = _megatron_root(tmp_path, b"100")
+    for case in range(120):
+        text = rng.choice(_HOSTILE_JSON)
+        # hotjax's own metadata, and an HF config.json, with a field's JSON text replaced.
+        record = _mutated(rng, _record(SCALED), "__hostile__")
+        step_dir = _step_dir(tmp_path / str(case), json.dumps(record).replace(
+            '"__hostile__"', text))
+        _expect_clean_or_one_line(lambda d=step_dir: meta_lib.read(d),
+                                  f"meta {str(record)[:300]} {text[:20]}")
+        config = tmp_path / str(case) / "config.json"
+        config.write_text(json.dumps(_mutated(rng, hf_record, "__hostile__")).replace(
+            '"__hostile__"', text))
+        _expect_clean_or_one_line(lambda f=config: config_from_hf(read_json(f)),
+                                  f"config.json {config.read_text()[:200]}")
+        # Megatron-Core's tracker and metadata.json.
+        (root / megatron.TRACKER).write_bytes(rng.choice(
+            [text.encode()[:100], b"100", b"release", rng.randbytes(rng.randrange(1, 80))]))
+        (root / "iter_0000100" / "metadata.json").write_text(json.dumps(_mutated(
+            rng, {"sharded_backend": "torch_dist", "sharded_backend_version": 1},
+            "__hostile__")).replace('"__hostile__"', text))
+        _expect_clean_or_one_line(lambda: megatron_core.iteration_directory(root),
+                                  f"megatron-core {text[:20]}")
+    for _ in range(len(_HOSTILE) * 6):
+        hostile = rng.choice(_HOSTILE)
+        shown = bounds.show(hostile)
+        hf = {**hf_record, rng.choice(list(hf_record)): hostile}
+        _expect_clean_or_one_line(lambda hf=hf: config_from_hf(hf), f"config_from_hf {shown}")
+        model = {**fields, rng.choice(list(fields)): hostile}
+        _expect_clean_or_one_line(lambda m=model: LlamaConfig.checked(m, "fuzz", "fix it"),
+                                  f"LlamaConfig.checked {shown}")
+        args = _megatron_args(**{rng.choice(list(vars(_megatron_args()))): hostile})
+        _expect_clean_or_one_line(lambda a=args: megatron.config_from_args(a, common, 259),
+                                  f"config_from_args {shown}")
+    assert _peak_mib() - before < FUZZ_GROWTH_MIB

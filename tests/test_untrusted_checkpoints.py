@@ -1,0 +1,206 @@
+"""A checkpoint from a stranger runs no code: every pickle an import reads (DCP `.metadata` and
+saved objects, Megatron-Core's `common.pt`, DeepSpeed's and Megatron's `.pt` files) is read as
+data, and a crafted one is refused in one line naming the file and what it refers to. The file
+names a checkpoint records (DeepSpeed's `latest`, a safetensors index, DCP's rank files,
+Megatron's tracker) stay inside its directory, symbolic links followed.
+"""
+
+import io
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as torch_dcp
+from safetensors.numpy import save_file
+
+from hotjax.cli import main
+from models.hf import INDEX_FILE, config_to_hf, hf_tensor_shapes, hf_tensors_of
+from models.llama import preset
+
+TINY = preset("tiny")
+EMBED = "embedding.word_embeddings.weight"  # Megatron-Core's
+RAN = f"{os.mkdir.__module__}.{os.mkdir.__name__}"  # what the payloads call: posix.mkdir
+
+
+class Payload:
+    """What a crafted checkpoint holds: unpickled, it creates the directory `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def _refused(argv: list[str], capsys) -> str:
+    """stderr of a hotjax command that exits 2 with one line and writes nothing."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("hotjax: error: "), err
+    assert not Path(argv[3]).exists()
+    return err
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    """The tiny model's tensors (zeros), by Hugging Face name."""
+    return {name: torch.zeros(shape) for name, shape in hf_tensor_shapes(TINY).items()}
+
+
+def _save_dcp(directory: Path, state: dict) -> Path:
+    torch_dcp.save(state, storage_writer=torch_dcp.FileSystemWriter(str(directory)),
+                   no_dist=True)
+    return directory
+
+
+def _megatron_core(root: Path) -> Path:
+    """A torch_dist iteration directory named by `root`'s tracker, its .metadata real."""
+    iteration = root / "iter_0000002"
+    _save_dcp(iteration, {EMBED: torch.zeros(8, 4)})
+    (iteration / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    (root / "latest_checkpointed_iteration.txt").write_text("2")
+    return iteration
+
+
+def test_the_payload_runs_its_code_under_a_plain_unpickler(tmp_path):
+    pickle.loads(pickle.dumps(Payload(tmp_path / "ran")))
+    assert (tmp_path / "ran").is_dir()
+
+
+@pytest.mark.parametrize("case", ["dcp metadata", "dcp saved object", "megatron-core metadata",
+                                  "megatron-core common.pt", "deepspeed .pt", "megatron .pt"])
+def test_a_crafted_pickle_runs_no_code_and_is_one_line_naming_the_file_and_the_global(
+        case, tmp_path, capsys):
+    marker, source, out = tmp_path / "ran", tmp_path / "ck", str(tmp_path / "out")
+    source.mkdir()
+    payload = Payload(marker)
+    if case == "dcp metadata":
+        (source / ".metadata").write_bytes(pickle.dumps(payload))
+        argv = ["import-dcp", str(source), out, "--model", "tiny"]
+        expect = [f"{source / '.metadata'}: refers to {RAN}, which a checkpoint's metadata never"]
+    elif case == "dcp saved object":
+        group = {"lr": payload, "weight_decay": 0.0, "params": list(hf_tensor_shapes(TINY))}
+        _save_dcp(source, {"model": _weights(), "optim": {"param_groups": [group]}})
+        argv = ["import-dcp", str(source), out, "--model", "tiny"]
+        expect = [f"{source / '__0_0.distcp'}: torch's weights-only loader refuses saved "
+                  f"object optim.param_groups.0.lr (refers to {RAN})"]
+    elif case == "megatron-core metadata":
+        iteration = _megatron_core(source)
+        (iteration / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": payload}))
+        argv = ["import-megatron-core", str(source), out]
+        expect = [f"{iteration / '.metadata'}: refers to {RAN}"]
+    elif case == "megatron-core common.pt":
+        iteration = _megatron_core(source)
+        torch.save({"args": payload, "iteration": 2}, iteration / "common.pt")
+        argv = ["import-megatron-core", str(source), out]
+        expect = [f"{iteration / 'common.pt'}: refers to {RAN}, which a Megatron checkpoint "
+                  f"never holds"]
+    elif case == "deepspeed .pt":
+        torch.save({"param_shapes": payload}, source / "mp_rank_00_model_states.pt")
+        argv = ["import-deepspeed", str(source), out, "--model", "tiny"]
+        expect = [f"{source / 'mp_rank_00_model_states.pt'}: torch's weights-only loader "
+                  f"refuses it (refers to {RAN})"]
+    else:
+        rank = source / "iter_0000002" / "mp_rank_00"
+        rank.mkdir(parents=True)
+        (source / "latest_checkpointed_iteration.txt").write_text("2")
+        torch.save({"args": payload}, rank / "model_optim_rng.pt")
+        argv = ["import-shards", str(source), out, "--format", "megatron", "--model", "tiny"]
+        expect = [f"{rank / 'model_optim_rng.pt'}: torch's weights-only loader refuses it: "
+                  f"refers to {RAN}"]
+    err = _refused(["ckpt", *argv], capsys)
+    assert all(e in err for e in expect), err
+    assert not marker.exists()
+
+
+def test_a_damaged_or_foreign_dcp_metadata_is_one_line(tmp_path, capsys):
+    source = _save_dcp(tmp_path / "ck", {"model": _weights()})
+    real = (source / ".metadata").read_bytes()
+
+    class Persistent(pickle.Pickler):
+        def persistent_id(self, obj):
+            return "storage" if obj == "tensor" else None
+
+    stream = io.BytesIO()
+    Persistent(stream).dump(["tensor"])
+    for data, expect in ((real[: len(real) // 2], "unreadable (UnpicklingError"),
+                         (stream.getvalue(), "holds a persistent id"),
+                         (pickle.dumps({"model": 1}), "holds no DCP metadata")):
+        (source / ".metadata").write_bytes(data)
+        err = _refused(["ckpt", "import-dcp", str(source), str(tmp_path / "out"), "--model",
+                        "tiny"], capsys)
+        assert f"{source / '.metadata'}: {expect}" in err, err
+
+
+def _dcp_in_another_place(tmp_path: Path, link: bool) -> tuple[Path, str]:
+    """A real DCP checkpoint whose rank file lies outside its directory: named so in .metadata
+    (`../outside.distcp`), or linked there."""
+    source = _save_dcp(tmp_path / "ck", {"model": _weights()})
+    (source / "__0_0.distcp").rename(tmp_path / "outside.distcp")
+    name = "__0_0.distcp" if link else "../outside.distcp"
+    if link:
+        (source / name).symlink_to(tmp_path / "outside.distcp")
+    else:
+        with open(source / ".metadata", "rb") as f:
+            metadata = pickle.load(f)  # noqa: S301 - written by this test
+        for info in metadata.storage_data.values():
+            info.relative_path = name
+        (source / ".metadata").write_bytes(pickle.dumps(metadata))
+    return source, name
+
+
+@pytest.mark.parametrize("case", ["deepspeed latest", "deepspeed latest absolute",
+                                  "safetensors index", "dcp rank file", "dcp rank file link",
+                                  "megatron-core iteration link"])
+def test_a_file_name_read_from_a_checkpoint_never_leads_outside_it(case, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    if case.startswith("deepspeed"):
+        source, outside = tmp_path / "ds", tmp_path / "outside"
+        source.mkdir()
+        outside.mkdir()
+        torch.save({"param_shapes": [{"model.norm.weight": [64]}]},
+                   outside / "mp_rank_00_model_states.pt")
+        name = str(outside) if case.endswith("absolute") else "../outside"
+        (source / "latest").write_text(name)
+        argv, where = ["import-deepspeed", str(source), out, "--model", "tiny"], source / "latest"
+    elif case == "safetensors index":  # the shards, if read, would import
+        source = tmp_path / "hf"
+        source.mkdir()
+        (source / "config.json").write_text(json.dumps(config_to_hf(TINY, "float32")))
+        save_file({n: t.numpy() for n, t in _weights().items()}, tmp_path / "x.safetensors")
+        name = "../x.safetensors"
+        (source / INDEX_FILE).write_text(json.dumps(
+            {"weight_map": dict.fromkeys(hf_tensor_shapes(TINY), name)}))
+        argv, where = ["import-hf", str(source), out], source / INDEX_FILE
+    elif case.startswith("dcp"):  # the rank file, if read, would import
+        source, name = _dcp_in_another_place(tmp_path, link=case.endswith("link"))
+        argv, where = ["import-dcp", str(source), out, "--model", "tiny"], source / ".metadata"
+    else:
+        source = tmp_path / "mc"
+        source.mkdir()
+        iteration = _megatron_core(tmp_path / "elsewhere")
+        (source / iteration.name).symlink_to(iteration)
+        (source / "latest_checkpointed_iteration.txt").write_text("2")
+        argv, where = ["import-megatron-core", str(source), out], (
+            source / "latest_checkpointed_iteration.txt")
+        name = iteration.name
+    err = _refused(["ckpt", *argv], capsys)
+    assert f"{where}: names {name!r}, which leads outside {source}" in err, err
+
+
+def test_a_hugging_face_cache_snapshot_still_reads_its_linked_blobs(tmp_path):
+    repo = tmp_path / "models--tiny"
+    snapshot, blob = repo / "snapshots" / "abc123", repo / "blobs" / "f00d"
+    snapshot.mkdir(parents=True)
+    blob.parent.mkdir()
+    weights = {n: np.full(t.shape, 0.5, np.float32) for n, t in _weights().items()}
+    save_file(weights, blob)
+    (snapshot / "model-00001-of-00001.safetensors").symlink_to("../../blobs/f00d")
+    (snapshot / INDEX_FILE).write_text(json.dumps(
+        {"weight_map": dict.fromkeys(weights, "model-00001-of-00001.safetensors")}))
+    tensors = hf_tensors_of(snapshot)
+    assert set(tensors) == set(weights)
+    np.testing.assert_array_equal(tensors["model.norm.weight"], weights["model.norm.weight"])

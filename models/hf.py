@@ -318,7 +318,8 @@ def hf_tensors_of(path: Path) -> LazyTensors:
         except SafetensorError as e:
             raise UserError(f"{single}: not a readable safetensors file ({e})") from None
     if index.is_file():
-        weight_map = read_json(index).get("weight_map")
+        found = read_json(index)
+        weight_map = found.get("weight_map") if isinstance(found, dict) else None
         if not isinstance(weight_map, dict):
             raise UserError(f"{index}: lacks a weight_map")
         # A Hugging Face cache links a snapshot's files to its repository's blobs/.

@@ -204,3 +204,41 @@ def test_a_hugging_face_cache_snapshot_still_reads_its_linked_blobs(tmp_path):
     tensors = hf_tensors_of(snapshot)
     assert set(tensors) == set(weights)
     np.testing.assert_array_equal(tensors["model.norm.weight"], weights["model.norm.weight"])
+
+
+def test_a_pickled_object_that_unpacks_to_gigabytes_is_refused_before_it_is_read(
+        tmp_path, capsys):
+    """A `common.pt` of a few KiB whose compressed pickle claims 100 MiB (a compression bomb):
+    refused from the archive's directory, never decompressed."""
+    import zipfile
+
+    from hotjax.checkpoint.untrusted import MAX_OBJECT_BYTES
+
+    source = tmp_path / "ck"
+    iteration = _megatron_core(source)
+    with zipfile.ZipFile(iteration / "common.pt", "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("archive/data.pkl", b"\0" * (100 * 2**20))
+    assert (iteration / "common.pt").stat().st_size < 2**20 < MAX_OBJECT_BYTES < 100 * 2**20
+    err = _refused(["ckpt", "import-megatron-core", str(source), str(tmp_path / "out")], capsys)
+    assert (f"{iteration / 'common.pt'}: its content unpacks to {100 * 2**20:,} bytes, more "
+            f"than any checkpoint's pickled objects ({MAX_OBJECT_BYTES:,}") in err, err
+
+
+def test_an_index_that_is_not_an_object_is_one_line(tmp_path, capsys):
+    source = tmp_path / "hf"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps(config_to_hf(TINY, "float32")))
+    (source / INDEX_FILE).write_text("[1, 2]")
+    err = _refused(["ckpt", "import-hf", str(source), str(tmp_path / "out")], capsys)
+    assert f"{source / INDEX_FILE}: lacks a weight_map" in err, err
+
+
+@pytest.mark.parametrize("step", [float("nan"), -3.0, 2.5, "two"])
+def test_a_deepspeed_adam_step_that_is_no_step_count_is_one_line(step, tmp_path):
+    from hotjax.checkpoint.deepspeed import _step_number
+    from models.errors import UserError
+
+    with pytest.raises(UserError, match=r"rank0\.pt: group 0's AdamW step is .*, not a whole "
+                                        r"number from 0 to 2,147,483,647: the checkpoint is"):
+        _step_number(step, tmp_path / "rank0.pt", 0)
+    assert _step_number(torch.tensor(7.0), tmp_path / "rank0.pt", 0) == 7.0

@@ -36,10 +36,12 @@ import numpy as np
 from hotjax.checkpoint import dcp, untrusted
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint.dcp import MOMENTS, TorchState
+from models import bounds
 from models.errors import UserError
 from models.hf import LazyTensors, hf_tensor_shapes
 from models.llama import LlamaConfig
 
+_TAG_BYTES = 4096  # what is read of `latest`: a step directory's name ("global_step2")
 FIELDS = ("fp32", *MOMENTS)  # a universal parameter directory's files, besides step.pt
 _OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _MODEL_FILE = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
@@ -165,7 +167,8 @@ def step_directory(directory: Path) -> Path:
     `latest_universal` names the step) or as the step directory itself."""
     for latest in ("latest_universal", "latest"):
         if (directory / latest).is_file():
-            tag = (directory / latest).read_text(errors="replace").strip()
+            with open(directory / latest, "rb") as f:  # a tag: a short name
+                tag = f.read(_TAG_BYTES).decode(errors="replace").strip()
             step = untrusted.inside(directory, tag, directory / latest)
             if not step.is_dir():
                 raise UserError(f"{directory / latest}: names step {tag!r}, which "
@@ -341,7 +344,7 @@ def _step(states: list[dict], files: list[Path]) -> int | None:
         for group, entry in (_base_state(state).get("state") or {}).items():
             if not all(k in entry for k in (*MOMENTS, "step")):
                 return None
-            steps[file, group] = float(entry["step"])
+            steps[file, group] = _step_number(entry["step"], file, group)
     if not steps:
         return None
     (first, s0), *rest = steps.items()
@@ -351,6 +354,19 @@ def _step(states: list[dict], files: list[Path]) -> int | None:
                         f"{first[0].name}'s group {first[1]} at {s0:g}: the files come from "
                         f"different steps")
     return int(s0)
+
+
+def _step_number(value: Any, file: Path, group: Any) -> float:
+    """A group's AdamW step (a number or a one-element tensor), a whole number in range."""
+    try:
+        step = float(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # a tensor of several
+        step = math.nan
+    if not (math.isfinite(step) and step == int(step) and 0 <= step <= bounds.MAX_STEP):
+        raise UserError(f"{file}: group {bounds.show(group)}'s AdamW step is "
+                        f"{bounds.show(value)}, not a whole number from 0 to {bounds.MAX_STEP:,}: "
+                        f"the checkpoint is damaged")
+    return step
 
 
 def _hyperparameters(state: dict[str, Any], groups: list[dict]) -> dict[str, Any]:

@@ -61,12 +61,12 @@ dp rank: checked). Every inconsistency found names the rank file and the tensor.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import tomllib
 from pathlib import Path
 from typing import Any
 
+from models import bounds
 from models.errors import UserError
 
 FORMAT = "hotjax-shards/1"
@@ -141,8 +141,9 @@ def load(path: str | Path) -> Manifest:
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: cannot read the manifest ({e})") from None
     try:
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        data = (bounds.parse_json(text, str(path), "manifest", "fix it")
+                if path.suffix == ".json" else tomllib.loads(text))
+    except tomllib.TOMLDecodeError as e:
         raise UserError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'} "
                         f"({e})") from None
     return parse(data, path)

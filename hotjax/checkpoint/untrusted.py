@@ -22,6 +22,11 @@ __all__ = ["dcp_planner", "dcp_reader", "inside", "read_dcp_metadata", "read_tor
            "refused_by_torch", "saved_object"]
 
 _CRAFTED = "the file is not a PyTorch checkpoint's, or was crafted; nothing was run"
+# A DCP `.metadata` lists every chunk of every tensor: a few MiB for a 70B model saved by a
+# thousand ranks. Unpickling builds at most a few times a file's bytes in objects.
+MAX_METADATA_BYTES = 512 * 2**20
+# A pickled object (Megatron's args, an optimizer's param groups), unpacked: a few KiB to MiB.
+MAX_OBJECT_BYTES = 64 * 2**20
 
 
 def _shown(value: object) -> str:
@@ -90,6 +95,10 @@ def read_dcp_metadata(directory: Path) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     file = directory / ".metadata"
+    if file.stat().st_size > MAX_METADATA_BYTES:
+        raise UserError(f"{file}: holds {file.stat().st_size:,} bytes, more than any DCP "
+                        f"checkpoint's metadata ({MAX_METADATA_BYTES:,}, MAX_METADATA_BYTES): "
+                        f"{_CRAFTED}")
     try:
         with open(file, "rb") as f:
             metadata = _MetadataUnpickler(f, file).load()
@@ -120,6 +129,7 @@ def saved_object(value: BinaryIO, where: Path, key: str) -> Any:
     import torch
 
     try:
+        _check_unpacked(value, where, f"saved object {key}")
         refused = torch.serialization.get_unsafe_globals_in_checkpoint(value)
         value.seek(0)
         if not refused:
@@ -244,9 +254,22 @@ class _InertUnpickler(pickle.Unpickler):
         return None
 
 
+def _check_unpacked(source: Path | BinaryIO, where: Path, what: str) -> None:
+    """A `torch.save` archive (a zip) of pickled objects unpacks to at most MAX_OBJECT_BYTES:
+    a small archive cannot claim gigabytes (a compression bomb)."""
+    with zipfile.ZipFile(source) as archive:
+        size = sum(i.file_size for i in archive.infolist())
+    if not isinstance(source, Path):
+        source.seek(0)
+    if size > MAX_OBJECT_BYTES:
+        raise UserError(f"{where}: {what} unpacks to {size:,} bytes, more than any checkpoint's "
+                        f"pickled objects ({MAX_OBJECT_BYTES:,}, MAX_OBJECT_BYTES): {_CRAFTED}")
+
+
 def read_torch_save(source: Path | BinaryIO, where: Path) -> Any:
     """The plain content of a `torch.save` file or stream, no code of its classes run."""
     try:
+        _check_unpacked(source, where, "its content")
         with zipfile.ZipFile(source) as archive:
             pkl = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
             return _InertUnpickler(archive.open(pkl), where).load()

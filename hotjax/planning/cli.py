@@ -16,6 +16,7 @@ from hotjax.config import (
     memory_size,
     positive,
 )
+from models import bounds
 from models.errors import UserError
 
 _RUN = RunConfig()
@@ -101,10 +102,10 @@ def _plan(args: argparse.Namespace) -> None:
                         f"another path")
     main = distributed.is_main()  # under `hotjax launch`, process 0 reports and writes
     console = Console(stderr=True, quiet=not main)
+    documents, described, vocab = _document_lengths(args)  # checked before the measuring
     profile = load_profile(args.profile) if args.profile else local_profile(console,
                                                                             args.measure)
     devices = args.devices or profile.num_devices
-    documents, described, vocab = _document_lengths(args)
     model = preset(run.model)
     config = model_config(run, model, vocab or model.vocab_size)
     with console.status("searching"):
@@ -147,10 +148,11 @@ def _document_lengths(args: argparse.Namespace):
 
     if args.lengths:
         try:
-            stats = json.loads(Path(args.lengths).read_text())
+            if not Path(args.lengths).is_file():
+                raise UserError(f"--lengths {args.lengths}: no such file")
+            stats = bounds.read_json(Path(args.lengths), "lengths report",
+                                     "save one with `hotjax data stats --json`")
             found = np.asarray(stats["quantiles"], np.int64)
-        except FileNotFoundError:
-            raise UserError(f"--lengths {args.lengths}: no such file") from None
         except (OSError, ValueError, KeyError, TypeError):
             raise UserError(f"--lengths {args.lengths}: not a report of `hotjax data stats "
                             f"--json`: save one with it") from None

@@ -68,6 +68,9 @@ def start_jax(devices: int | None = None,
     at_least("--devices", devices, 1)
     at_least("--heartbeat-timeout", processes[3], 1)
     simulate_cpu_devices(devices or SIMULATED_CPU_DEVICES)
+    from hotjax.targets import cpu_without_a_driver
+
+    cpu_without_a_driver()
     from hotjax.planning.profile import set_allocator_fraction
 
     set_allocator_fraction()  # on a GPU, the memory plans count on (before the backend starts)

@@ -51,13 +51,13 @@ def row_work(segment_ids_BxT: np.ndarray, positions_BxT: np.ndarray, config: Lla
     """[B] estimated FLOPs of each row's training micro-step: the matmuls by tokens (every
     slot is computed, padding included) and attention by the block pairs the kernel that runs
     on `platform` computes (`hotjax.planning.cost.attention_kernel`; rows split into `seq_shards`
-    chunks): the blockwise kernel skips the blocks no document spans, JAX's Pallas kernel on GPU
-    only those above the diagonal."""
+    chunks): both the blockwise kernel and the packed-attention Pallas kernel on GPU skip the
+    blocks no document spans."""
     B, T = segment_ids_BxT.shape
     block, skips_documents = attention_kernel(config, platform, T, seq_shards)
     edge = block_edge(T // seq_shards, block)
     columns = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
-    if not skips_documents:  # JAX's Pallas GPU kernel: every row's whole causal triangle
+    if not skips_documents:  # a kernel skipping only above the diagonal: the whole triangle
         segment_ids_BxT, positions_BxT = np.ones_like(segment_ids_BxT), columns
     tokens = Tokens(segment_ids_BxT, positions_BxT, columns)
     blocks_B = visible_blocks(tokens, tokens, edge, edge).sum(axis=(1, 2))

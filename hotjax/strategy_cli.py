@@ -2,7 +2,7 @@
 
 Imports nothing heavy until a command runs: JAX must start after the device count is set.
 With `--memory` it compiles (never runs) each bucket's micro-step under every remat policy and
-reports XLA's activation memory per device.
+reports XLA's activation memory per device; with `--target` XLA:GPU's, for GPUs this machine lacks.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 
 from hotjax.config import RunConfig, at_least, at_most
 from models.bounds import MAX_SEQ_LEN
+from models.errors import UserError
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 
 
@@ -26,20 +27,32 @@ def _table(text: str, context: int):
     return StrategyTable.single(Strategy.parse(text), context, text)
 
 
-def _activation_memory(config, bucket, rows: int) -> dict[str, int]:
-    """Per remat policy: XLA's per-device bytes of one micro-step beyond its arguments."""
+def _step_memory(config, bucket, rows: int, policies: list[str], target
+                 ) -> dict[str, dict[str, int]]:
+    """Per remat policy: XLA's per-device bytes of one micro-step (`hotjax.step.step_memory`),
+    compiled for this machine's devices or for `target`'s."""
     import jax
 
+    from hotjax import targets
     from hotjax.step import bucket_step, step_memory
-    from models.options import REMAT_POLICIES
 
-    devices = tuple(jax.devices()[:bucket.strategy.num_devices])
+    count = bucket.strategy.num_devices
+    devices = tuple(jax.devices()[:count] if target is None else targets.devices(target, count))
     memory = {}
-    for policy in REMAT_POLICIES:
+    for policy in policies:
         step = bucket_step(dataclasses.replace(config, remat=policy), bucket.strategy, devices)
-        stats = step_memory(step.compiled((rows, bucket.max_len)))
-        memory[policy] = stats["peak"] - stats["state"]
+        memory[policy] = step_memory(step.compiled((rows, bucket.max_len)))
     return memory
+
+
+def _policies(text: str | None) -> list[str]:
+    if text is None:
+        return list(REMAT_POLICIES)
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    if not policies or set(policies) - set(REMAT_POLICIES):
+        raise UserError(f"--policies {text!r}: choose from {', '.join(REMAT_POLICIES)}, "
+                        f"comma-separated")
+    return policies
 
 
 def _show(args: argparse.Namespace) -> None:
@@ -47,10 +60,12 @@ def _show(args: argparse.Namespace) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from hotjax import start_jax
+    from hotjax import start_jax, targets
 
     at_least("--context", args.context, 1)
     at_most("--context", args.context, MAX_SEQ_LEN, "MAX_SEQ_LEN")
+    policies = _policies(args.policies)
+    target = targets.prepare(args.target)  # before JAX starts: it runs on the CPU
     # Enough simulated devices for the widest mesh (a table's meshes are not known yet).
     start_jax(None)
     from hotjax.planning.cost import most_sharded
@@ -69,7 +84,7 @@ def _show(args: argparse.Namespace) -> None:
 
     from models.attention import ring_block_counts
 
-    platform = jax.default_backend()
+    platform = jax.default_backend() if target is None else "gpu"
     reports = [describe(b.strategy, config, platform) | {"micro_rows": b.micro_rows,
                                                          "remat": b.remat} for b in buckets]
     for bucket, report in zip(buckets, reports, strict=True):
@@ -79,18 +94,29 @@ def _show(args: argparse.Namespace) -> None:
             attention["ring_blocks"] = ring_block_counts(
                 np.ones((1, bucket.max_len), np.int32), np.arange(bucket.max_len)[None],
                 attention["ring"], attention["balanced"], attention["block"]).tolist()
+    home = table.home or most_sharded(table.strategies, config)
+    state = sum(state_bytes(home, config).values())
     if args.memory:
         with Console(stderr=True).status("compiling each bucket's micro-step per remat policy"):
             for bucket, report in zip(buckets, reports, strict=True):
                 rows = bucket.micro_rows or report["batch_shards"]
-                report["activation_bytes"] = {"rows": rows, "max_len": bucket.max_len,
-                                              **_activation_memory(config, bucket, rows)}
+                stats = _step_memory(config, bucket, rows, policies, target)
+                report["activation_bytes"] = {"rows": rows, "max_len": bucket.max_len, **{
+                    p: s["peak"] - s["state"] for p, s in stats.items()}}
+                if target is not None:
+                    # What a device holds while the bucket runs: the step's peak beside the
+                    # home's fp32 state, against the memory the target declares.
+                    report["target"] = {
+                        "name": target.name, "device": target.description,
+                        "devices": bucket.strategy.num_devices, "memory_bytes": target.memory,
+                        "home_bytes": state,
+                        "step_peak_bytes": {p: s["peak"] for p, s in stats.items()},
+                        "fits": {p: s["peak"] + state <= target.memory
+                                 for p, s in stats.items()}}
     if args.json:
         print(json.dumps(reports, indent=2))
         return
     console = Console()
-    home = table.home or most_sharded(table.strategies, config)
-    state = sum(state_bytes(home, config).values())
     why = "the table names it" if table.home else "the most sharded"
     console.print(escape(f"home {home} ({why}): fp32 weights, gradient sum and Adam moments "
                          f"stay there, {_mib(state)} per device"))
@@ -145,13 +171,31 @@ def _show(args: argparse.Namespace) -> None:
         if report["remat"]:
             console.print(f"remat: {report['remat']} (the table's)")
         if "activation_bytes" in report:
-            memory = report["activation_bytes"]
-            policies = Table("remat", "activation memory per device", title=(
-                f"XLA, one micro-step of {memory['rows']} x {memory['max_len']} tokens"),
-                title_justify="left")
-            for policy in REMAT_POLICIES:
-                policies.add_row(policy, _mib(memory[policy]))
-            console.print(policies)
+            console.print(_memory_table(report, policies))
+
+
+def _memory_table(report: dict, policies: list[str]):
+    from rich.table import Table
+
+    memory, target = report["activation_bytes"], report.get("target")
+    shape = f"one micro-step of {memory['rows']} x {memory['max_len']} tokens"
+    if target is None:
+        table = Table("remat", "activation memory per device", title=f"XLA, {shape}",
+                      title_justify="left")
+        for policy in policies:
+            table.add_row(policy, _mib(memory[policy]))
+        return table
+    table = Table("remat", "activation memory per device", "step peak",
+                  f"+ home {_mib(target['home_bytes'])}",
+                  f"fits {target['memory_bytes'] / 2**30:.1f} GiB",
+                  title=f"{shape}, per XLA:GPU for {target['devices']} {target['device']}, "
+                        f"compiled on this machine without one", title_justify="left")
+    for policy in policies:
+        peak = target["step_peak_bytes"][policy]
+        table.add_row(policy, _mib(memory[policy]), _mib(peak),
+                      _mib(peak + target["home_bytes"]),
+                      "yes" if target["fits"][policy] else "[red]no[/]")
+    return table
 
 
 def _gradients_line(gradients: dict) -> str:
@@ -200,5 +244,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     show.add_argument("--memory", action="store_true", help="also compile each bucket's "
                       "micro-step under every remat policy and report XLA's activation memory "
                       "(takes a while)")
+    show.add_argument("--policies", metavar="P1,P2", help="with --memory: the remat policies "
+                      f"to compile, comma-separated (default: all of {', '.join(REMAT_POLICIES)})")
+    show.add_argument("--target", metavar="GPU|FILE", help="compile for this GPU instead of "
+                      "this machine's devices (h100, a100, a800, or an XLA target config file; "
+                      "no GPU needed): XLA:GPU's attention kernel and memory, against the "
+                      "GPU's memory")
     show.add_argument("--json", action="store_true", help="print JSON instead of tables")
     show.set_defaults(handler=_show)

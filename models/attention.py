@@ -5,7 +5,8 @@ The mask: query t sees key s iff both lie in the same document (segment id, 0 is
 not later in that document (positions) and not later in the row (columns). Rows hold each
 document as one run in position order, so the column rule hides nothing a document would show;
 it is what lets whole blocks above the diagonal go uncomputed. Padding sees nothing and its
-output is zero.
+output is zero. On GPU packed rows run the same block skipping as a Pallas (Triton) kernel,
+`models.packed_attention`; rows known to be one document each run cuDNN's.
 
 The blockwise kernel (FlashAttention-2's algorithm, in plain JAX) walks query blocks against key
 blocks with an online softmax, so memory is O(T x block) instead of O(T^2). Before it starts it
@@ -42,7 +43,7 @@ Array = jax.Array
 # Default block edge by platform: small blocks skip more of a packed row; on a GPU larger
 # blocks keep the matrix units busy.
 DEFAULT_BLOCK = {"cpu": 256, "gpu": 512}
-PALLAS_BLOCK = 128  # the sequence tile of JAX's Pallas GPU attention
+PALLAS_BLOCK = 128  # rows the packed-attention Pallas kernel takes: a multiple of its tiles
 _NONE = jnp.iinfo(jnp.int32).max  # the lower bound of a block with no real token
 
 
@@ -86,9 +87,10 @@ def choose_backend(requested: str, platform: str, *, ring: bool, packed: bool,
     """The kernel that runs, and why it is not the one requested (None when it is).
 
     On GPU, "auto" takes cuDNN's fused attention where the mask is plain causal (rows that are
-    one document each), the Pallas kernel with segment ids for packed rows (of a length its
-    tiles divide; `seq_len` None: not yet known), and the blockwise kernel around a ring;
-    elsewhere the blockwise kernel.
+    one document each), the packed-attention Pallas kernel (`models.packed_attention`, which
+    skips the blocks no document spans) for packed rows (of a length its tiles divide;
+    `seq_len` None: not yet known), and the blockwise kernel around a ring; elsewhere the
+    blockwise kernel.
     """
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}: choose one of "
@@ -114,7 +116,7 @@ def choose_backend(requested: str, platform: str, *, ring: bool, packed: bool,
 
 def _pallas_available() -> bool:
     try:
-        from jax.experimental.pallas.ops.gpu import attention  # noqa: F401
+        from jax.experimental.pallas import triton  # noqa: F401
     except ImportError:
         return False
     return True
@@ -462,12 +464,9 @@ def _cudnn(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array) -> Array:
 
 def _pallas(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_BxT: Array,
             *, interpret: bool = False) -> Array:
-    """JAX's Pallas GPU flash attention with segment ids (causal by column, as our rows are).
-    It wants one K/V head per query head, so K/V are repeated here (and only here)."""
-    from jax.experimental.pallas.ops.gpu.attention import mha
+    """The packed-attention Pallas kernel (causal by column, as our rows are; GQA without
+    repeating K/V; padding's output zero)."""
+    from models.packed_attention import packed_attention
 
-    group = q_BxTxNxH.shape[2] // k_BxTxKxH.shape[2]
-    k_BxTxNxH, v_BxTxNxH = (jnp.repeat(x, group, axis=2) for x in (k_BxTxKxH, v_BxTxKxH))
-    out_BxTxNxH = mha(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, segment_ids_BxT,
-                      sm_scale=q_BxTxNxH.shape[-1] ** -0.5, causal=True, interpret=interpret)
-    return jnp.where((segment_ids_BxT > 0)[:, :, None, None], out_BxTxNxH, 0)
+    return packed_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT,
+                            interpret=interpret)

@@ -3,7 +3,7 @@
     python scripts/bench_memory.py [--json] [--quick] [--model llama2-7b] [--rows 8]
                                    [--seq-len 4096] [--strategies "A; B"] [--policies none,full]
                                    [--accumulate local,sharded] [--home STRATEGY]
-                                   [--device-memory 80GiB]
+                                   [--device-memory 80GiB] [--target h100]
 
 For each strategy and each remat policy (`models.llama.REMAT_POLICIES`) the bucket's gradient
 micro-step on a micro-step of `--rows` rows of `--seq-len` tokens is compiled ahead of time and
@@ -16,9 +16,12 @@ partial sum reduced once per bucket (`local`), or split over the data axes (`sha
 `hotjax.step`). The total is compared with `--device-memory` (80GiB: an A100/H100; a bare
 number is MiB). Nothing is allocated or run, so the 7B model needs no accelerator: on a CPU-only
 machine the step is compiled for 8 simulated devices, and the figures are XLA:CPU's plan (its
-fusions and buffer reuse, the blockwise attention kernel); XLA:GPU plans the same program with
-its own fusions and kernels, so its figures may differ. `--quick`: the
-`tiny` model on rows of 1024 tokens (a smoke test).
+fusions and buffer reuse, the blockwise attention kernel). `--target h100` (a100, a800, or an
+XLA target config file) compiles it for 8 of that GPU instead, still without one: XLA:GPU's plan
+(its fusions, the Pallas attention kernel), compared with the GPU's memory unless
+`--device-memory` says otherwise. Beside each peak: the cost model's prediction
+(`hotjax.planning.cost.micro_step_memory` for the platform compiled for) and XLA's over it.
+`--quick`: the `tiny` model on rows of 1024 tokens (a smoke test).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ if TYPE_CHECKING:
 DEFAULT_STRATEGIES = "data=2,tensor=4; fsdp=8,rules=fsdp"
 QUICK = {"model": "tiny", "rows": 8, "seq_len": 1024}
 GiB, MiB = 2**30, 2**20
+DEFAULT_DEVICE_MEMORY = 80 * GiB  # an A100's or H100's
 
 
 def measure(config: LlamaConfig, strategy: Strategy, policy: str,
@@ -71,7 +75,9 @@ def measure(config: LlamaConfig, strategy: Strategy, policy: str,
 def run(args: argparse.Namespace, progress: Console) -> dict:
     import jax
 
+    from hotjax import targets
     from hotjax.optim import OptimConfig
+    from hotjax.planning.cost import micro_step_memory
     from hotjax.step import home
     from models.llama import REMAT_POLICIES, as_trained, preset
     from sharding.strategy import ACCUMULATE, Strategy
@@ -87,7 +93,12 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     modes = _split(args.accumulate, ",")
     if not modes or set(modes) - set(ACCUMULATE):
         raise UserError(f"--accumulate {args.accumulate!r}: choose from {', '.join(ACCUMULATE)}")
-    devices = tuple(jax.devices())
+    target = args.compile_for
+    here = tuple(jax.devices())  # the home's layout (its bytes are the same on any device)
+    devices = here if target is None else tuple(targets.devices(target, len(here)))
+    platform = devices[0].platform
+    limit = (args.device_memory * MiB if args.device_memory is not None
+             else target.memory if target is not None else DEFAULT_DEVICE_MEMORY)
     model = preset(args.model)
     # As training does: the vocabulary padded so that it splits over tensor-parallel ranks.
     config = as_trained(model)
@@ -100,7 +111,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
         home_strategy = Strategy.parse(args.home) if args.home else strategy
         if home_strategy not in homes:
             homes[home_strategy] = home(config, OptimConfig(), home_strategy,
-                                        devices).resident_bytes()
+                                        here).resident_bytes()
         resident = homes[home_strategy]
         for policy, accumulate in itertools.product(policies, modes):
             progress.print(f"[{len(results) + 1}/{total}] compiling {strategy}, remat {policy}, "
@@ -111,7 +122,11 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
                      **measure(config, strategy, policy, devices, shape, accumulate),
                      "resident_bytes": resident}
             entry["total_bytes"] = entry["step_peak_bytes"] + resident
-            entry["fits"] = entry["total_bytes"] <= args.device_memory * MiB
+            entry["fits"] = entry["total_bytes"] <= limit
+            entry["predicted_peak_bytes"] = micro_step_memory(
+                dataclasses.replace(config, remat=policy), strategy, shape, platform,
+                accumulate).peak
+            entry["xla_over_predicted"] = entry["step_peak_bytes"] / entry["predicted_peak_bytes"]
             results.append(entry)
             progress.print(f"    compiled in {entry['compile_s']:.1f} s: step peak "
                            f"{_size(entry['step_peak_bytes'])} + resident {_size(resident)} = "
@@ -124,7 +139,9 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
                   "vocab_size": config.vocab_size, "compute_dtype": config.compute_dtype,
                   "attention": config.attention},
         "rows": args.rows, "seq_len": args.seq_len,
-        "device_memory_gib": args.device_memory * MiB / GiB,
+        "target": None if target is None else {"name": target.name, "device": target.description,
+                                               "memory_bytes": target.memory},
+        "device_memory_gib": limit / GiB,
         "results": results,
     }
 
@@ -143,24 +160,29 @@ def print_table(report: dict, console: Console) -> None:
                         f"{report['rows']} rows x {report['seq_len']} tokens, compiled not run",
                   title_justify="left")
     for column in ("strategy", "remat", "sums", "compile s", f"step peak {unit}",
-                   f"resident {unit}", f"total {unit}", f"fits {limit:g} GiB"):
+                   f"predicted {unit}", "XLA / predicted", f"resident {unit}", f"total {unit}",
+                   f"fits {limit:.4g} GiB"):
         table.add_column(column, justify="left" if column in ("strategy", "remat", "sums")
                          else "right")
     for r in report["results"]:
         table.add_row(escape(r["strategy"]), r["remat"], r["accumulate"], f"{r['compile_s']:.1f}",
-                      f"{r['step_peak_bytes'] / scale:.2f}", f"{r['resident_bytes'] / scale:.2f}",
+                      f"{r['step_peak_bytes'] / scale:.2f}",
+                      f"{r['predicted_peak_bytes'] / scale:.2f}", f"{r['xla_over_predicted']:.2f}",
+                      f"{r['resident_bytes'] / scale:.2f}",
                       f"{r['total_bytes'] / scale:.2f}", "yes" if r["fits"] else "[red]no[/]")
     console.print(table)
     console.print("step peak: XLA's planned peak of the micro-step (compute-dtype weights, fp32 "
-                  "gradient accumulator, micro-batch, temporaries); sums: the gradient sums "
+                  "gradient accumulator, micro-batch, temporaries); predicted: the cost model's "
+                  "(hotjax.planning.cost) for the same platform; sums: the gradient sums "
                   "(local: each data shard's, reduced once per bucket; sharded: split over the "
                   "data axes); resident: the home's fp32 "
                   "weights, AdamW moments and gradient sum; total = step peak + resident.")
-    console.print(f"compile-only: nothing was allocated or run. Compiled by XLA:{m['platform']} "
-                  f"for {m['devices']} {m['device_kind']} devices ({m['cpus']} CPUs, "
-                  f"{m['processor']}, python {m['python']}, jax {m['jax']}); an accelerator's "
-                  f"XLA plans the same program with its own fusions and kernels.",
-                  markup=False, highlight=False)
+    where = ("on this machine without one" if report["target"] else
+             "an accelerator's XLA plans the same program with its own fusions and kernels")
+    console.print(f"compile-only: nothing was allocated or run. Compiled by "
+                  f"XLA:{m['platform'].upper()} for {m['devices']} {m['device_kind']} devices "
+                  f"({m['cpus']} CPUs, {m['processor']}, python {m['python']}, jax {m['jax']}); "
+                  f"{where}.", markup=False, highlight=False)
 
 
 def _size(n: int) -> str:
@@ -189,13 +211,22 @@ def main(argv: list[str] | None = None) -> int:
                         "the data axes) (default: %(default)s)")
     parser.add_argument("--home", help="the home strategy whose resident state is added "
                         "(default: each strategy's own)")
-    parser.add_argument("--device-memory", type=memory_size, default="80GiB", metavar="SIZE",
+    parser.add_argument("--device-memory", type=memory_size, metavar="SIZE",
                         help="memory per device that the total is compared with, like 80GiB "
-                        "(a bare number is MiB; default: %(default)s)")
+                        "(a bare number is MiB; default: the --target's, else 80GiB)")
+    parser.add_argument("--target", metavar="GPU|FILE", help="compile for 8 of this GPU "
+                        "without one (h100, a100, a800, or an XLA target config file): "
+                        "XLA:GPU's memory instead of this machine's XLA's")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document to stdout (the table goes to stderr)")
     args = parse_args(parser, argv, QUICK)
+    from hotjax import targets
 
+    try:
+        args.compile_for = targets.prepare(args.target)  # before JAX starts: it runs on the CPU
+    except UserError as e:
+        print(f"bench_memory: error: {e}", file=sys.stderr)
+        return 2
     return report("bench_memory", args, run, print_table)
 
 

@@ -193,6 +193,8 @@ def test_bench_memory() -> None:
         assert r["step_peak_bytes"] > 0 and r["resident_bytes"] > 0
         assert r["total_bytes"] == r["step_peak_bytes"] + r["resident_bytes"]
         assert positive(r["compile_s"])
+        assert r["predicted_peak_bytes"] > 0  # the cost model's, beside XLA's
+        assert r["xla_over_predicted"] == r["step_peak_bytes"] / r["predicted_peak_bytes"]
     for strategy in strategies:
         peak = {r["remat"]: r["step_peak_bytes"] for r in results if r["strategy"] == strategy}
         assert set(peak) == {"none", "dots", "full"}

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from hotjax import targets
 from hotjax.optim import OptimConfig
 from hotjax.planning.cost import (
     attention_kernel,
@@ -60,6 +61,24 @@ def test_predicted_peak_is_within_a_tenth_of_xla_for_llama2_7b_widths(devices, t
     xla = step_memory(compiled)
     predicted = micro_step_memory(SEVEN_B_WIDTHS, strategy, MICRO_BATCH, platform="cpu")
     # The arguments (weights, accumulator, micro-batch) are exact; the temporaries within 10 %.
+    assert predicted.weights + predicted.grad_sum + predicted.batch == xla["state"]
+    assert abs(predicted.peak - xla["peak"]) / xla["peak"] <= 0.10
+
+
+@pytest.fixture(scope="module")
+def h100() -> tuple:
+    """Eight H100s to compile for, on this CPU (`hotjax.targets`)."""
+    return tuple(targets.devices(targets.prepare("h100"), 8))
+
+
+@pytest.mark.parametrize("text", CHECKED)
+def test_predicted_peak_is_within_a_tenth_of_xla_gpu_for_llama2_7b_widths(h100, text):
+    """The same strategies compiled by XLA:GPU for H100s: the model's GPU terms (the compute
+    dtype held as is, `PLATFORM_SCALE`) within 10 % of its plan. Measured model / XLA:GPU:
+    data 0.95, fsdp 1.01, megatron 0.95, megatron-sp 0.96, context·tensor 0.92, 1F1B 1.01."""
+    strategy = Strategy.parse(text)
+    xla = step_memory(bucket_step(SEVEN_B_WIDTHS, strategy, h100).compiled(MICRO_BATCH))
+    predicted = micro_step_memory(SEVEN_B_WIDTHS, strategy, MICRO_BATCH, platform="gpu")
     assert predicted.weights + predicted.grad_sum + predicted.batch == xla["state"]
     assert abs(predicted.peak - xla["peak"]) / xla["peak"] <= 0.10
 
@@ -136,7 +155,10 @@ def test_a_context_ring_waits_for_its_busiest_rank_unless_balanced():
 
 
 def test_the_kernel_that_runs_decides_which_masked_blocks_are_skipped():
-    assert attention_kernel(LLAMA2_7B, "gpu", 8192, 1) == (128, False)  # Pallas: causal only
+    # The packed-attention Pallas kernel: tiles of 128 in bf16, of 64 in fp32 (shared memory).
+    assert attention_kernel(LLAMA2_7B, "gpu", 8192, 1) == (128, True)
+    assert attention_kernel(dataclasses.replace(LLAMA2_7B, compute_dtype="float32"), "gpu", 8192,
+                            1) == (64, True)
     assert attention_kernel(LLAMA2_7B, "gpu", 8192, 4) == (512, True)  # the ring: blockwise
     assert attention_kernel(LLAMA2_7B, "cpu", 8192, 1) == (256, True)
     assert attention_kernel(dataclasses.replace(LLAMA2_7B, attention_block=64), "cpu", 8192,

@@ -1,5 +1,6 @@
 """`hotjax plan`: a strategy table chosen by the cost model for a model, a cluster and a corpus,
-with a report of what each bucket is predicted to cost beside the best single strategy."""
+with a report of what each bucket is predicted to cost beside the best single strategy (and with
+`--target`, whether each bucket fits as XLA:GPU compiles it, without a GPU)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ def register(commands: argparse._SubParsersAction) -> None:
                           "and cached)")
     profiles.add_argument("--measure", action="store_true", help="measure this machine's "
                           "devices now (matmuls, attention, collectives) and cache the profile")
+    plan.add_argument("--target", metavar="GPU|FILE", help="also compile each planned bucket's "
+                      "micro-step for this GPU (h100, a100, a800, or an XLA target config file; "
+                      "no GPU needed) and report whether it fits by XLA:GPU's memory analysis; "
+                      "the budget defaults to the GPU's memory, the profile to the shipped one "
+                      "of that GPU")
     plan.add_argument("--devices", type=int, help="devices to plan for (default: all of the "
                       "profile's)")
     memory = plan.add_mutually_exclusive_group()
@@ -74,14 +80,23 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from hotjax import start_jax
+    from hotjax import start_jax, targets
     from hotjax.cli import processes
 
     for flag, value in (("--max-buckets", args.max_buckets), ("--devices", args.devices)):
         at_least(flag, value, 1)
     positive("--memory-gib", args.memory_gib)
+    target = targets.prepare(args.target)  # before JAX starts: it runs on the CPU
+    if target is not None and args.measure:
+        raise UserError(f"--target {args.target} --measure: a target is compiled for, not "
+                        f"measured: plan with --profile (or without, the target's own)")
     # The run `hotjax train --strategies auto` makes with the same flags: planned alike.
     memory = args.device_memory or (args.memory_gib * 1024 if args.memory_gib else None)
+    if memory is None and target is not None:
+        from hotjax.planning.profile import allocator_fraction
+
+        # What JAX's allocator hands a hotjax process of the target's memory, as a profile's.
+        memory = target.memory * allocator_fraction("gpu") / 2**20
     run = RunConfig(model=args.model, data=args.data, tokenizer=args.tokenizer,
                     vocab_size=args.vocab_size, context=args.context,
                     long_documents=args.long_documents, batch_tokens=args.batch_tokens,
@@ -103,8 +118,8 @@ def _plan(args: argparse.Namespace) -> None:
     main = distributed.is_main()  # under `hotjax launch`, process 0 reports and writes
     console = Console(stderr=True, quiet=not main)
     documents, described, vocab = _document_lengths(args)  # checked before the measuring
-    profile = load_profile(args.profile) if args.profile else local_profile(console,
-                                                                            args.measure)
+    profile = (load_profile(args.profile) if args.profile else _target_profile(target)
+               if target is not None else local_profile(console, args.measure))
     devices = args.devices or profile.num_devices
     model = preset(run.model)
     config = model_config(run, model, vocab or model.vocab_size)
@@ -124,6 +139,9 @@ def _plan(args: argparse.Namespace) -> None:
         "memory_gib": budget / 2**30, "context": run.context, "lengths": described,
         "batch_sequences": len(lengths), **run.batch,
         "long_documents": run.long_documents})
+    if target is not None:
+        with console.status(f"compiling each bucket's micro-step for {target.description}"):
+            _compile_for_target(report, found, search, target)
     if not main:
         return
     if args.out:
@@ -137,8 +155,51 @@ def _plan(args: argparse.Namespace) -> None:
     else:
         out = Console(width=None if sys.stdout.isatty() else 120)  # piped: tables unwrapped
         planning.print_report(report, out)
+        if target is not None:
+            out.print(f"fits, per XLA:GPU: each bucket's micro-step compiled for "
+                      f"{report['target']['device']} on this machine without one; its peak "
+                      f"beside the home's state against {budget / 2**30:.1f} GiB",
+                      markup=False, highlight=False)
         if args.out:
             out.print(f"table written to {args.out}", markup=False)
+
+
+def _target_profile(target):
+    """The shipped profile of `target`'s GPU (`h100` plans for `h100-1x8`)."""
+    from hotjax.planning.profile import PROFILES, load_profile
+
+    found = sorted(PROFILES.glob(f"{target.name}-*.toml"))
+    if not found:
+        names = ", ".join(sorted(p.stem for p in PROFILES.glob("*.toml")))
+        raise UserError(f"--target {target.name}: no shipped profile of that GPU ({names}): "
+                        f"name its cluster with --profile")
+    return load_profile(found[0].stem)
+
+
+def _compile_for_target(report: dict, found, search, target) -> None:
+    """Each planned bucket's micro-step compiled for `target` (the trainer's accumulation:
+    partial sums where they fit, else sharded), its XLA:GPU peak per device beside the home's
+    state and against the plan's budget, added to the report's buckets."""
+    import dataclasses
+
+    from hotjax import targets
+    from hotjax.step import bucket_step, step_memory
+    from sharding.strategy import ACCUMULATE
+
+    home = search.resident[found.home]
+    for choice, entry in zip(found.buckets, report["plan"]["buckets"], strict=True):
+        devices = tuple(targets.devices(target, choice.strategy.num_devices))
+        config = dataclasses.replace(search.config, remat=choice.remat)
+        for accumulate in ACCUMULATE:
+            step = bucket_step(config, choice.strategy, devices, accumulate)
+            peak = step_memory(step.compiled((choice.micro_rows, choice.max_len)))["peak"]
+            if peak + home <= search.budget:
+                break
+        entry["xla_gpu"] = {"peak_gib": (peak + home) / 2**30, "step_peak_bytes": peak,
+                            "home_bytes": home, "accumulate": accumulate,
+                            "fits": peak + home <= search.budget}
+    report["target"] = {"name": target.name, "device": target.description,
+                        "memory_bytes": target.memory}
 
 
 def _document_lengths(args: argparse.Namespace):

@@ -8,11 +8,10 @@ them; a bucket's cost under a strategy is the sum of its micro-steps (rows / row
 rounded up), each priced at its busiest device: the rows are placed on data shards as the
 trainer places them (`hotjax.balance.place`, by estimated work), and a micro-step's attention is
 that of the data shard and ring rank with the most (query, key) pairs the kernel computes.
-Where the kernel skips blocks no document spans (the blockwise kernel: on CPU, and round every
-ring) those are the pairs inside each packed document (`hotjax.planning.cost.document_pairs`);
-where it does not (JAX's Pallas kernel, packed rows on GPU) every row costs the causal triangle.
-With `masked=False` every row is one causal document, as training on concatenated sequences without
-masking is.
+Every kernel hotjax runs on packed rows skips the blocks no document spans (the blockwise kernel
+on CPU and round every ring, the packed-attention Pallas kernel on GPU), so those are the pairs
+inside each packed document (`hotjax.planning.cost.document_pairs`). With `masked=False` every
+row is one causal document, as training on concatenated sequences without masking is.
 
 The search (after Hydraulis' assignment of length ranges to strategies by dynamic programming):
 1. candidate strategies: every way to factor the devices over stage, data, fsdp, context and
@@ -488,15 +487,19 @@ def print_report(data: dict, console) -> None:
                         f"{data['profile']} ({data['memory_gib']:.0f} GiB each), context "
                         f"{data['context']:,}, {data['batch_sequences']} sequences of "
                         f"{data['lengths']} per step")
+    compiled = "target" in data  # `hotjax plan --target`: each bucket compiled for a GPU
     for column in ("lengths", "strategy", "micro_rows", "remat", "micro-steps", "tokens",
-                   "predicted s", "peak GiB"):
+                   "predicted s", "peak GiB", *(("fits, per XLA:GPU",) if compiled else ())):
         table.add_column(column, justify="left" if column in ("lengths", "strategy",
                                                                "remat") else "right")
     for b in plan["buckets"]:
+        xla = b.get("xla_gpu")
         table.add_row(f"({b['low']:,}, {b['max_len']:,}]", escape(b["strategy"]),
                       f"{b['micro_rows']} x {b['max_len']:,}", b["remat"],
                       str(b["micro_steps"]), f"{b['token_share']:.1%}", f"{b['seconds']:.3f}",
-                      f"{b['peak_gib']:.1f}")
+                      f"{b['peak_gib']:.1f}", *((f"{xla['peak_gib']:.1f} "
+                                                  + ("yes" if xla["fits"] else "[red]no[/]"),)
+                                                 if compiled else ()))
     console.print(table)
     steps = Table(title="predicted step time")
     for column in ("", "seconds", "switches s", "vs the plan"):

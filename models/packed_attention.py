@@ -1,0 +1,259 @@
+"""A Pallas GPU (Triton) flash-attention kernel for packed rows that computes only the blocks
+some document spans: below the causal diagonal and no further back than a block's documents go.
+
+Rows hold each document as one contiguous run (segment id 0 is padding: it sees nothing and its
+output is zero), so query t sees key s iff both are in the same run and s <= t. Outside the
+kernel, `block_bounds` finds per query block the first key block it needs (the one holding the
+start of the document of its first real token) and per key block the query blocks that need it
+(up to the one holding the end of its last real token's document); the kernels loop over those
+alone. Forward: grid (rows, query heads, query blocks), online softmax over key blocks from that
+bound up to the diagonal. Backward, one fused kernel on the same grid: dK/dV of key block j over
+query blocks from the diagonal to j's bound, then dQ of query block j like the forward. Query
+head n reads K/V head n // G; with G > 1 each query head's dK/dV are summed outside the kernel.
+
+Letters as in `models.attention`; Q and W are blocks of queries and keys (both `block` tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+Array = jax.Array
+BLOCK = 128  # the largest tile edge on both sequence axes (see `block_for`)
+_MASKED = -0.7 * float(np.finfo(np.float32).max)  # finite: a row of masks gives no NaN
+_LOG2E = math.log2(math.e)  # scores are kept in base 2 (exp2 is the GPU's native exponential)
+
+
+def block_for(dtype, head_dim: int, seq_len: int) -> int:
+    """The tile edge for rows of `seq_len` tokens: the largest power of two dividing the row up
+    to 128 where a head's row is at most 256 bytes (H=128 in bf16), else up to 64 (fp32 at 128
+    asks 257 KiB of an H100's 227 KiB shared memory)."""
+    edge = BLOCK if jnp.dtype(dtype).itemsize * head_dim <= 256 else BLOCK // 2
+    while seq_len % edge:
+        edge //= 2
+    return edge
+
+
+def block_bounds(segment_ids_BxT, block: int):
+    """([B, T/block], [B, T/block]) int32: for each query block the first key block it may
+    see, and for each key block one past the last query block that may see it; a block of
+    padding gets an empty range (first > its own index, end <= it). NumPy segment ids give
+    NumPy answers (the host's count of the kernel's work)."""
+    xp = np if isinstance(segment_ids_BxT, np.ndarray) else jnp
+    seg = segment_ids_BxT
+    B, T = seg.shape
+    columns = xp.arange(T, dtype=np.int32)
+    # Where each token's run (document) starts and ends: runs are cut where the id changes.
+    starts = xp.concatenate([xp.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    ends = xp.concatenate([seg[:, 1:] != seg[:, :-1], xp.ones((B, 1), bool)], axis=1)
+    run_start = xp.maximum.accumulate(xp.where(starts, columns, 0), axis=1)
+    run_end = xp.flip(xp.minimum.accumulate(
+        xp.flip(xp.where(ends, columns, T - 1), axis=1), axis=1), axis=1)
+    real = (seg > 0).reshape(B, T // block, block)
+    own = xp.arange(T // block, dtype=np.int32)
+    first = xp.min(xp.where(real, (run_start // block).reshape(real.shape), T), axis=-1)
+    last = xp.max(xp.where(real, (run_end // block).reshape(real.shape), -1), axis=-1)
+    first = xp.where(real.any(axis=-1), first, own + 1)
+    end = xp.where(real.any(axis=-1), last + 1, own)
+    return first.astype(np.int32), end.astype(np.int32)
+
+
+def computed_blocks(segment_ids_BxT, block: int = BLOCK):
+    """[B] (query block, key block) pairs the kernel computes per row (each pass, each head);
+    a row's causal triangle is n(n+1)/2 of n blocks."""
+    first, _ = block_bounds(segment_ids_BxT, block)
+    xp = np if isinstance(first, np.ndarray) else jnp
+    own = xp.arange(first.shape[1], dtype=np.int32)
+    return xp.maximum(own - first + 1, 0).sum(axis=1)
+
+
+def _scores(q_QxH: Array, k_WxH: Array, q_seg_Q: Array, k_seg_W: Array, i, j, block: int,
+            scale: float) -> tuple[Array, Array]:
+    """Base-2 scaled scores of a query block against a key block, and the mask."""
+    s_QxW = plgpu.dot(q_QxH, k_WxH.T) * (scale * _LOG2E)
+    q_col = i * block + jnp.arange(block)
+    k_col = j * block + jnp.arange(block)
+    mask_QxW = ((q_seg_Q[:, None] == k_seg_W[None, :]) & (q_seg_Q[:, None] > 0)
+                & (k_col[None, :] <= q_col[:, None]))
+    return jnp.where(mask_QxW, s_QxW, _MASKED), mask_QxW
+
+
+def _forward_kernel(first_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, block: int,
+                    scale: float):
+    i = pl.program_id(2)
+    rows = pl.ds(i * block, block)
+    q_QxH = q_ref[...]
+    q_seg_Q = seg_ref[rows]
+    H = q_QxH.shape[-1]
+
+    def body(j, carry):
+        acc_QxH, m_Q, l_Q = carry
+        keys = pl.ds(j * block, block)
+        s_QxW, _ = _scores(q_QxH, k_ref[keys, :], q_seg_Q, seg_ref[keys], i, j, block, scale)
+        m_next = jnp.maximum(m_Q, s_QxW.max(axis=-1))
+        p_QxW = jnp.exp2(s_QxW - m_next[:, None])
+        shrink = jnp.exp2(m_Q - m_next)
+        v_WxH = v_ref[keys, :]
+        acc_QxH = acc_QxH * shrink[:, None] + plgpu.dot(p_QxW.astype(v_WxH.dtype), v_WxH)
+        return acc_QxH, m_next, l_Q * shrink + p_QxW.sum(axis=-1)
+
+    start = (jnp.zeros((block, H), jnp.float32), jnp.full((block,), -jnp.inf, jnp.float32),
+             jnp.zeros((block,), jnp.float32))
+    acc_QxH, m_Q, l_Q = lax.fori_loop(first_ref[i], i + 1, body, start)
+    real_Q = q_seg_Q > 0
+    # A padding query's row is all masks: its sums are junk, its output zero.
+    o_ref[...] = jnp.where(real_Q[:, None], acc_QxH / l_Q[:, None], 0).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(real_Q, m_Q + jnp.log2(l_Q), 0)
+
+
+def _backward_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref,
+                     delta_ref, dq_ref, dk_ref, dv_ref, *, block: int, scale: float):
+    j = pl.program_id(2)
+    here = pl.ds(j * block, block)
+    H = q_ref.shape[-1]
+
+    def probabilities(i, jj, q_QxH, k_WxH, q_seg_Q, k_seg_W, lse_Q):
+        s_QxW, mask_QxW = _scores(q_QxH, k_WxH, q_seg_Q, k_seg_W, i, jj, block, scale)
+        # Masked explicitly: a padding query's lse is no normaliser of its masked scores.
+        return jnp.where(mask_QxW, jnp.exp2(s_QxW - lse_Q[:, None]), 0)
+
+    # dK, dV of key block j: the query blocks from the diagonal to the last one that sees it.
+    k_WxH, v_WxH, k_seg_W = k_ref[here, :], v_ref[here, :], seg_ref[here]
+
+    def key_body(i, carry):
+        dk_WxH, dv_WxH = carry
+        rows = pl.ds(i * block, block)
+        q_QxH, do_QxH = q_ref[rows, :], do_ref[rows, :]
+        p_QxW = probabilities(i, j, q_QxH, k_WxH, seg_ref[rows], k_seg_W, lse_ref[rows])
+        dv_WxH = dv_WxH + plgpu.dot(p_QxW.astype(do_QxH.dtype).T, do_QxH)
+        dp_QxW = plgpu.dot(do_QxH, v_WxH.T)
+        ds_QxW = p_QxW * (dp_QxW - delta_ref[rows][:, None]) * scale
+        return dk_WxH + plgpu.dot(ds_QxW.astype(q_QxH.dtype).T, q_QxH), dv_WxH
+
+    zeros = jnp.zeros((block, H), jnp.float32)
+    dk_WxH, dv_WxH = lax.fori_loop(j, end_ref[j], key_body, (zeros, zeros))
+    dk_ref[...] = dk_WxH.astype(dk_ref.dtype)
+    dv_ref[...] = dv_WxH.astype(dv_ref.dtype)
+
+    # dQ of query block j: the key blocks the forward pass read.
+    q_QxH, do_QxH, q_seg_Q = q_ref[here, :], do_ref[here, :], seg_ref[here]
+    lse_Q, delta_Q = lse_ref[here], delta_ref[here]
+
+    def query_body(jj, dq_QxH):
+        keys = pl.ds(jj * block, block)
+        k_WxH = k_ref[keys, :]
+        p_QxW = probabilities(j, jj, q_QxH, k_WxH, q_seg_Q, seg_ref[keys], lse_Q)
+        dp_QxW = plgpu.dot(do_QxH, v_ref[keys, :].T)
+        ds_QxW = p_QxW * (dp_QxW - delta_Q[:, None]) * scale
+        return dq_QxH + plgpu.dot(ds_QxW.astype(k_WxH.dtype), k_WxH)
+
+    dq_ref[...] = lax.fori_loop(first_ref[j], j + 1, query_body, zeros).astype(dq_ref.dtype)
+
+
+def _specs(B: int, T: int, N: int, G: int, H: int, block: int):
+    """BlockSpecs on the grid (row b, query head n, block i): n's block i of [B, T, N, H], the
+    whole row of K/V head n // G, and whole rows of [B, T] and [B, N, T]."""
+    blocks = T // block
+    return dict(
+        bounds=pl.BlockSpec((None, blocks), lambda b, n, i: (b, 0)),
+        q_block=pl.BlockSpec((None, block, None, H), lambda b, n, i: (b, i, n, 0)),
+        q_row=pl.BlockSpec((None, T, None, H), lambda b, n, i: (b, 0, n, 0)),
+        kv_row=pl.BlockSpec((None, T, None, H), lambda b, n, i: (b, 0, n // G, 0)),
+        tokens=pl.BlockSpec((None, T), lambda b, n, i: (b, 0)),
+        head_block=pl.BlockSpec((None, None, block), lambda b, n, i: (b, n, i)),
+        head_row=pl.BlockSpec((None, None, T), lambda b, n, i: (b, n, 0)),
+    )
+
+
+def _check(q_BxTxNxH: Array, k_BxTxKxH: Array, block: int) -> None:
+    (_, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
+    if T % block or block & (block - 1) or H & (H - 1) or N % K:
+        raise ValueError(f"packed attention needs a power-of-two block ({block}) dividing the "
+                         f"row ({T}), a power-of-two head dim ({H}) and N ({N}) a multiple of "
+                         f"K ({K})")
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 64 else 8
+
+
+def packed_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
+                     segment_ids_BxT: Array, *, block: int = 0, interpret: bool = False
+                     ) -> Array:
+    """Attention under the document-causal mask of packed rows, [B, T, N, H] in q's dtype.
+    `block`: the tile edge (0: `block_for`); `interpret` runs the kernels in Pallas'
+    interpreter (any platform)."""
+    _, T, _, H = q_BxTxNxH.shape
+    block = block or block_for(q_BxTxNxH.dtype, H, T)
+    return _attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_BxT: Array,
+               block: int, interpret: bool) -> Array:
+    return _forward(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block, interpret)[0]
+
+
+def _forward(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_BxT: Array,
+             block: int, interpret: bool):
+    _check(q_BxTxNxH, k_BxTxKxH, block)
+    (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
+    segment_ids_BxT = segment_ids_BxT.astype(jnp.int32)
+    first_BxI, end_BxJ = block_bounds(segment_ids_BxT, block)
+    spec = _specs(B, T, N, N // K, H, block)
+    out_BxTxNxH, lse_BxNxT = pl.pallas_call(
+        functools.partial(_forward_kernel, block=block, scale=H ** -0.5),
+        grid=(B, N, T // block),
+        in_specs=[spec["bounds"], spec["q_block"], spec["kv_row"], spec["kv_row"],
+                  spec["tokens"]],
+        out_specs=[spec["q_block"], spec["head_block"]],
+        out_shape=[jax.ShapeDtypeStruct(q_BxTxNxH.shape, q_BxTxNxH.dtype),
+                   jax.ShapeDtypeStruct((B, N, T), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=_warps(block), num_stages=2),
+        interpret=interpret, name="packed_attention_forward",
+    )(first_BxI, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
+    residuals = (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, first_BxI, end_BxJ,
+                 out_BxTxNxH, lse_BxNxT)
+    return out_BxTxNxH, residuals
+
+
+def _backward(block: int, interpret: bool, residuals, dout_BxTxNxH: Array):
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, first_BxI, end_BxJ, out_BxTxNxH, \
+        lse_BxNxT = residuals
+    (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
+    G = N // K
+    dout_BxTxNxH = dout_BxTxNxH.astype(q_BxTxNxH.dtype)
+    delta_BxNxT = jnp.einsum("btnh,btnh->bnt", out_BxTxNxH.astype(jnp.float32),
+                             dout_BxTxNxH.astype(jnp.float32))
+    spec = _specs(B, T, N, G, H, block)
+    # Per query head; summed over each K/V head's G query heads below, in fp32 when G > 1.
+    kv_dtype = k_BxTxKxH.dtype if G == 1 else jnp.float32
+    dq_BxTxNxH, dk_BxTxNxH, dv_BxTxNxH = pl.pallas_call(
+        functools.partial(_backward_kernel, block=block, scale=H ** -0.5),
+        grid=(B, N, T // block),
+        in_specs=[spec["bounds"], spec["bounds"], spec["q_row"], spec["kv_row"],
+                  spec["kv_row"], spec["tokens"], spec["q_row"], spec["head_row"],
+                  spec["head_row"]],
+        out_specs=[spec["q_block"]] * 3,
+        out_shape=[jax.ShapeDtypeStruct(q_BxTxNxH.shape, q_BxTxNxH.dtype),
+                   jax.ShapeDtypeStruct((B, T, N, H), kv_dtype),
+                   jax.ShapeDtypeStruct((B, T, N, H), kv_dtype)],
+        compiler_params=plgpu.CompilerParams(num_warps=_warps(block), num_stages=2),
+        interpret=interpret, name="packed_attention_backward",
+    )(first_BxI, end_BxJ, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, dout_BxTxNxH,
+      lse_BxNxT, delta_BxNxT)
+    if G > 1:
+        dk_BxTxNxH, dv_BxTxNxH = (x.reshape(B, T, K, G, H).sum(axis=3).astype(k_BxTxKxH.dtype)
+                                  for x in (dk_BxTxNxH, dv_BxTxNxH))
+    return dq_BxTxNxH, dk_BxTxNxH, dv_BxTxNxH.astype(v_BxTxKxH.dtype), None
+
+
+_attention.defvjp(_forward, _backward)

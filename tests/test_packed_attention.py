@@ -1,0 +1,93 @@
+"""The packed-attention Pallas GPU kernel: equal to dense attention (values and gradients, run by
+Pallas' interpreter on CPU), computing only the blocks documents span, and compiling for an H100."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hotjax import targets
+from hotjax.planning.cost import document_pairs
+from models.attention import dense_attention
+from models.packed_attention import block_bounds, block_for, computed_blocks, packed_attention
+
+TOLERANCE = 1e-5  # fp32: only the order of the softmax sums differs
+
+
+def rows_of(seq_len: int, *rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Segment ids and positions of rows holding documents of these lengths end to end from
+    column 0, padding after."""
+    segment_ids_BxT = np.zeros((len(rows), seq_len), np.int32)
+    positions_BxT = np.zeros((len(rows), seq_len), np.int32)
+    for r, lengths in enumerate(rows):
+        start = 0
+        for d, length in enumerate(lengths):
+            segment_ids_BxT[r, start:start + length] = d + 1
+            positions_BxT[r, start:start + length] = np.arange(length)
+            start += length
+    return segment_ids_BxT, positions_BxT
+
+
+def test_values_and_gradients_equal_dense_attention_when_interpreted():
+    """Documents crossing blocks of 64, one starting mid-block after a short one, padding at
+    the end (a whole block of it in the last row), a row of one document; GQA (N=4, K=2)."""
+    segment_ids_BxT, positions_BxT = rows_of(256, [30, 70, 100, 40], [256], [5, 64, 64, 20, 3])
+    B, T, N, K, H = 3, 256, 4, 2, 16
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, dout = (jax.random.normal(key, (B, T, N, H)) for key in keys[:2])
+    k, v = (jax.random.normal(key, (B, T, K, H)) for key in keys[2:])
+    segment_ids = jnp.asarray(segment_ids_BxT)
+
+    got, got_vjp = jax.vjp(lambda q, k, v: packed_attention(q, k, v, segment_ids, block=64,
+                                                            interpret=True), q, k, v)
+    want, want_vjp = jax.vjp(lambda q, k, v: dense_attention(
+        q, k, v, segment_ids, jnp.asarray(positions_BxT)), q, k, v)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOLERANCE, rtol=TOLERANCE)
+    assert not np.asarray(got)[2, 156:].any()  # padding's output is zero
+    for got_grad, want_grad in zip(got_vjp(dout), want_vjp(dout), strict=True):
+        np.testing.assert_allclose(np.asarray(got_grad), np.asarray(want_grad), atol=TOLERANCE,
+                                   rtol=TOLERANCE)
+
+
+def test_each_block_reaches_back_to_its_first_document_and_forward_to_its_last():
+    segment_ids_BxT, _ = rows_of(256, [5, 64, 64, 20, 3])  # 156 tokens: the last block padding
+    first_BxI, end_BxJ = block_bounds(segment_ids_BxT, 64)
+    # Query block 2 (columns 128-191) starts inside document 3 (columns 69-132), in block 1;
+    # key block 1 holds the start of that document, seen up to block 2; block 3 sees nothing.
+    np.testing.assert_array_equal(first_BxI, [[0, 0, 1, 4]])
+    np.testing.assert_array_equal(end_BxJ, [[2, 3, 3, 3]])
+    np.testing.assert_array_equal(computed_blocks(segment_ids_BxT, 64), [5])
+    np.testing.assert_array_equal(computed_blocks(jnp.asarray(segment_ids_BxT), 64), [5])
+
+
+def test_a_row_of_short_documents_computes_a_sliver_of_the_causal_triangle():
+    """32K rows, blocks of 128 (256 per row, 32,896 in the triangle): documents of 512 tokens
+    span 4 blocks (10 pairs each), of 2K tokens 16 (136 each). The cost model counts the same."""
+    lengths = ([512] * 64, [2048] * 16, [32768])
+    segment_ids_BxT, _ = rows_of(32768, *lengths)
+    counts = computed_blocks(segment_ids_BxT, 128)
+    np.testing.assert_array_equal(counts, [64 * 10, 16 * 136, 256 * 257 // 2])
+    pairs = document_pairs(lengths, 32768, 1, False, 128)[:, 0]
+    np.testing.assert_array_equal(pairs, counts * 128 * 128)
+
+
+def test_it_compiles_for_an_h100_at_the_trainers_shapes():
+    """LLaMA2-7B's attention (N=32, H=128, bf16) on a 4K row, forward and backward: Triton
+    kernels within the H100's shared memory, and no T x T scores anywhere."""
+    target = targets.prepare("h100")
+    mesh = Mesh(np.array(targets.devices(target, 1)), ("data",))
+    B, T, N, H = 1, 4096, 32, 128
+    assert block_for(jnp.bfloat16, H, T) == 128 and block_for(jnp.float32, H, T) == 64
+
+    def forward_backward(q, k, v, segment_ids, dout):
+        out, vjp = jax.vjp(lambda q, k, v: packed_attention(q, k, v, segment_ids), q, k, v)
+        return out, vjp(dout)
+
+    shapes = [((B, T, N, H), jnp.bfloat16)] * 3 + [((B, T), jnp.int32),
+                                                   ((B, T, N, H), jnp.bfloat16)]
+    replicated = NamedSharding(mesh, PartitionSpec())
+    compiled = jax.jit(forward_backward).lower(*(
+        jax.ShapeDtypeStruct(shape, dtype, sharding=replicated) for shape, dtype in shapes
+    )).compile()
+    assert compiled.as_text().count('custom_call_target="__gpu$xla.gpu.triton"') == 2
+    assert compiled.memory_analysis().temp_size_in_bytes < T * T * 2

@@ -22,6 +22,7 @@ from hotjax.config import (
 )
 from hotjax.distributed import HEARTBEAT_TIMEOUT_S
 from hotjax.preemption import REQUEUE_EXIT, Preempted, StopSignals, parse_signal
+from hotjax.targets import quiet_plugin_without_a_driver
 from models.errors import UserError
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 
@@ -184,6 +185,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if getattr(args, "target", None) is None:
+        quiet_plugin_without_a_driver()
     try:
         code = args.handler(args)  # an exit code, or None for success
     except UserError as e:

@@ -20,6 +20,8 @@ import importlib.util
 import math
 import os
 import re
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,9 @@ def prepare(target: str | None) -> Target | None:
     GPU only then)."""
     if target is None:
         return None
+    for name in _PLUGIN_MODULES:
+        if name in sys.modules and getattr(sys.modules[name], "__file__", None) is None:
+            del sys.modules[name]  # hidden by `quiet_plugin_without_a_driver`: wanted now
     found = Target.named(target)
     if not available():
         raise UserError(f"--target {target}: compiling for a GPU without one needs JAX's CUDA "
@@ -97,9 +102,30 @@ def cpu_without_a_driver() -> None:
     """Before JAX starts: on a machine with no NVIDIA driver but the CUDA plugin installed (for
     compiling to targets), JAX runs on the CPU, as it would anyway, without trying the plugin
     first (which logs a traceback of its failed CUDA check). A user's JAX_PLATFORMS stands."""
-    driver = Path("/dev/nvidiactl").exists() or ctypes.util.find_library("cuda") is not None
-    if available() and not driver:
+    if available() and not _driver():
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+# What JAX imports of its CUDA plugin when it starts: its kernels' modules, and the module
+# whose `initialize()` registers the plugin.
+_PLUGIN_MODULES = ("jax_cuda12_plugin", "jax_plugins.xla_cuda12")
+
+
+def quiet_plugin_without_a_driver() -> None:
+    """Before JAX is imported, for a command that compiles for no target: on a machine with no
+    NVIDIA driver the CUDA plugin (installed for targets) is not loaded. Loading it logs lines of
+    its own to stderr ("Could not find cuda drivers"), which would break a command's one-line
+    errors; JAX runs on the CPU either way. `prepare` undoes it."""
+    if "jax" in sys.modules or not available() or _driver():
+        return  # JAX has looked for its plugins already, or there is nothing to hide
+    sys.modules[_PLUGIN_MODULES[0]] = None  # an import of it fails as if it were absent
+    inert = types.ModuleType(_PLUGIN_MODULES[1])
+    inert.initialize = lambda: None  # found by JAX's plugin search, it registers nothing
+    sys.modules[_PLUGIN_MODULES[1]] = inert
+
+
+def _driver() -> bool:
+    return Path("/dev/nvidiactl").exists() or ctypes.util.find_library("cuda") is not None
 
 
 @functools.cache

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import IO
 
 from hotjax.distributed import HEARTBEAT_TIMEOUT_S
+from hotjax.link import check_tools, describe_rate, resolve, shaped_namespace
 from hotjax.preemption import REQUEUE_EXIT
 from models.errors import UserError
 
@@ -58,6 +59,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                         "evenly)")
     launch.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                         help="CPU: pin each process to its own cores (default: on)")
+    launch.add_argument("--link", metavar="RATE", help="run the processes in a network "
+                        "namespace whose loopback carries at most RATE (50MB/s, 400Mbit), or a "
+                        "profile's link scaled to this machine's compute (a800-4x8:intra or "
+                        ":inter); needs root and iproute2")
     launch.add_argument("command", nargs=argparse.REMAINDER,
                         help="-- train ... or -- plan --measure ... (the command every "
                         "process runs)")
@@ -77,24 +82,45 @@ def _launch(args: argparse.Namespace) -> int:
     if args.devices_per_process is not None and args.devices_per_process < 1:
         raise UserError(f"--devices-per-process {args.devices_per_process}: pass a positive "
                         f"number")
+    rate = None
+    if args.link is not None:
+        check_tools()  # before timing anything: nothing starts without them
+        shares = core_shares(args.processes) if args.pin else None
+        rate, how = resolve(args.link, args.processes, args.devices_per_process or 4,
+                            shares[0] if shares else None)
+        if how:
+            print(f"hotjax launch: --link {args.link}: {how}", flush=True)
     return run([sys.executable, "-m", "hotjax.cli", *command], args.processes,
-               args.devices_per_process, pin=args.pin)
+               args.devices_per_process, pin=args.pin, link=rate)
 
 
 def run(program: list[str], processes: int, devices_per_process: int | None,
-        out: IO[str] | None = None, pin: bool = True) -> int:
+        out: IO[str] | None = None, pin: bool = True, link: float | None = None) -> int:
     """Runs `program` (an argv that takes hotjax's `--coordinator/--num-processes/--process-id`)
     as `processes` processes; 0 when all succeed, else the first failure's exit code (the rest
     stopped), or a `UserError` when JAX's runtime failed the run for a process that stopped
     answering. On CPU with `pin`, each process runs on its own cores (`core_shares`), as the
-    first line says."""
+    first line says. `link` (bytes/s): the processes run in a network namespace of their own
+    whose loopback carries at most that (`hotjax.link`), removed however the launch ends."""
     out = out or sys.stdout
+    with contextlib.ExitStack() as stack:
+        namespace = stack.enter_context(shaped_namespace(link)) if link is not None else None
+        return _run(program, processes, devices_per_process, out, pin, link, namespace)
+
+
+def _run(program: list[str], processes: int, devices_per_process: int | None, out: IO[str],
+         pin: bool, link: float | None, namespace: str | None) -> int:
     coordinator = f"127.0.0.1:{_free_port()}"
     gpus = _gpus()
     cores = core_shares(processes) if pin and not gpus else None
-    if not gpus:
-        print(f"hotjax launch: {describe_cpu_cluster(processes, devices_per_process or 4, cores)}",
-              file=out, flush=True)
+    first = ("" if gpus else describe_cpu_cluster(processes, devices_per_process or 4, cores))
+    if namespace:
+        first = (f"{first or f'{processes} processes'} over a link shaped to "
+                 f"{describe_rate(link)} (tc tbf on the loopback of network namespace "
+                 f"{namespace})")
+    if first:
+        print(f"hotjax launch: {first}", file=out, flush=True)
+    wrap = ["ip", "netns", "exec", namespace] if namespace else []
     started: list[subprocess.Popen] = []
     relays: list[_Relay] = []
     forwarding = threading.current_thread() is threading.main_thread()
@@ -111,8 +137,9 @@ def run(program: list[str], processes: int, devices_per_process: int | None,
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * per:(i + 1) * per])
             else:
                 env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process or 4)
-            argv = [*program, "--coordinator", coordinator, "--num-processes", str(processes),
-                    "--process-id", str(i)]
+            # `ip netns exec` execs the program in this same process: its pinning holds.
+            argv = [*wrap, *program, "--coordinator", coordinator, "--num-processes",
+                    str(processes), "--process-id", str(i)]
             own = cores[i] if cores else None
             process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True, bufsize=1,

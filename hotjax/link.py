@@ -1,0 +1,173 @@
+"""A shaped link for `hotjax launch --link`: its processes run in a network namespace of their own
+whose loopback (coordinator and gloo collectives alike) carries at most a given rate (tc tbf).
+
+The rate is given as such (`50MB/s`, `400Mbit`) or as a shipped profile's link scaled to this
+machine (`a800-4x8:intra`): the cluster's bandwidth times this machine's matmul rate per device
+over the cluster's, so that compute and network keep the cluster's ratio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+from models.errors import UserError
+
+PREFIX = "hotjax"
+# The loopback's MTU is 64 KiB: a bucket no larger than one packet stalls the link for good, so
+# the burst is well above it, and 10 ms of the rate on fast links (tbf's usual sizing).
+MIN_BURST = 192 * 1024
+BURST_S = 0.01
+_UNITS = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9}
+_RATE = re.compile(r"(\d+(?:\.\d+)?)\s*([kKMG]?)(B/s|bit(?:/s)?)")
+_OURS = re.compile(rf"{PREFIX}-(\d+)-[0-9a-f]+")
+
+
+def parse_rate(text: str) -> float:
+    """Bytes per second from `50MB/s`, `1.5GB/s`, `400Mbit` or `400Mbit/s` (decimal units)."""
+    match = _RATE.fullmatch(text.strip())
+    value = float(match.group(1)) * _UNITS[match.group(2)] if match else 0.0
+    if value <= 0:
+        raise UserError(f"--link {text!r}: give a positive rate like 50MB/s, 400Mbit or "
+                        f"1.5GB/s, or a profile's link like a800-4x8:intra")
+    return value / 8 if match.group(3).startswith("bit") else value
+
+
+def describe_rate(rate: float) -> str:
+    for unit, size in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if rate >= size:
+            return f"{rate / size:.1f} {unit}"
+    return f"{rate:.0f} B/s"
+
+
+def resolve(spec: str, processes: int, devices_per_process: int,
+            cores: set[int] | None = None) -> tuple[float, str]:
+    """The rate `--link spec` asks for, and how it was derived (empty for a plain rate);
+    `cores`: one process's share of this machine's (None: all), where its rate is timed."""
+    if ":" not in spec:
+        return parse_rate(spec), ""
+    from hotjax.planning.profile import load_profile
+
+    name, _, side = spec.partition(":")
+    if side not in ("intra", "inter"):
+        raise UserError(f"--link {spec}: name the profile's link, {name}:intra (inside a node) "
+                        f"or {name}:inter (between nodes)")
+    profile = load_profile(name)
+    bandwidth = profile.intra_node_bandwidth if side == "intra" else profile.inter_node_bandwidth
+    local, source, fitted = local_matmul_rate(processes, devices_per_process, cores)
+    # Like for like: a fitted profile's model matmul rate against the cluster's (its peak's
+    # share the model's matmuls reach); one large GEMM's rate, near peak, against its peak.
+    cluster = profile.peak_flops * (profile.matmul_efficiency if fitted else 1.0)
+    rate = bandwidth * local / cluster
+    return rate, (f"{profile.name} {side}-node {bandwidth / 1e9:g} GB/s x (this machine's "
+                  f"{local / 1e9:.1f} GFLOP/s / {cluster / 1e12:.1f} TFLOP/s per device: "
+                  f"{source}) = {describe_rate(rate)}")
+
+
+def local_matmul_rate(processes: int, devices_per_process: int,
+                      cores: set[int] | None = None) -> tuple[float, str, bool]:
+    """FLOP/s of one device of this launch's cluster, where it comes from, and whether it is a
+    model's matmul rate (fitted) rather than a large GEMM's: the cached profile measured under
+    the same launch (`hotjax launch ... -- plan --measure`) when there is one, else a bfloat16
+    JAX matmul timed on one process's share of the cores."""
+    from hotjax.config import cache_root
+    from hotjax.planning.cost import COST_MODEL_VERSION
+
+    devices = processes * devices_per_process
+    cached = (cache_root() / "profiles" / f"cost-model-v{COST_MODEL_VERSION}"
+              / f"cpu-{devices}x{processes}.toml")
+    with contextlib.suppress(OSError, tomllib.TOMLDecodeError, KeyError, TypeError):
+        data = tomllib.loads(cached.read_text())
+        return (data["device"]["peak_tflops"] * 1e12 * data["efficiency"]["matmul"],
+                f"model matmuls, cached profile {cached.name}", True)
+    cores = sorted(cores or os.sched_getaffinity(0))
+    timed = subprocess.run(
+        [sys.executable, "-c", _MATMUL], capture_output=True, text=True, check=False,
+        env={**os.environ, "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"},
+        preexec_fn=lambda: os.sched_setaffinity(0, cores))
+    if timed.returncode != 0:
+        raise UserError(f"timing this machine's matmul rate failed: "
+                        f"{(timed.stderr.strip().splitlines() or ['no output'])[-1]}")
+    rate = float(timed.stdout.split()[-1]) / devices_per_process  # its devices share the cores
+    return rate, (f"a 1024^3 bfloat16 JAX matmul timed on {len(cores)} pinned "
+                  f"core{'s' * (len(cores) > 1)}, against the cluster's peak"), False
+
+
+# Best of 5 timings of a 1024 x 1024 x 1024 matmul, compiled and warmed up first.
+_MATMUL = """
+import time, jax, jax.numpy as jnp
+a = jnp.ones((1024, 1024), jnp.bfloat16)
+f = jax.jit(lambda a: a @ a)
+f(a).block_until_ready()
+best = float("inf")
+for _ in range(5):
+    t = time.perf_counter(); f(a).block_until_ready(); best = min(best, time.perf_counter() - t)
+print(2 * 1024**3 / best)
+"""
+
+
+def check_tools() -> None:
+    """Shaping a link needs root (namespaces, qdiscs) and iproute2's `ip` and `tc`."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise UserError(f"--link needs iproute2's {' and '.join(missing)}, not found: install "
+                        f"iproute2 or drop --link")
+    if os.geteuid() != 0:
+        raise UserError("--link needs root (a network namespace and a qdisc on its loopback): "
+                        "run as root or drop --link")
+
+
+def namespaces() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    return [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
+
+
+def stale_namespaces() -> list[str]:
+    """hotjax's namespaces whose launcher (the pid in their name) is gone: it was killed
+    outright, with no time to remove its own."""
+    return [name for name in namespaces()
+            if (m := _OURS.fullmatch(name)) and not Path(f"/proc/{m.group(1)}").exists()]
+
+
+def remove_stale() -> list[str]:
+    stale = stale_namespaces()
+    for name in stale:
+        _remove(name)
+    return stale
+
+
+@contextlib.contextmanager
+def shaped_namespace(rate: float) -> Iterator[str]:
+    """A fresh network namespace whose loopback is up and carries at most `rate` bytes/s (both
+    directions together: lo is one device), removed on leaving however the block ends."""
+    check_tools()
+    remove_stale()
+    name = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
+    burst = max(MIN_BURST, int(rate * BURST_S))
+    try:
+        _ip("netns", "add", name)
+        _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+        _ip("netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
+            f"{int(rate * 8)}bit", "burst", str(burst), "latency", "400ms")
+        yield name
+    finally:
+        _remove(name)
+
+
+def _remove(name: str) -> None:
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise UserError(f"--link: `ip {' '.join(args)}` failed: "
+                        f"{(done.stderr.strip().splitlines() or ['no output'])[0]}")

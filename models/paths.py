@@ -11,10 +11,11 @@ from models.errors import UserError
 _SHOWN_CHARS = 512
 
 
-def _shown(value: object) -> str:
-    """A name as a message shows it: whole up to the length of a long path, cut past it."""
+def shown(value: object, limit: int = _SHOWN_CHARS) -> str:
+    """A value read from a file as a message shows it: its repr, cut past `limit` characters
+    (by default the length of a long path)."""
     text = repr(value)
-    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS - 3] + "..."
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def inside(directory: Path, name: object, where: Path, *, within: Path | None = None) -> Path:
@@ -22,7 +23,7 @@ def inside(directory: Path, name: object, where: Path, *, within: Path | None = 
     `directory`, symbolic links resolved (inside `within` instead, when given)."""
     directory = Path(os.path.abspath(directory))
     if not isinstance(name, str) or not name or "\0" in name:
-        raise UserError(f"{where}: holds {_shown(name)} where a file name belongs: the "
+        raise UserError(f"{where}: holds {shown(name)} where a file name belongs: the "
                         f"checkpoint is damaged")
     path = directory / name
     try:
@@ -31,7 +32,7 @@ def inside(directory: Path, name: object, where: Path, *, within: Path | None = 
     except (OSError, RuntimeError):  # a loop of symbolic links
         ok = False
     if not ok:
-        raise UserError(f"{where}: names {_shown(name)}, which leads outside {directory}: a "
+        raise UserError(f"{where}: names {shown(name)}, which leads outside {directory}: a "
                         f"checkpoint's files lie inside it, so it is damaged or crafted; nothing "
                         f"outside was read")
     return path

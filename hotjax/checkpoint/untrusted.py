@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 from hotjax.checkpoint.meta import first_line
 from models.errors import UserError
-from models.paths import inside
+from models.paths import inside, shown
 
 __all__ = ["dcp_planner", "dcp_reader", "inside", "read_dcp_metadata", "read_torch_save",
            "refused_by_torch", "saved_object"]
@@ -30,8 +30,7 @@ MAX_OBJECT_BYTES = 64 * 2**20
 
 
 def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return shown(value, 80)
 
 
 def _named(text: str) -> str:

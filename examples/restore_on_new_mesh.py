@@ -12,24 +12,22 @@ import argparse
 import json
 
 import hotjax
+from hotjax.commands.options import add_options
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a step directory, or a checkpoint directory")
-    parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--strategy", help='the new layout, e.g. "fsdp=4" (default: data '
-                        'parallel over the devices)')
+    add_options(parser, "devices", "strategy", devices=4)  # the new layout
     parser.add_argument("--steps", type=int, help="train up to this step (default: the saved "
                         "run's last; its learning-rate schedule ends there either way)")
     args = parser.parse_args()
 
-    hotjax.start_jax(args.devices)
+    devices = hotjax.start_jax(args.devices)
     # The saved run's model, data, tokenizer, batch, seed and optimizer; the new layout.
-    config = hotjax.resumed_config(args.checkpoint, devices=args.devices,
-                                   strategy=args.strategy)
+    config = hotjax.resumed_config(args.checkpoint, strategy=args.strategy)
     steps = args.steps or config.steps
-    with hotjax.Run(config) as run:
+    with hotjax.Run.from_config(config, devices=devices) as run:
         state, start = run.restore(args.checkpoint)
         for step in range(start + 1, steps + 1):
             state, metrics = run.step(state)

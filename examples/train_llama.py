@@ -1,11 +1,14 @@
-"""Train a LLaMA model with hotjax from your own loop.
+"""Train a LLaMA model of your own with hotjax, from your own loop.
 
-    python examples/train_llama.py --model tiny --steps 20 --devices 8
+    python examples/train_llama.py --steps 20 --devices 8
 
-`hotjax train` is this loop plus a progress bar; here the loop is yours: what it logs, when it
-saves, what else it does between steps. With no --strategy, 8 devices (8 simulated CPUs on a
-machine without an accelerator) run the default hot-switched table; `--strategies auto` plans
-one for this machine.
+The run is built from parts, each written here in Python: a model (`model`, not one of the
+presets), a strategy table (`strategy_table`: short rows data parallel, long rows hot-switched
+to FSDP x tensor parallelism), an optax optimizer (`optimizer`: hotjax's own AdamW, spelled in
+optax; change it freely), a tokenizer and mini-batches. `hotjax train` is this loop plus a
+progress bar, and trains the same given the same parts as files (`--model model.json
+--strategies table.toml`); here the loop is yours: what it logs, when it saves, what it
+evaluates between steps.
 """
 
 import argparse
@@ -13,38 +16,71 @@ import itertools
 import json
 import time
 
+import jax
+import optax
+
 import hotjax
+from hotjax.commands.options import add_options
+from hotjax.data import MiniBatches, load_tokenizer, open_corpus
+from models.llama import LlamaConfig, as_trained
+from sharding.strategy import Strategy
+from sharding.table import Bucket, StrategyTable
+
+
+def model() -> LlamaConfig:
+    """A model of this script's own (not a preset): 6 query heads share 2 key/value heads."""
+    return LlamaConfig(vocab_size=259, dim=96, n_layers=2, n_heads=6, n_kv_heads=2,
+                       ffn_dim=256, max_seq_len=1024)
+
+
+def strategy_table(devices: int) -> StrategyTable:
+    """Rows of up to 128 tokens data parallel over every device; up to 256, hot-switched to
+    two ways each of data, FSDP and tensor parallelism (on 8 devices; else data parallel)."""
+    long = ("data=2,fsdp=2,tensor=2,rules=megatron" if devices == 8
+            else f"data={devices},rules=dp")
+    return StrategyTable((Bucket(128, Strategy.parse(f"data={devices},rules=dp")),
+                          Bucket(256, Strategy.parse(long))), "examples/train_llama.py")
+
+
+def optimizer(lr: float, warmup_steps: int, steps: int) -> optax.GradientTransformation:
+    """AdamW after clipping the global norm to 1, its learning rate warmed up linearly then
+    decayed by a cosine to a tenth, weight decay on matrices only (not on norm scales)."""
+    curve = optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps,
+                                               max(steps, warmup_steps + 1), lr * 0.1)
+
+    def decayed(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+
+    # Counted from 1, as hotjax's: the first update is not a zero-learning-rate no-op.
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(lambda count: curve(count + 1), b1=0.9, b2=0.95, eps=1e-5,
+                                   weight_decay=0.1, mask=decayed))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny", help="model preset (default: %(default)s)")
-    parser.add_argument("--devices", type=int, default=8)
-    layout = parser.add_mutually_exclusive_group()
-    layout.add_argument("--strategy", help='one strategy, e.g. "fsdp=8"')
-    layout.add_argument("--strategies", help="a strategy table (.toml), or auto")
-    parser.add_argument("--data", help="a corpus (default: the Python standard library)")
-    parser.add_argument("--tokenizer", help="tokenizer.json, or bytes (default: a trained BPE)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch-tokens", type=int, default=4096)
-    parser.add_argument("--compute-dtype", default="bfloat16")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ckpt-dir", help="save here every --save-every steps and at the end")
-    parser.add_argument("--save-every", type=int, default=10)
+    add_options(parser, "devices", "data", "tokenizer", "vocab_size", "batch_tokens",
+                "compute_dtype", "seed", "steps", "lr", "warmup_steps", "ckpt_dir", "save_every",
+                devices=8, batch_tokens=4096, steps=20, warmup_steps=2, save_every=10)
     parser.add_argument("--eval-data", help="held-out documents: their loss every --eval-every "
                         "steps")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-batches", type=int, default=2)
     args = parser.parse_args()
 
-    hotjax.start_jax(args.devices)  # before anything starts JAX
-    config = hotjax.RunConfig(
-        model=args.model, devices=args.devices, strategy=args.strategy,
-        strategies=args.strategies, data=args.data, tokenizer=args.tokenizer, steps=args.steps,
-        batch_tokens=args.batch_tokens, compute_dtype=args.compute_dtype, seed=args.seed,
-        ckpt_dir=args.ckpt_dir)
+    devices = hotjax.start_jax(args.devices)  # before any JAX operation
+    table = strategy_table(len(devices))
+    corpus = open_corpus(args.data)
+    tokenizer = load_tokenizer(args.tokenizer, corpus, vocab_size=args.vocab_size)
+    batches = MiniBatches(corpus, tokenizer, [b.max_len for b in table.buckets],
+                          batch_tokens=args.batch_tokens, long_documents="split", seed=args.seed)
+    # The embedding holds the tokenizer's vocabulary (padded); matmuls in the compute dtype.
+    trained = as_trained(model(), tokenizer.vocab_size, compute_dtype=args.compute_dtype)
 
-    with hotjax.Run(config) as run:
+    with hotjax.Run(trained, table, optimizer(args.lr, args.warmup_steps, args.steps), batches,
+                    tokenizer=tokenizer, devices=devices, seed=args.seed,
+                    ckpt_dir=args.ckpt_dir) as run:
         state, start = run.initial_state()  # resumes from --ckpt-dir's latest if it has one
         # The same held-out mini-batches at every evaluation (this run's tokenizer and buckets).
         held_out = (list(itertools.islice(run.minibatches(args.eval_data), args.eval_batches))
@@ -52,9 +88,9 @@ def main() -> None:
         smoothed = None
         for step in range(start + 1, args.steps + 1):
             began = time.perf_counter()
-            state, metrics = run.step(state)  # all buckets, one optimizer update
+            state, metrics = run.step(state)  # all buckets, one optimizer update; at once
+            loss = metrics["loss"]  # waits for the step
             seconds = time.perf_counter() - began
-            loss = metrics["loss"]
             smoothed = loss if smoothed is None else 0.9 * smoothed + 0.1 * loss
             print(json.dumps({"step": step, "loss": loss, "smoothed_loss": smoothed,
                               "tokens_per_s": metrics["tokens"] / seconds,

@@ -18,6 +18,14 @@ The imbalance of a placement is the time the shards' synchronised micro-steps ta
 perfectly even split: the sum over micro-steps of the busiest shard's work, over the sum of
 the mean shard's (1.0: even). Where one row outweighs the rest (one long document among short
 ones), no placement reaches 1.0 and the metrics say so.
+
+Shards need not meet every micro-step. Where a bucket accumulates each data shard's gradients
+apart and nothing else is split over the shards (`sharding.strategy.independent_shards`: data
+parallelism, with tensor, context or pipeline parallelism inside each shard), they exchange
+nothing until the bucket's one gradient reduction, and each device runs its micro-steps as
+fast as it can. Then only each shard's total over the bucket counts, and placement balances
+those totals: heaviest row first to the shard with the least work so far, which has freedom
+even with one row per shard per micro-step.
 """
 
 from __future__ import annotations
@@ -26,13 +34,11 @@ import dataclasses
 
 import numpy as np
 
-from hotjax.planning.cost import attention_kernel
 from models.attention import Tokens, block_edge, visible_blocks
 from models.llama import LlamaConfig
+from models.work import attention_kernel, training_flops
 
 EMPTY = -1  # a padding row's slot in a placement: no row of the batch
-ATTENTION_TRAINING = 3.5  # forward and backward, in forwards (FlashAttention-2: 2.5x backward)
-MATMUL_TRAINING = 6  # FLOPs per weight and token, forward and backward (Kaplan et al. 2020)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +56,7 @@ def row_work(segment_ids_BxT: np.ndarray, positions_BxT: np.ndarray, config: Lla
              platform: str, seq_shards: int = 1) -> np.ndarray:
     """[B] estimated FLOPs of each row's training micro-step: the matmuls by tokens (every
     slot is computed, padding included) and attention by the block pairs the kernel that runs
-    on `platform` computes (`hotjax.planning.cost.attention_kernel`; rows split into `seq_shards`
+    on `platform` computes (`models.work.attention_kernel`; rows split into `seq_shards`
     chunks): both the blockwise kernel and the packed-attention Pallas kernel on GPU skip the
     blocks no document spans."""
     B, T = segment_ids_BxT.shape
@@ -61,46 +67,56 @@ def row_work(segment_ids_BxT: np.ndarray, positions_BxT: np.ndarray, config: Lla
         segment_ids_BxT, positions_BxT = np.ones_like(segment_ids_BxT), columns
     tokens = Tokens(segment_ids_BxT, positions_BxT, columns)
     blocks_B = visible_blocks(tokens, tokens, edge, edge).sum(axis=(1, 2))
-    D, H = config.dim, config.head_dim
-    layer = D * H * (2 * config.n_heads + 2 * config.n_kv_heads) + 3 * D * config.ffn_dim
-    per_token = MATMUL_TRAINING * (config.n_layers * layer + D * config.vocab_size)
-    per_pair = ATTENTION_TRAINING * 4 * config.n_heads * H * config.n_layers
+    per_token, per_pair = training_flops(config)
     return per_token * T + per_pair * edge * edge * blocks_B.astype(np.float64)
 
 
-def imbalance(work_S: np.ndarray, micro_rows: int, shards: int) -> float:
-    """The busiest shard's work summed over micro-steps, over the mean shard's, for slots of
-    `work_S` in order (a multiple of `micro_rows`) cut over `shards` shards."""
+def imbalance(work_S: np.ndarray, micro_rows: int, shards: int, per_bucket: bool = False
+              ) -> float:
+    """The busiest shard's work over the mean shard's, for slots of `work_S` in order (a
+    multiple of `micro_rows`) cut over `shards` shards: summed over micro-steps of the
+    busiest of each (shards that meet every micro-step), or with `per_bucket` the busiest
+    shard's total over the bucket (shards that meet once, at its end)."""
     per_shard_MxK = work_S.reshape(-1, shards, micro_rows // shards).sum(axis=-1)
     mean = per_shard_MxK.mean(axis=1).sum()
-    return float(per_shard_MxK.max(axis=1).sum() / mean) if mean else 1.0
+    busiest = per_shard_MxK.sum(axis=0).max() if per_bucket else per_shard_MxK.max(axis=1).sum()
+    return float(busiest / mean) if mean else 1.0
 
 
-def place(work_R: np.ndarray, micro_rows: int, shards: int, pad_work: float = 0.0) -> Placement:
+def place(work_R: np.ndarray, micro_rows: int, shards: int, pad_work: float = 0.0,
+          per_bucket: bool = False) -> Placement:
     """A placement of rows of estimated `work_R` in micro-steps of `micro_rows` rows over
-    `shards` data shards (padding rows, added to fill the last micro-step, cost `pad_work`):
-    micro-steps of similar rows, each row to its micro-step's least loaded shard with room."""
+    `shards` data shards (padding rows, added to fill the last micro-step, cost `pad_work`).
+    Shards that meet every micro-step: micro-steps of similar rows, each row to its
+    micro-step's least loaded shard with room. With `per_bucket` (shards that meet only at
+    the bucket's end, `sharding.strategy.independent_shards`): each row, heaviest first, to
+    the shard with the least work so far over the whole bucket that has room, each shard's
+    rows then in its slots of the micro-steps in turn."""
     rows = len(work_R)
     slots = rows + (-rows % micro_rows)
     padded = np.concatenate([work_R, np.full(slots - rows, pad_work)])
     in_order = np.concatenate([np.arange(rows), np.full(slots - rows, EMPTY)])
-    before = imbalance(padded, micro_rows, shards)
+    before = imbalance(padded, micro_rows, shards, per_bucket)
     mean_work = float(padded.sum() / shards)
     per_shard = micro_rows // shards
     if shards == 1:
         return Placement(in_order, before, before, mean_work)
     heaviest = np.argsort(-padded, kind="stable")
     order = np.empty(slots, dtype=np.int64)
-    for start in range(0, slots, micro_rows):
+    groups = [heaviest] if per_bucket else [heaviest[start:start + micro_rows]
+                                            for start in range(0, slots, micro_rows)]
+    room = slots // shards if per_bucket else per_shard
+    for g, group in enumerate(groups):
         load, filled = np.zeros(shards), np.zeros(shards, dtype=np.int64)
-        for slot in heaviest[start:start + micro_rows]:
-            shard = min((s for s in range(shards) if filled[s] < per_shard),
-                        key=lambda s: load[s])
-            order[start + shard * per_shard + filled[shard]] = in_order[slot]
+        for slot in group:
+            shard = min((s for s in range(shards) if filled[s] < room), key=lambda s: load[s])
+            k = filled[shard]  # the shard's k-th row: micro-step k // per_shard with per_bucket
+            step, within = (k // per_shard, k % per_shard) if per_bucket else (g, k)
+            order[step * micro_rows + shard * per_shard + within] = in_order[slot]
             load[shard] += padded[slot]
             filled[shard] += 1
     after = imbalance(np.where(order == EMPTY, pad_work, padded[np.maximum(order, 0)]),
-                      micro_rows, shards)
+                      micro_rows, shards, per_bucket)
     if after > before:  # LPT is a heuristic: never worse than the rows as they came
         return Placement(in_order, before, before, mean_work)
     return Placement(order, before, after, mean_work)

@@ -14,10 +14,12 @@ from pathlib import Path
 
 from models.bounds import MAX_SEQ_LEN, MAX_STEP, MAX_VOCAB, host_memory
 from models.errors import UserError
+from models.optimizers import DEFAULT as DEFAULT_OPTIMIZER
+from models.optimizers import LR, OPTIMIZERS, WARMUP_STEPS
 
 DEFAULT_BATCH_TOKENS = 8192
 DEFAULT_MODEL = "small"
-DEFAULT_WARMUP_STEPS = 10
+DEFAULT_WARMUP_STEPS = WARMUP_STEPS  # the optimizer's own default (`models.optimizers`)
 # Host bytes one token of a mini-batch costs in the data pipeline (`hotjax.data.stream`): its
 # int32 id in a tokenized sequence (4); the packed rows' int32 tokens, segment ids and
 # positions (12), doubled for padding (24); and those rows again as arrays of CPU devices,
@@ -53,16 +55,18 @@ class RunConfig:
     remat: str | None = None  # for buckets whose table names none; None: fit to device_memory
     attention: str = "auto"  # the kernel: auto, blockwise, dense, cudnn, pallas
     attention_block: int = 0  # the blockwise kernel's block edge (0: the platform's default)
-    lr: float = 1e-3
+    optimizer: str = DEFAULT_OPTIMIZER  # an entry of `models.optimizers.OPTIMIZERS`
+    lr: float = LR
     warmup_steps: int | None = None  # default: DEFAULT_WARMUP_STEPS, or --steps if fewer
     metrics_jsonl: str | None = None
     log_every: int = 10
-    device_memory: float | None = None  # MiB per device the compiled steps must fit in
+    device_memory: int | None = None  # bytes per device the compiled steps must fit in
     bucket_timings: bool = False  # wait for each bucket to time it (a host sync per bucket)
     balance: bool = True  # place rows on data shards by estimated work (`hotjax.balance`)
     ckpt_dir: str | None = None  # save here, and resume from its latest complete checkpoint
     save_every: int | None = None  # default: save the last step only
     resume_from: str | None = None  # a step directory, or a checkpoint directory's latest
+    weights_only: bool = False  # resume the checkpoint's weights alone: a fresh optimizer, step 0
     keep_last: int = 3
     keep_every: int | None = None  # also keep every step that is a multiple of this
 
@@ -97,6 +101,11 @@ class RunConfig:
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
             raise UserError(f"--warmup-steps {self.warmup_steps}: warm up within the run: give "
                             f"0 to --steps ({self.steps})")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"--optimizer {self.optimizer}: choose one of "
+                            f"{', '.join(OPTIMIZERS)}")
+        if self.weights_only and not (self.resume_from or self.ckpt_dir):
+            raise UserError("--weights-only needs a checkpoint: pass --resume-from")
         if self.save_every and not self.ckpt_dir:
             raise UserError("--save-every needs --ckpt-dir: pass the directory to save into")
         self.loss_scaling  # noqa: B018 - a static --loss-scale is checked here, at the edge
@@ -173,24 +182,30 @@ def positive(flag: str, value: float | None) -> None:
         raise UserError(f"{flag} {value}: pass a finite number above 0")
 
 
-# Memory sizes on the command line, in MiB: binary units, and the decimal ones GPU makers quote.
-MEMORY_UNITS = {"KiB": 2**-10, "MiB": 1.0, "GiB": 2**10, "TiB": 2**20,
-                "KB": 1e3 / 2**20, "MB": 1e6 / 2**20, "GB": 1e9 / 2**20, "TB": 1e12 / 2**20}
+# Memory sizes on the command line, in bytes: binary units, and the decimal ones GPU makers
+# quote. Inside, memory is bytes; units are read here and shown by `shown_bytes`.
+MEMORY_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+                "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
 
-def memory_size(text: str) -> float:
+def memory_size(text: str) -> int:
     """An argparse type: a memory size such as `80GiB`, `512MiB` or `80GB` (a bare number is
-    MiB), as MiB."""
+    MiB), in bytes."""
     found = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", text)
     unit = (found[2] or "MiB") if found else None
     if unit not in MEMORY_UNITS:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a memory size: give a positive number with a unit, like 80GiB, "
             f"512MiB or 80GB (a bare number is MiB)")
-    size = float(found[1]) * MEMORY_UNITS[unit]
+    size = round(float(found[1]) * MEMORY_UNITS[unit])
     if size <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: give a memory size above 0")
     return size
+
+
+def shown_bytes(size: float) -> str:
+    """A memory size for people: MiB below a GiB, else GiB."""
+    return f"{size / 2**20:,.1f} MiB" if size < 2**30 else f"{size / 2**30:,.2f} GiB"
 
 
 def cache_root() -> Path:

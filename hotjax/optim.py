@@ -1,5 +1,6 @@
-"""The optimizer: AdamW with linear warmup and cosine decay, after global-norm clipping; for
-fp16 compute, behind a loss scale that skips the updates whose gradients overflowed."""
+"""The optimizer a run trains with (AdamW, Lion or Adafactor: `models.optimizers` declares each),
+with linear warmup and cosine decay, after global-norm clipping; for fp16 compute, behind a loss
+scale that skips the updates whose gradients overflowed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import optax
 
 from models.errors import UserError
 from models.llama import Params
+from models.optimizers import DEFAULT, LR, WARMUP_STEPS, Optimizer, named
 
 LOSS_SCALING = ("off", "dynamic", "static")
 # Overflowed steps in a row after which Optax applies the update anyway (so that a run gone
@@ -21,8 +23,9 @@ MAX_SKIPPED_IN_A_ROW = 100
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-3
-    warmup_steps: int = 20
+    name: str = DEFAULT  # an entry of `models.optimizers.OPTIMIZERS`
+    lr: float = LR
+    warmup_steps: int = WARMUP_STEPS
     total_steps: int = 200
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -37,12 +40,18 @@ class OptimConfig:
     loss_scale_period: int = 2000
 
     def __post_init__(self) -> None:
+        named(self.name)
         if self.loss_scaling not in LOSS_SCALING:
             raise UserError(f"loss scaling {self.loss_scaling!r}: choose one of "
                             f"{', '.join(LOSS_SCALING)}")
         if not self.loss_scale > 0 or self.loss_scale_period < 1:
             raise UserError(f"loss scale {self.loss_scale} every {self.loss_scale_period} steps:"
                             f" give a positive scale and a period of at least one step")
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """What the optimizer is and what state it keeps."""
+        return named(self.name)
 
     def schedule(self) -> optax.Schedule:
         """Linear warmup to `lr`, cosine decay to `lr * min_lr_ratio` by `total_steps`."""
@@ -58,16 +67,15 @@ def make_optimizer(cfg: OptimConfig, axes: Params) -> optax.GradientTransformati
     """Weight decay applies to matrices, not to norm scales (found by their `norm` axis)."""
     decay_mask = jax.tree.map(lambda a: "norm" not in a, axes,
                               is_leaf=lambda x: isinstance(x, tuple))
-    adamw = optax.chain(
+    tx = optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(cfg.schedule(), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                    weight_decay=cfg.weight_decay, mask=decay_mask),
+        cfg.optimizer.build(cfg.schedule(), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                            weight_decay=cfg.weight_decay, mask=decay_mask),
     )
     if cfg.loss_scaling == "off":
-        return adamw
+        return tx
     # Optax leaves the inner state untouched on a step whose gradients are not finite.
-    return optax.chain(loss_scale_keeper(cfg), optax.apply_if_finite(adamw,
-                                                                     MAX_SKIPPED_IN_A_ROW))
+    return optax.chain(loss_scale_keeper(cfg), optax.apply_if_finite(tx, MAX_SKIPPED_IN_A_ROW))
 
 
 class LossScaleState(NamedTuple):

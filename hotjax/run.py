@@ -1,31 +1,31 @@
-"""A training run: corpus, tokenizer, model, strategy table and trainer assembled from a
-`RunConfig` (`Run`, the library's entry point), and `hotjax train`'s loop over it (`train`)."""
+"""A training run, the library's entry point: `Run`, built from its parts (a model, a strategy
+table, an optimizer, mini-batches) or from a `RunConfig` as `hotjax train` builds it, and
+what those parts are made of (`strategy_table`, `planned_table`, `model_config`)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import time
+import functools
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
 from hotjax import distributed
+from hotjax.checkpoint import dirs, store
 from hotjax.checkpoint import lock as ckpt_lock
 from hotjax.checkpoint import meta as meta_lib
-from hotjax.checkpoint import store
 from hotjax.checkpoint.training import restore_state, run_record
 from hotjax.config import DEFAULT_MODEL, RunConfig
 from hotjax.data import (
     MiniBatch,
     MiniBatches,
     Share,
+    Tokenizer,
     cut,
     estimated_lengths,
     load_tokenizer,
@@ -37,9 +37,10 @@ from hotjax.optim import OptimConfig
 from hotjax.planning import search as plan_lib
 from hotjax.planning.measure import local_profile
 from hotjax.planning.profile import Profile
-from hotjax.preemption import Preempted, StopSignals
+from hotjax.startup import select_devices
 from hotjax.step import TrainState
-from hotjax.train import Trainer
+from hotjax.train import StepMetrics, Trainer
+from models import bounds, optimizers
 from models.errors import UserError
 from models.llama import LlamaConfig, as_trained, preset
 from sharding.strategy import Strategy
@@ -49,7 +50,6 @@ from sharding.table import StrategyTable, load_table
 # hot-switched bucket table; other device counts use data parallelism at --context.
 DEFAULT_TABLE = Path(__file__).parent.parent / "sharding" / "tables" / "default.toml"
 DEFAULT_TABLE_DEVICES = 8
-UNEVEN = 1.05  # data shards' imbalance (busiest over mean work) worth a word in the summary
 AUTO = "auto"  # --strategies auto: a table planned by the cost model
 
 
@@ -58,7 +58,7 @@ def resumed_config(path: str | Path, **overrides) -> RunConfig:
     checkpoint directory's latest): its model, corpus, tokenizer, batch size, context, seed and
     optimizer settings as recorded, resuming from `path`, with `overrides` (devices, strategy,
     steps, ...) on top. Any device count, mesh or strategy table restores it."""
-    step_dir = store.find(path)
+    step_dir = dirs.find(path)
     meta = meta_lib.read(step_dir)
     data, optim, model = meta.get("data") or {}, meta.get("optimizer") or {}, meta["model"]
     tokenizer = data.get("tokenizer") or (
@@ -74,6 +74,7 @@ def resumed_config(path: str | Path, **overrides) -> RunConfig:
         "compute_dtype": model.get("compute_dtype", RunConfig.compute_dtype),
         "attention": model.get("attention", RunConfig.attention),
         "attention_block": model.get("attention_block", RunConfig.attention_block),
+        "optimizer": optim.get("name", RunConfig.optimizer),
         "lr": optim.get("lr", RunConfig.lr), "warmup_steps": optim.get("warmup_steps"),
         "steps": optim.get("total_steps", RunConfig.steps),
         "loss_scale": scaling if scaling != "static" else str(optim["loss_scale"]),
@@ -83,7 +84,10 @@ def resumed_config(path: str | Path, **overrides) -> RunConfig:
     return RunConfig(**{**settings, **overrides})
 
 
-def strategy_table(run: RunConfig, num_devices: int) -> StrategyTable:
+def strategy_table(run: RunConfig, num_devices: int | None = None) -> StrategyTable:
+    """The table `run` names: its `strategies` file, its `strategy` as the one-bucket table of
+    `context` tokens, or with neither, on `num_devices` devices the default table (at
+    DEFAULT_TABLE_DEVICES) or data parallelism; checked against `num_devices` when given."""
     if run.strategy and run.strategies:
         raise UserError("--strategy and --strategies both given: pass one of them")
     if run.strategies:
@@ -91,20 +95,27 @@ def strategy_table(run: RunConfig, num_devices: int) -> StrategyTable:
     elif run.strategy is None and num_devices == DEFAULT_TABLE_DEVICES:
         table = load_table(DEFAULT_TABLE)
     else:
+        if run.strategy is None and num_devices is None:
+            raise UserError("no strategy given: pass a strategy table or a strategy")
         spec = run.strategy or f"data={num_devices},rules=dp"
         table = StrategyTable.single(Strategy.parse(spec), run.context, f"--strategy {spec!r}")
-    table.check_devices(num_devices)
+    if num_devices is not None:
+        table.check_devices(num_devices)
     return table
 
 
-def planned_table(run: RunConfig, config: LlamaConfig, num_devices: int, lengths: np.ndarray,
-                  console: Console) -> StrategyTable:
+def planned_table(run: RunConfig, config: LlamaConfig, devices: Sequence[jax.Device],
+                  lengths: np.ndarray, console: Console) -> StrategyTable:
     """`--strategies auto`: the table `hotjax plan` chooses for this machine's devices (its
-    profile measured once and cached), the corpus's estimated lengths and the batch size."""
+    profile measured once and cached), the corpus's estimated lengths and the batch size,
+    each bucket checked by XLA's memory analysis on `devices` as the trainer checks it."""
+    from hotjax.planning.wall import xla_bytes
+
     if run.strategy:
         raise UserError("--strategy and --strategies both given: pass one of them")
-    search, typical = plan_search(run, config, num_devices, lengths, console)
-    found = plan_lib.plan(search, typical, run.context)
+    search, typical = plan_search(run, config, len(devices), lengths, console)
+    found = plan_lib.plan_checked(search, typical, run.context,
+                                  xla_bytes(config, devices, search.optimizer))
     console.print(f"--strategies auto: planned on profile {search.profile.name}, predicted "
                   f"{found.seconds * 1e3:,.1f} ms per step")
     return found.table("--strategies auto")
@@ -118,12 +129,12 @@ def plan_search(run: RunConfig, config: LlamaConfig, num_devices: int, lengths: 
     the run's memory budget, and the typical step's sequence lengths from the documents'
     `lengths`, cut to the context and counted by the batch size as training cuts them."""
     profile = profile or local_profile(console)
-    budget = (run.device_memory * 2**20 if run.device_memory is not None
-              else profile.memory_bytes)
+    budget = run.device_memory if run.device_memory is not None else profile.memory_bytes
     sequences = cut(lengths, run.context, run.long_documents)
     count = run.batch.get("batch_sequences") or max(
         round(run.batch["batch_tokens"] / sequences.mean()), 1)
-    search = plan_lib.Search(config, profile, num_devices, int(budget))
+    search = plan_lib.Search(config, profile, num_devices, int(budget),
+                             optimizer=optimizers.named(run.optimizer))
     return search, plan_lib.typical_batch(sequences, count)
 
 
@@ -134,132 +145,180 @@ def model_config(run: RunConfig, model: LlamaConfig, vocab_size: int) -> LlamaCo
                       attention=run.attention, attention_block=run.attention_block)
 
 
+def named_model(name: str) -> LlamaConfig:
+    """`--model`: a preset's name, or a JSON file of `LlamaConfig` fields (a model of one's
+    own, as `LlamaConfig.to_dict` writes it)."""
+    if not name.endswith(".json"):
+        return preset(name)
+    path = Path(name)
+    if not path.is_file():
+        raise UserError(f"--model {name}: no such file: give a preset or a model's JSON file")
+    fix = "write it with LlamaConfig.to_dict, or give a preset"
+    return LlamaConfig.checked(bounds.read_json(path, "model", fix), f"--model {name}", fix)
+
+
 def _model(run: RunConfig, resume: str | Path | None) -> tuple[str, LlamaConfig]:
-    """The model to train, and what to call it: the --model preset, or when resuming without
-    one, the checkpoint's own (an import of any architecture resumes as it is)."""
+    """The model to train, and what to call it: the --model preset or file, or when resuming
+    without one, the checkpoint's own (an import of any architecture resumes as it is)."""
     if run.model is None and resume:
-        step_dir = store.find(resume)
+        step_dir = dirs.find(resume)
         return f"of {step_dir}", LlamaConfig.checked(
             meta_lib.read(step_dir)["model"], f"{step_dir / meta_lib.META_FILE}: model",
             meta_lib.DAMAGED)
     name = run.model or DEFAULT_MODEL
-    return name, preset(name)
-
-
-def select_devices(count: int | None) -> list[jax.Device]:
-    available = jax.devices()
-    if count is None:
-        return available
-    if not 1 <= count <= len(available):
-        raise UserError(f"--devices {count}: {len(available)} {available[0].platform} devices "
-                        f"are available: pass a number from 1 to {len(available)}")
-    return available[:count]
+    return name, named_model(name)
 
 
 class Run:
-    """A training run assembled from a `RunConfig`: the devices, corpus, tokenizer, model,
-    strategy table, trainer and mini-batches that `hotjax train` uses. `hotjax train` is one
-    loop over it; your own loop drives it the same way:
+    """A training run: a model trained under a strategy table by an optimizer on mini-batches,
+    built from its parts,
 
-        with Run(RunConfig(model="tiny", steps=100)) as run:
+        run = hotjax.Run(model, table, optax.adamw(1e-3), batches, tokenizer=tokenizer)
+
+    or from a `RunConfig`, as `hotjax train` builds it (`Run.from_config`). Your loop drives it:
+
+        with hotjax.Run.from_config(hotjax.RunConfig(model="tiny", ckpt_dir="ck")) as run:
             state, step = run.initial_state()       # fresh, or resumed as the config says
-            for step in range(step + 1, run.config.steps + 1):
-                state, metrics = run.step(state)    # one optimizer update over all buckets
+            for step in range(step + 1, 101):
+                state, metrics = run.step(state)    # returns at once; metrics["loss"] waits
                 if step % 50 == 0:
-                    run.save(step, state)           # into run.config.ckpt_dir
+                    run.save(step, state)           # into ckpt_dir
 
-    A state restored from a checkpoint (`restore`, or `initial_state` with `resume_from` or a
-    `ckpt_dir` holding one) is laid out in this run's home strategy, whatever mesh wrote it.
-    JAX must have been started first (`hotjax.start_jax`), for the device count and the
-    compilation cache. `console` gets the run's header (default: stderr, process 0 only).
-    A `ckpt_dir` is this run's alone until `close` (a second run there stops at its start)."""
+    Building a run from parts is cheap; the heavy steps are its methods, or happen on first
+    use: `trainer` (each bucket's step, sized to `device_memory` by compiling it; built on
+    first use), `compile()` (every bucket's step, else the first step compiles), and the state
+    on the devices: `init()`, `restore(path)`, `initial_state()`.
 
-    def __init__(self, config: RunConfig, console: Console | None = None):
-        self.config = run = config
-        self.console = console = console or Console(stderr=True, quiet=not distributed.is_main())
-        self.checkpoints: store.Checkpoints | None = None
-        # Before anything slow: a checkpoint directory that takes files, and no other run's.
-        self._lock = ckpt_lock.hold(run.ckpt_dir) if run.ckpt_dir else None
+    `model` is the model as trained (`model_config`: the tokenizer's vocabulary, padded; the
+    compute dtype); `optimizer` is hotjax's AdamW (`OptimConfig`) or any optax optimizer;
+    `batches` any iterable of `MiniBatch`es over the table's buckets (a `MiniBatches` saves and
+    restores its position with the checkpoints). `device_memory` is bytes per device. A state
+    restored from a checkpoint is laid out in this run's home strategy, whatever mesh wrote it.
+    JAX must have been started first (`hotjax.start_jax`, which also gives the `devices`;
+    default: all). A `ckpt_dir` is this run's alone until `close` (a second run there stops at
+    its start); `lock` is that hold when already taken (`from_config` takes it first)."""
+
+    def __init__(self, model: LlamaConfig, table: StrategyTable,
+                 optimizer: OptimConfig | optax.GradientTransformation,
+                 batches: Iterable[MiniBatch], *, tokenizer: Tokenizer | None = None,
+                 devices: Sequence[jax.Device] | None = None, seed: int = 0,
+                 device_memory: int | None = None, remat: str | None = None,
+                 typical_rows: Sequence[float] | None = None, balance: bool = True,
+                 bucket_timings: bool = False, ckpt_dir: str | Path | None = None,
+                 keep_last: int | None = 3, keep_every: int | None = None,
+                 resume_from: str | Path | None = None, data: dict | None = None,
+                 name: str = "of your own", console: Console | None = None,
+                 lock: ckpt_lock.Lock | None = None):
+        self._lock = lock or (ckpt_lock.hold(ckpt_dir) if ckpt_dir else None)
         try:
-            self._assemble(run, console)
+            self.model, self.optimizer, self.batches = model, optimizer, batches
+            self.tokenizer = tokenizer or getattr(batches, "tokenizer", None)
+            self.devices = list(devices or jax.devices())
+            self.seed, self.name = seed, name
+            self.console = console or Console(stderr=True, quiet=not distributed.is_main())
+            self._given = table
+            self._trainer_options = {"device_memory": device_memory, "remat": remat,
+                                     "typical_rows": typical_rows, "balance": balance,
+                                     "timings": bucket_timings}
+            self._data = data if data is not None else _data_record(batches, table)
+            self._iterator = iter(batches)
+            self.lengths: np.ndarray | None = None  # the corpus's estimated, when known
+            self.checkpoints = (store.Checkpoints(ckpt_dir, keep_last=keep_last,
+                                                  keep_every=keep_every) if ckpt_dir else None)
+            self.resume_path = resume_from or (ckpt_dir and dirs.latest(ckpt_dir))
         except BaseException:
             self._release()
             raise
 
-    def _assemble(self, run: RunConfig, console: Console) -> None:
-        self.devices = devices = select_devices(run.devices)
-        platform = devices[0].platform
-        if platform != "cpu":
-            kind = ""
-        elif jax.local_device_count() == 1 and jax.process_count() > 1:
-            kind = f" (one per process, {jax.process_count()} processes: no accelerator found)"
-        else:
-            kind = " (simulated: no accelerator found)"
-        console.print(f"[bold]hotjax[/] on {len(devices)} {platform} device(s){kind}")
+    @classmethod
+    def from_config(cls, config: RunConfig, console: Console | None = None,
+                    devices: Sequence[jax.Device] | None = None) -> Run:
+        """The run `hotjax train` makes of `config`: corpus, tokenizer (a BPE trained on the
+        corpus and cached when none is named), model, strategy table (planned, measuring this
+        machine once, for `strategies="auto"`), optimizer and mini-batches, assembled here;
+        `devices` default to `config.devices`' first, else all."""
+        run = config
+        console = console or Console(stderr=True, quiet=not distributed.is_main())
+        # Before anything slow: a checkpoint directory that takes files, and no other run's.
+        lock = ckpt_lock.hold(run.ckpt_dir) if run.ckpt_dir else None
+        try:
+            devices = list(devices or select_devices(run.devices))
+            table = None if run.strategies == AUTO else strategy_table(run, len(devices))
+            resume = run.resume_from or (run.ckpt_dir and dirs.latest(run.ckpt_dir))
+            name, model = _model(run, resume)
+            scaling, scale = run.loss_scaling  # checked before the slow set-up
+            corpus = open_corpus(run.data)
+            check_batch(corpus, context=table.max_len if table else run.context,
+                        long_documents=run.long_documents, **run.batch)
+            tokenizer = load_tokenizer(run.tokenizer, corpus, vocab_size=run.vocab_size)
+            model = model_config(run, model, tokenizer.vocab_size)
+            lengths = estimated_lengths(corpus, tokenizer)
+            if table is None:
+                table = planned_table(run, model, devices, lengths, console)
+            optim = OptimConfig(name=run.optimizer, lr=run.lr, warmup_steps=run.warmup,
+                                total_steps=run.steps,
+                                loss_scaling=scaling, loss_scale=scale,
+                                loss_scale_period=run.loss_scale_period)
+            # Each process reads its share of the documents; all then hold the same batches.
+            share = (Share(jax.process_index(), jax.process_count(), distributed.gather)
+                     if jax.process_count() > 1 else None)
+            max_lens = [b.max_len for b in table.buckets]
+            batches = MiniBatches(corpus, tokenizer, max_lens, **run.batch,
+                                  long_documents=run.long_documents, seed=run.seed, share=share)
+            typical = typical_rows(cut(lengths, table.max_len, run.long_documents), max_lens,
+                                   **run.batch)
+            data = {"source": corpus.source, "seq_len": table.max_len,
+                    "long_documents": run.long_documents, **run.batch,
+                    "tokenizer": run.tokenizer, "vocab_size": run.vocab_size}
+            made = cls(model, table, optim, batches, tokenizer=tokenizer, devices=devices,
+                       seed=run.seed, device_memory=run.device_memory, remat=run.remat,
+                       typical_rows=typical, balance=run.balance,
+                       bucket_timings=run.bucket_timings, ckpt_dir=run.ckpt_dir,
+                       keep_last=run.keep_last, keep_every=run.keep_every,
+                       resume_from=resume, data=data, name=name, console=console, lock=lock)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        made.lengths = lengths
+        made.weights_only = run.weights_only
+        return made
 
-        table = None if run.strategies == AUTO else strategy_table(run, len(devices))
-        self.resume_path = run.resume_from or (run.ckpt_dir and store.latest(run.ckpt_dir))
-        self.model_name, model = _model(run, self.resume_path)
-        scaling, scale = run.loss_scaling  # checked before the slow set-up
-        self.corpus = corpus = open_corpus(run.data)
-        check_batch(corpus, context=table.max_len if table else run.context,
-                    long_documents=run.long_documents, **run.batch)
-        self.tokenizer = tokenizer = load_tokenizer(run.tokenizer, corpus,
-                                                    vocab_size=run.vocab_size)
-        self.model = model_config(run, model, tokenizer.vocab_size)
-        self.lengths = lengths = estimated_lengths(corpus, tokenizer)
-        if table is None:
-            table = planned_table(run, self.model, len(devices), lengths, console)
-        self.optim = OptimConfig(lr=run.lr, warmup_steps=run.warmup, total_steps=run.steps,
-                                 loss_scaling=scaling, loss_scale=scale,
-                                 loss_scale_period=run.loss_scale_period)
-        # Each process reads its share of the documents; all then hold the same mini-batches.
-        share = (Share(jax.process_index(), jax.process_count(), distributed.gather)
-                 if jax.process_count() > 1 else None)
-        max_lens = [b.max_len for b in table.buckets]
-        self.batches = MiniBatches(corpus, tokenizer, max_lens, **run.batch,
-                                   long_documents=run.long_documents, seed=run.seed, share=share)
-        typical = typical_rows(cut(lengths, table.max_len, run.long_documents), max_lens,
-                               **run.batch)
-        self.trainer = Trainer(self.model, self.optim, table, devices,
-                               device_memory=run.device_memory, typical_rows=typical,
-                               remat=run.remat, timings=run.bucket_timings, balance=run.balance)
-        # The table as it runs: its home is the trainer's, chosen or given.
-        self.table = dataclasses.replace(table, home=self.trainer.home.layout.strategy)
-        self.record = run_record(self.trainer.home, tokenizer=tokenizer, seed=run.seed,
-                                 table=self.table,
-                                 data={"source": corpus.source, "seq_len": table.max_len,
-                                       "long_documents": run.long_documents, **run.batch,
-                                       "tokenizer": run.tokenizer,
-                                       "vocab_size": run.vocab_size})
-        self.checkpoints = (store.Checkpoints(run.ckpt_dir, keep_last=run.keep_last,
-                                              keep_every=run.keep_every)
-                            if run.ckpt_dir else None)
-        size = ", ".join(f"{v:,} {k.split('_')[1]}" for k, v in run.batch.items())
-        console.print(f"model {self.model_name}: {self.model.num_params() / 1e6:.1f}M params, "
-                      f"{self.model.compute_dtype} compute | corpus {corpus.source}: "
-                      f"{corpus.num_documents} documents | tokenizer {tokenizer.identity} "
-                      f"({tokenizer.vocab_size} tokens) | {size} per step")
-        console.print(escape(self.trainer.describe()))
-        beyond = float(np.maximum(lengths - table.max_len, 0).sum() / max(lengths.sum(), 1))
-        console.print(f"long documents: {beyond:.0%} of the corpus's tokens (estimated) lie "
-                      f"past the context of {table.max_len} tokens; "
-                      + ("truncation drops them (--long-documents split keeps them)"
-                         if run.long_documents == "truncate"
-                         else "split into context-length pieces"))
-        for note in self.trainer.notes:
-            console.print(escape(f"note: {note}"))
+    @functools.cached_property
+    def trainer(self) -> Trainer:
+        """The trainer (built on first use: sizing micro-steps to `device_memory` compiles)."""
+        return Trainer(self.model, self.optimizer, self._given, self.devices,
+                       **self._trainer_options)
+
+    @property
+    def table(self) -> StrategyTable:
+        """The table as it runs and is recorded: as written, its home the trainer's, chosen or
+        given (not fitted to the model: a GQA model's replicated K/V heads are the trainer's
+        business, not the table's)."""
+        return dataclasses.replace(self._given, home=self.trainer.home_strategy)
+
+    @functools.cached_property
+    def record(self) -> dict:
+        """What each checkpoint of this run records beside its arrays."""
+        record = run_record(self.trainer.home, tokenizer=self.tokenizer, seed=self.seed,
+                            table=self.table, data=self._data)
+        if not isinstance(self.optimizer, OptimConfig):
+            record["optimizer"] = {"source": "optax", "loss_scaling": "off"}
+        return record
 
     def init(self, seed: int | None = None) -> TrainState:
-        """A fresh state in the home strategy (default seed: the config's)."""
-        return self.trainer.init(self.config.seed if seed is None else seed)
+        """A fresh state in the home strategy (default seed: the run's)."""
+        return self.trainer.init(self.seed if seed is None else seed)
 
-    def restore(self, path: str | Path) -> tuple[TrainState, int]:
+    weights_only = False  # `initial_state` restores the checkpoint's weights alone
+
+    def restore(self, path: str | Path, weights_only: bool = False) -> tuple[TrainState, int]:
         """The state saved at `path` (a step directory, or a checkpoint directory's latest) on
-        this run's devices and home strategy, and its step; the mini-batches continue where
-        that run's were."""
-        resumed = restore_state(path, self.trainer.home, self.record)
-        if resumed.data is not None:
+        this run's devices and home strategy, and its step; mini-batches that keep a position
+        continue where that run's were. `weights_only`: its weights alone, a fresh optimizer
+        at step 0."""
+        resumed = restore_state(path, self.trainer.home, self.record, weights_only=weights_only)
+        if resumed.data is not None and hasattr(self.batches, "set_state"):
             self.batches.set_state(resumed.data)
         self.console.print(f"resumed from {resumed.path} (step {resumed.step})")
         return resumed.state, resumed.step
@@ -268,7 +327,7 @@ class Run:
         """Where training starts: the checkpoint `resume_from` names, else the latest in
         `ckpt_dir`, else a fresh state at step 0."""
         if self.resume_path:
-            return self.restore(self.resume_path)
+            return self.restore(self.resume_path, self.weights_only)
         return self.init(), 0
 
     def compile(self) -> None:
@@ -277,14 +336,14 @@ class Run:
 
     def next_batch(self) -> MiniBatch:
         """The next mini-batch: its sequences packed into rows per bucket."""
-        return next(self.batches)
+        return next(self._iterator)
 
     def step(self, state: TrainState, batch: MiniBatch | None = None
-             ) -> tuple[TrainState, dict]:
+             ) -> tuple[TrainState, StepMetrics]:
         """One optimizer update on `batch` (default: the next mini-batch); `state` is donated.
-        The metrics are plain numbers: loss, grad_norm, tokens, padding, imbalance, and per
-        bucket what ran and what moved."""
-        return self.trainer.train_step(state, self.next_batch() if batch is None else batch)
+        Returns at once: the metrics are read, waiting for the step, when first asked for
+        (`metrics["loss"]`, `metrics.fetch()`); meanwhile the next step can be queued."""
+        return self.trainer.step_async(state, self.next_batch() if batch is None else batch)
 
     def evaluate(self, state: TrainState, batch: MiniBatch) -> dict:
         """The loss of `state` on `batch` without updating it (forward only, every bucket
@@ -292,22 +351,27 @@ class Run:
         return self.trainer.evaluate(state, batch)
 
     def minibatches(self, data: str | None = None, seed: int | None = None) -> MiniBatches:
-        """Mini-batches of another corpus (held-out data, say) as this run makes its own: its
-        tokenizer, buckets, batch size and long-document handling (default: this run's corpus
-        and seed)."""
-        run = self.config
-        corpus = self.corpus if data is None else open_corpus(data)
-        return MiniBatches(corpus, self.tokenizer, [b.max_len for b in self.table.buckets],
-                           **run.batch, long_documents=run.long_documents,
-                           seed=run.seed if seed is None else seed)
+        """Mini-batches of another corpus (held-out data, say) as this run's `MiniBatches`
+        make theirs: its tokenizer, buckets, batch size and long-document handling (default:
+        this run's corpus and seed)."""
+        own = self.batches
+        if not isinstance(own, MiniBatches):
+            raise UserError("minibatches() makes mini-batches as the run's own MiniBatches "
+                            "do: build this run with a MiniBatches, or make them yourself")
+        corpus = own.corpus if data is None else open_corpus(data)
+        return MiniBatches(corpus, own.tokenizer, own.max_lens, batch_tokens=own.batch_tokens,
+                           batch_sequences=own.batch_sequences,
+                           long_documents=own.long_documents,
+                           seed=own.seed if seed is None else seed)
 
     def save(self, step: int, state: TrainState) -> float:
         """Saves `state` as step `step` into `ckpt_dir` (written in the background, atomic: a
         step is complete or absent), with the data position; returns the seconds it blocked."""
         if self.checkpoints is None:
             raise UserError("saving needs a checkpoint directory: set ckpt_dir (--ckpt-dir)")
+        position = self.batches.get_state() if hasattr(self.batches, "get_state") else None
         return self.checkpoints.save(step, state.params, state.opt_state, self.record,
-                                     self.batches.get_state())
+                                     position)
 
     def close(self) -> None:
         """Waits for the last save to commit; then the checkpoint directory is free."""
@@ -335,132 +399,12 @@ class Run:
             self.close()
 
 
-def train(run: RunConfig, console: Console | None = None,
-          stop: StopSignals | None = None) -> list[dict]:
-    """Trains as `run` says; returns each step's metrics (also written to `metrics_jsonl`).
-
-    Once `stop` has a signal, the run stops after the step under way, saves it (given a
-    `ckpt_dir`) and raises `Preempted` with its one line."""
-    if run.metrics_jsonl and not Path(run.metrics_jsonl).parent.is_dir():
-        raise UserError(f"--metrics-jsonl {run.metrics_jsonl}: its directory does not exist: "
-                        f"create it or choose another path")
-    with Run(run, console) as assembled:
-        checkpoints, console = assembled.checkpoints, assembled.console
-        if stop is not None and checkpoints:
-            stop.on_abort = checkpoints.remove_partial
-        started = time.perf_counter()
-        state, start = assembled.initial_state()
-        if checkpoints and any(s > start for s in checkpoints.steps()):
-            raise UserError(f"--ckpt-dir {checkpoints.directory}: holds step "
-                            f"{max(checkpoints.steps())}, past the step resumed from ({start}): "
-                            f"saving there would overwrite it: choose another --ckpt-dir")
-        if start >= run.steps:
-            console.print(f"step {start} reached: nothing to train (--steps {run.steps})")
-            return []
-        assembled.compile()
-        console.print(f"initialised and compiled in {time.perf_counter() - started:.1f} s")
-        if run.device_memory is not None:
-            _check_memory(assembled.trainer.memory(), run.device_memory, console)
-        history, state, stopped = _loop(assembled, state, start,
-                                        assembled.save if checkpoints else None, stop)
-        if checkpoints and stopped and stopped not in checkpoints.steps():
-            assembled.save(stopped, state)
-    if history:
-        _summary(history, console)
-    if stopped is not None:
-        raise Preempted(_stopped_line(run, stopped, checkpoints), speaks=distributed.is_main())
-    return history
-
-
-def _stopped_line(run: RunConfig, step: int, checkpoints: store.Checkpoints | None) -> str:
-    where = f"preempted at step {step}"
-    if checkpoints is None:
-        return f"{where}: nothing saved (no --ckpt-dir); rerun the same command to start again"
-    if step == 0:
-        return f"{where}: nothing trained, nothing saved; rerun the same command to start"
-    saved = checkpoints.directory / str(step)
-    rerun = (f"rerun with --resume-from {saved} in place of --resume-from {run.resume_from}"
-             if run.resume_from else "rerun the same command")
-    return f"{where}: saved {saved}; {rerun} to resume"
-
-
-def _check_memory(report: dict[str, int], budget_mib: float, console: Console) -> None:
-    """Every part of the run must fit the per-device budget, as XLA's analysis reports it."""
-    for part, used in report.items():
-        mib = used / 2**20
-        if mib > budget_mib:
-            raise UserError(f"--device-memory {budget_mib}: the {part} needs {mib:,.1f} MiB per "
-                            f"device: use a more sharded strategy for it, or a larger budget")
-    console.print(escape("per-device memory (XLA): " + ", ".join(
-        f"{part} {used / 2**20:,.1f} MiB" for part, used in report.items())))
-
-
-def _loop(assembled: Run, state, start, save, stop) -> tuple[list[dict], object, int | None]:
-    """Runs the steps after `start`: each step's metrics, the last state, and the step after
-    which a stop signal ended the loop (None: it ran to the end)."""
-    run, console = assembled.config, assembled.console
-    history: list[dict] = []
-    sink = (open(run.metrics_jsonl, "w")  # noqa: SIM115
-            if run.metrics_jsonl and distributed.is_main() else None)
-    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
-                        console=console)
-    try:
-        with progress:
-            task = progress.add_task("train", total=run.steps, completed=start, status="")
-            for step in range(start + 1, run.steps + 1):
-                if stop is not None and stop.agreed():
-                    return history, state, step - 1
-                batch = assembled.next_batch()
-                started = time.perf_counter()
-                state, metrics = assembled.step(state, batch)
-                seconds = time.perf_counter() - started
-                loss, tokens = metrics["loss"], metrics["tokens"]
-                record = {"step": step, **metrics, "seconds": seconds,
-                          "tokens_per_s": tokens / seconds}
-                if save and (step % (run.save_every or run.steps) == 0 or step == run.steps):
-                    # The data position is taken after this step's batch, before the next one's.
-                    record["save_seconds"] = save(step, state)
-                history.append(record)
-                if sink:
-                    sink.write(json.dumps(record) + "\n")
-                    sink.flush()
-                status = (f"loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
-                          f"padding {metrics['padding']:.0%}")
-                if metrics["imbalance_before"] > 1:  # data shards of unequal work
-                    status += (f" | imbalance {metrics['imbalance']:.2f}"
-                               + (f" (from {metrics['imbalance_before']:.2f})"
-                                  if metrics["imbalance"] < metrics["imbalance_before"] else ""))
-                if metrics.get("skipped"):
-                    status += (f" | update skipped: gradients overflowed at loss scale "
-                               f"{metrics['loss_scale']:g}")
-                progress.update(task, advance=1, status=status)
-                if step % run.log_every == 0 or step == run.steps:
-                    progress.console.print(f"step {step:>5}  {status}")
-    finally:
-        if sink:
-            sink.close()
-    return history, state, None
-
-
-def _summary(history: list[dict], console: Console) -> None:
-    steady = history[1:] or history
-    table = Table(title="training summary")
-    for column in ("steps", "first loss", "last loss", "real tokens", "padding",
-                   "tokens/s (after step 1)"):
-        table.add_column(column, justify="right")
-    tokens_per_s = sum(r["tokens"] for r in steady) / sum(r["seconds"] for r in steady)
-    tokens = sum(r["tokens"] for r in history)
-    padding = 1 - tokens / sum(r["slots"] for r in history)
-    table.add_row(str(len(history)), f"{history[0]['loss']:.4f}", f"{history[-1]['loss']:.4f}",
-                  f"{tokens:,}", f"{padding:.1%}", f"{tokens_per_s:,.0f}")
-    console.print(table)
-    imbalance = np.mean([r["imbalance"] for r in history])
-    if imbalance > UNEVEN:
-        before = np.mean([r["imbalance_before"] for r in history])
-        console.print(f"data shards: the busiest did {imbalance:.2f}x the mean's estimated work "
-                      f"per step (rows in packing order: {before:.2f}x); rows this unequal (a "
-                      f"long document filling a row beside rows of short ones) cannot even "
-                      f"out over the shards: more rows per micro-step (--device-memory), or "
-                      f"context parallelism for the longest bucket, spread them")
-
+def _data_record(batches: Iterable[MiniBatch], table: StrategyTable) -> dict:
+    """What a checkpoint records of the data: a `MiniBatches`' corpus, context, long
+    documents and batch size (nothing of another iterable)."""
+    if not isinstance(batches, MiniBatches):
+        return {}
+    size = ({"batch_sequences": batches.batch_sequences} if batches.batch_sequences
+            else {"batch_tokens": batches.batch_tokens})
+    return {"source": batches.corpus.source, "seq_len": table.max_len,
+            "long_documents": batches.long_documents, **size}

@@ -132,7 +132,7 @@ def micro_step_inputs(layout: Layout, batch: Batch, micro_rows: int,
               "targets": next_token_targets(batch.tokens, batch.segment_ids)}
     if strategy.balanced:
         # Attention masks by document positions, so any column order computes the same.
-        columns = balanced_order(seq_len, strategy.seq_ways("context"))
+        columns = balanced_order(seq_len, strategy.ring)
         arrays = {k: v[:, columns] for k, v in arrays.items()}
     if order is None:
         order = np.concatenate([np.arange(rows), np.full(-rows % micro_rows, -1)])
@@ -305,7 +305,13 @@ class BucketStep:
                 else "no data-parallel gradient reduction")
 
     def place(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return jax.device_put(arrays, self.layout.batch_sharding)
+        """A micro-step's host arrays on its devices. Every process holds the same rows and
+        builds its own devices' shards from them: across processes `jax.device_put` would
+        first check that they agree, a collective that makes the data shards meet before
+        every micro-step (`sharding.strategy.independent_shards`)."""
+        sharding = self.layout.batch_sharding
+        return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
+                for k, v in arrays.items()}
 
     def place_scale(self, scale: jax.Array) -> jax.Array:
         return jax.device_put(scale, self.layout.replicated)
@@ -384,19 +390,22 @@ class Home:
     compute-dtype copy each step starts from, the gradient sum, and the one update."""
 
     def __init__(self, config: LlamaConfig, optim: OptimConfig, strategy: Strategy,
-                 devices: Sequence[jax.Device]):
+                 devices: Sequence[jax.Device], tx: optax.GradientTransformation | None = None):
+        """`tx`: an optimizer of one's own in place of `optim`'s (which then only records)."""
         self.config, self.optim = config, optim
         strategy, self.notes = fit_to_model(strategy, config)
         self.layout = Layout(strategy, devices)
         axes, shapes = param_axes(config), abstract_params(config)
-        self.tx = make_optimizer(optim, axes)
+        self.tx = tx or make_optimizer(optim, axes)
         params = self.layout.param_shardings(axes, shapes)
         moments = self.layout.param_shardings(axes, shapes, strategy.optimizer_spec)
-        # Optimizer moments are laid out like their parameter (or split further under ZeRO-1/2);
-        # step counters are replicated.
-        opt = optax.tree_map_params(self.tx, lambda _, s: s, jax.eval_shape(self.tx.init, shapes),
-                                    moments, transform_non_params=lambda _: self.layout.replicated)
         replicated = self.layout.replicated
+        # Optimizer state of a parameter's shape is laid out like it (or split further under
+        # ZeRO-1/2); the rest (step counters, Adafactor's row and column statistics) replicated.
+        opt = optax.tree_map_params(
+            self.tx, lambda s, sharding, p: sharding if s.shape == p.shape else replicated,
+            jax.eval_shape(self.tx.init, shapes), moments, shapes,
+            transform_non_params=lambda _: replicated)
         self.state_shardings = TrainState(replicated, params, opt)
         self.acc_shardings = Accumulator(
             self.layout.param_shardings(axes, shapes, strategy.grad_spec), replicated, replicated)
@@ -470,6 +479,7 @@ def bucket_step(config: LlamaConfig, strategy: Strategy, devices: tuple[jax.Devi
 
 @functools.cache
 def home(config: LlamaConfig, optim: OptimConfig, strategy: Strategy,
-         devices: tuple[jax.Device, ...]) -> Home:
+         devices: tuple[jax.Device, ...], tx: optax.GradientTransformation | None = None
+         ) -> Home:
     """One Home (and so one compiled update) per (config, optimizer, strategy, devices)."""
-    return Home(config, optim, strategy, devices)
+    return Home(config, optim, strategy, devices, tx)

@@ -19,15 +19,16 @@ import dataclasses
 import functools
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
+import optax
 
 from hotjax.balance import Placement, place, row_work
+from hotjax.config import shown_bytes
 from hotjax.data import Batch, MiniBatch
 from hotjax.optim import OptimConfig
-from hotjax.planning.cost import most_sharded
 from hotjax.step import (
     ACCUMULATE,
     BATCH_KEYS,
@@ -41,13 +42,14 @@ from hotjax.step import (
 )
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, bind, param_axes
+from models.optimizers import ADAMW
 from models.options import REMAT_POLICIES
-from sharding.strategy import Strategy, canonical_devices
+from sharding.report import most_sharded
+from sharding.strategy import Strategy, canonical_devices, independent_shards
 from sharding.switch import already_laid_out, job_topology, switch
 from sharding.table import StrategyTable
 from sharding.transfers import Topology, TransferSchedule, schedule_transfers, strategy_switches
 
-MiB = 2**20
 MAX_MICRO_UNITS = 64  # rows per batch shard in a micro-step sized to memory, at the most
 
 
@@ -73,13 +75,15 @@ class BucketMetrics:
 class Trainer:
     """A strategy table's buckets over one model state kept in the home strategy."""
 
-    def __init__(self, config: LlamaConfig, optim: OptimConfig, table: StrategyTable,
+    def __init__(self, config: LlamaConfig, optim: OptimConfig | optax.GradientTransformation,
+                 table: StrategyTable,
                  devices: Sequence[jax.Device], *, home_strategy: Strategy | None = None,
-                 device_memory: float | None = None,
+                 device_memory: int | None = None,
                  typical_rows: Sequence[float] | None = None, remat: str | None = None,
                  switch_method: str = "auto", topology: Topology | None = None,
                  balance: bool = True, timings: bool = False):
-        """`device_memory`: MiB per device that micro-steps are sized to (None: one row per
+        """`optim`: hotjax's AdamW, or an optax optimizer of one's own.
+        `device_memory`: bytes per device that micro-steps are sized to (None: one row per
         batch shard); `typical_rows`, the rows a typical mini-batch puts in each bucket
         (`hotjax.data.typical_rows`), bounds them, so that a sparse bucket does not compute
         mostly empty rows. `remat`: the policy of buckets whose table entry names none (None:
@@ -105,14 +109,20 @@ class Trainer:
             spanning = (f"switches between layouts run as jax.device_put: the run spans "
                         f"{processes} processes, and the scheduler's executor works within one",)
         self.switch = functools.partial(switch, method=switch_method, topology=self.topology)
-        home_strategy = home_strategy or table.home or most_sharded(table.strategies, config)
-        self.home = home(config, optim, home_strategy, devices)
+        # One's own optax optimizer is counted as AdamW (two fp32 copies of each weight).
+        declared = optim.optimizer if isinstance(optim, OptimConfig) else ADAMW
+        home_strategy = (home_strategy or table.home
+                         or most_sharded(table.strategies, config, declared))
+        self.home_strategy = home_strategy  # as given or chosen, before fitting to the model
+        self.home = (home(config, optim, home_strategy, devices)
+                     if isinstance(optim, OptimConfig)
+                     else home(config, OptimConfig(), home_strategy, devices, optim))
         state = self.home.state_bytes()
-        if device_memory is not None and state > device_memory * MiB:
+        if device_memory is not None and state > device_memory:
             # Before any bucket is compiled: no micro-step fits beside this state.
-            raise UserError(f"--device-memory {device_memory:g}: the home state needs "
-                            f"{state / MiB:,.1f} MiB per device: use a more sharded strategy "
-                            f"for it, or a larger budget")
+            raise UserError(f"--device-memory {shown_bytes(device_memory)}: the home state "
+                            f"needs {shown_bytes(state)} per device: use a more sharded "
+                            f"strategy for it, or a larger budget")
         fitted = [self._fit(i, devices, remat, device_memory, typical_rows)
                   for i in range(len(table.buckets))]
         self.buckets = [bucket for bucket, _ in fitted]
@@ -138,7 +148,7 @@ class Trainer:
         return schedule_transfers(arrays, self.topology)
 
     def _fit(self, i: int, devices: tuple[jax.Device, ...], remat: str | None,
-             device_memory: float | None, typical_rows: Sequence[float] | None
+             device_memory: int | None, typical_rows: Sequence[float] | None
              ) -> tuple[BucketStep, int]:
         """Bucket i's compiled step and rows per micro-step. Its remat policy is the table's,
         else `remat`, else with a memory budget the cheapest policy whose smallest
@@ -155,7 +165,7 @@ class Trainer:
                 break
         return bucket, rows
 
-    def _micro_rows(self, i: int, bucket: BucketStep, device_memory: float | None,
+    def _micro_rows(self, i: int, bucket: BucketStep, device_memory: int | None,
                     typical_rows: Sequence[float] | None) -> tuple[int, bool]:
         """Bucket i's rows per micro-step under `bucket`'s compiled step, and whether they fit
         `device_memory`: the table's rows, else the most that fit by XLA's memory analysis
@@ -163,7 +173,7 @@ class Trainer:
         fewest empty rows)."""
         spec = self.table.buckets[i]
         shards = bucket.layout.batch_shards
-        available = None if device_memory is None else (device_memory * MiB
+        available = None if device_memory is None else (device_memory
                                                          - self.home.resident_bytes())
 
         def peak(units: int) -> int:
@@ -218,6 +228,16 @@ class Trainer:
                                       strict=True):
             name = f"bucket {spec.max_len} ({bucket.layout.strategy}, {rows} rows)"
             report[name] = resident + bucket.peak_bytes((rows, spec.max_len))
+        return report
+
+    def check_memory(self, budget: int) -> dict[str, int]:
+        """`memory()`, after checking that every part fits `budget` bytes per device."""
+        report = self.memory()
+        for part, used in report.items():
+            if used > budget:
+                raise UserError(f"{self.table.source}: --device-memory {shown_bytes(budget)}: "
+                                f"the {part} needs {shown_bytes(used)} per device: use a more "
+                                f"sharded strategy for it, or a larger budget")
         return report
 
     def describe(self) -> str:
@@ -329,7 +349,8 @@ class Trainer:
         empty = row_work(np.zeros_like(batch.segment_ids[:1]),
                          np.zeros_like(batch.positions[:1]), bucket.config,
                          layout.mesh.devices.flat[0].platform, layout.seq_shards)[0]
-        return place(work_R, micro_rows, layout.data_shards, empty)
+        return place(work_R, micro_rows, layout.data_shards, empty,
+                     per_bucket=independent_shards(layout.strategy, bucket.accumulate))
 
     def _wait(self, tree) -> float:
         """With timings on, wait for `tree` to be computed; the time now either way."""
@@ -339,23 +360,58 @@ class Trainer:
 
     def train_step(self, state: TrainState, minibatch: MiniBatch) -> tuple[TrainState, dict]:
         """`step`, with its metrics as plain numbers (this waits for the step)."""
+        state, metrics = self.step_async(state, minibatch)
+        return state, metrics.fetch()
+
+    def step_async(self, state: TrainState, minibatch: MiniBatch
+                   ) -> tuple[TrainState, StepMetrics]:
+        """`step`, returning at once: its metrics are read, waiting for the step, when asked."""
         state, metrics, buckets = self.step(state, minibatch)
+        return state, StepMetrics(metrics, minibatch, buckets)
+
+
+class StepMetrics(Mapping):
+    """One step's metrics: device scalars until first read, then plain numbers (`fetch`, or
+    any key, waits for the step). Loss, grad_norm, targets, tokens, padding, imbalance, the
+    loss scale under fp16, and per bucket what ran and what moved."""
+
+    def __init__(self, device: dict[str, jax.Array], minibatch: MiniBatch,
+                 buckets: list[BucketMetrics]):
+        self.device, self.buckets = device, buckets
+        self._tokens, self._sequences = minibatch.real_tokens, minibatch.sequences
+        self._fetched: dict | None = None
+
+    def fetch(self) -> dict:
+        """The metrics as plain numbers (waits for the step the first time)."""
+        if self._fetched is None:
+            self._fetched = self._read()
+        return self._fetched
+
+    def __getitem__(self, key: str):
+        return self.fetch()[key]
+
+    def __iter__(self):
+        return iter(self.fetch())
+
+    def __len__(self) -> int:
+        return len(self.fetch())
+
+    def _read(self) -> dict:
+        metrics, buckets = self.device, self.buckets
         slots = sum(b.slots for b in buckets)
         weights = [b.shard_flops for b in buckets]  # each bucket's imbalance by its work
         scaling = {"loss_scale": float(metrics["loss_scale"]),
                    "skipped": bool(metrics["skipped"]),
                    "skipped_steps": int(metrics["skipped_steps"])} if "skipped" in metrics else {}
-        return state, {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-                       **scaling, "targets": int(metrics["targets"]),
-                       "tokens": minibatch.real_tokens,
-                       "sequences": minibatch.sequences, "slots": slots,
-                       "padding": 1 - minibatch.real_tokens / slots,
-                       "switched_bytes": sum(b.switched_bytes for b in buckets),
-                       "imbalance_before": float(np.average(
-                           [b.imbalance_before for b in buckets], weights=weights)),
-                       "imbalance": float(np.average([b.imbalance for b in buckets],
-                                                     weights=weights)),
-                       "buckets": [dataclasses.asdict(b) for b in buckets]}
+        return {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                **scaling, "targets": int(metrics["targets"]), "tokens": self._tokens,
+                "sequences": self._sequences, "slots": slots,
+                "padding": 1 - self._tokens / slots,
+                "switched_bytes": sum(b.switched_bytes for b in buckets),
+                "imbalance_before": float(np.average(
+                    [b.imbalance_before for b in buckets], weights=weights)),
+                "imbalance": float(np.average([b.imbalance for b in buckets], weights=weights)),
+                "buckets": [dataclasses.asdict(b) for b in buckets]}
 
 
 def best_order(costs: dict[tuple[int, int], float], n: int, home: int = -1) -> list[int]:

@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quick_option import machine, parse_args, print_machine, report  # noqa: E402  (beside this script)
 
+from hotjax.commands.options import add_options  # noqa: E402
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="real tokens per mini-batch, at most (default: %(default)s)")
     parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"),
                         help="default: hotjax train's")
-    parser.add_argument("--tokenizer", help="as hotjax train's (default: its default)")
+    add_options(parser, "tokenizer")  # as hotjax train's
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document to stdout (the tables go to stderr)")
     args = parse_args(parser, argv, QUICK)

@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quick_option import parse_args  # noqa: E402  (beside this script)
 
+from hotjax.commands.options import add_options  # noqa: E402
+
 REQUIRED_RATIO = 10
 QUICK = {"model": "tiny", "context": 128, "batch_tokens": 2048, "batches": 10, "steps": 2,
          "tokenizer": "bytes"}
@@ -95,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=40, help="pipeline mini-batches timed")
     parser.add_argument("--steps", type=int, default=3, help="trainer steps timed after compile")
     parser.add_argument("--model", default="small")
-    parser.add_argument("--tokenizer", help="tokenizer.json, a SentencePiece .model, or 'bytes' "
-                        "(default: a byte-level BPE trained on the corpus and cached)")
+    add_options(parser, "tokenizer")  # as hotjax train's
     args = parse_args(parser, argv, QUICK)
 
     from hotjax.data import MiniBatches, load_tokenizer, open_corpus

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     here = tuple(jax.devices())  # the home's layout (its bytes are the same on any device)
     devices = here if target is None else tuple(targets.devices(target, len(here)))
     platform = devices[0].platform
-    limit = (args.device_memory * MiB if args.device_memory is not None
+    limit = (args.device_memory if args.device_memory is not None
              else target.memory if target is not None else DEFAULT_DEVICE_MEMORY)
     model = preset(args.model)
     # As training does: the vocabulary padded so that it splits over tensor-parallel ranks.

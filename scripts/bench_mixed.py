@@ -3,7 +3,7 @@ the same mini-batches of mixed-length documents, under a per-device memory budge
 
     python scripts/bench_mixed.py [--json] [--quick] [--steps 2] [--device-memory SIZE]
                                   [--table T.toml] [--strategy S | --candidates "S1; S2"]
-                                  [--processes 2]
+                                  [--processes 2 [--link RATE]] [--device-memory wall]
 
 Every method trains from the same weights on the same mini-batches: the next documents of the
 corpus's seeded shuffle up to `--batch-tokens` real tokens (`MiniBatches` draws the same
@@ -17,11 +17,16 @@ documents whatever its bucket lengths or packing).
        placed on data shards by estimated work (`hotjax.balance`);
   a0   the same without that balance (rows in packing order);
   b    that strategy, one document per context-length row (padded);
-  c    the table's buckets, every one under that strategy.
+  c    auto's buckets (without `--auto`, the table's), every one under that strategy: the
+       ablation that keeps the buckets and drops the switching (auto/c).
 `--processes 2` runs it all as two processes of one CPU device each, pinned to their own cores
 (a real 2-device cluster, where simulated devices in one process share its cores): there every
-2-device strategy is a candidate for (a), and the hand-written table puts the short bucket under
-data parallelism and the long one under balanced context parallelism.
+2-device strategy the planner knows is a candidate for (a), and the hand-written table puts the
+short bucket under data parallelism and the long one under balanced context parallelism.
+`--link RATE` (with `--processes`) joins them by a shaped link (`hotjax launch --link`: a rate,
+or a profile's link scaled to this machine's compute, like a800-4x8:inter), and
+`--device-memory wall` declares a memory wall: the budget under which the context's rows fit no
+strategy that keeps them whole, with every remat policy (`hotjax.planning.wall`).
 Each is a `Trainer` with `device_memory`: a bucket's micro-steps hold the most rows that fit
 the budget by XLA's memory analysis; a method any part of which does not fit is an error.
 Reported per method: median wall and CPU seconds per step, the cost model's predicted step
@@ -54,7 +59,8 @@ from quick_option import (  # noqa: E402  (beside this script)
     report,
 )
 
-from hotjax.config import memory_size  # noqa: E402
+from hotjax.commands.options import add_options  # noqa: E402
+from hotjax.config import memory_size, shown_bytes  # noqa: E402
 from models.errors import UserError  # noqa: E402
 
 if TYPE_CHECKING:
@@ -70,7 +76,8 @@ if TYPE_CHECKING:
 MiB = 2**20
 METHODS = {"hot": "hot-switched table", "auto": "--strategies auto (planned)",
            "a": "one strategy, packed to context", "a0": "(a) without work balance",
-           "b": "one strategy, a document per row", "c": "one strategy, the table's buckets"}
+           "b": "one strategy, a document per row",
+           "c": "one strategy, auto's buckets (the table's without auto)"}
 # The default table's shorter buckets, as (context // n, strategy); the context's bucket takes
 # the strategy of (a).
 SHORT_BUCKETS = ((8, "data=8,rules=dp"), (2, "data=2,tensor=4,rules=megatron-sp"))
@@ -92,9 +99,17 @@ PROCESS_DEVICE_MEMORY_MIB = 6144  # per process of one device, two on a 24 GiB h
 DEVICE_MEMORY_MIB = 1024
 # The budget still splits (a) and (b) into micro-steps. Seed 1: on Python 3.11's standard
 # library, both mini-batches then hold a document of the short bucket.
-QUICK = {"context": 512, "batch_tokens": 4096, "device_memory": 40.0, "steps": 1,
+QUICK = {"context": 512, "batch_tokens": 4096, "device_memory": 40 * MiB, "steps": 1,
          "tokenizer": "bytes", "strategy": "fsdp=2,context=4,rules=context,balanced=true",
          "switch_method": "device_put", "seed": 1}
+
+
+WALL = "wall"
+
+
+def budget(text: str) -> int | str:
+    """`--device-memory`: a size, or `wall` (found in the run, on its model and devices)."""
+    return WALL if text.strip().lower() == WALL else memory_size(text)
 
 
 def timed(fn: Callable, *args: Any) -> tuple[Any, float, float]:
@@ -116,10 +131,7 @@ def build(table: StrategyTable, data: list[MiniBatch], args: argparse.Namespace,
                for b in range(len(table.buckets))]
     trainer = Trainer(config, optim, table, devices, device_memory=args.device_memory,
                       typical_rows=typical, switch_method=args.switch_method, balance=balance)
-    for part, used in trainer.memory().items():
-        if used > args.device_memory * MiB:
-            raise UserError(f"{table.source}: the {part} needs {used / MiB:,.1f} MiB per device, "
-                            f"over --device-memory {args.device_memory:g}: raise it")
+    trainer.check_memory(args.device_memory)  # as `hotjax train --device-memory` checks it
     trainer.prepare()
     return trainer
 
@@ -160,8 +172,9 @@ def choose(candidates: list[Strategy], data: list[MiniBatch], args: argparse.Nam
                           f"{entry['tokens_per_cpu_s']:,.0f} tokens/CPU-s", markup=False)
         fitting.append((entry.get(speed, 0.0), strategy))
     if not fitting:
-        raise UserError(f"no candidate strategy fits {args.device_memory:g} MiB per device at "
-                        f"{args.context} tokens: raise --device-memory or add candidates")
+        raise UserError(f"no candidate strategy fits {shown_bytes(args.device_memory)} per "
+                        f"device at {args.context} tokens: raise --device-memory or add "
+                        f"candidates")
     best = max(fitting, key=lambda f: f[0])[1]  # the first of equals
     if jax.process_count() > 1:  # each process timed its own: process 0's choice for all
         from hotjax.distributed import from_process_0
@@ -177,7 +190,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
 
     from hotjax.data import MiniBatches, load_tokenizer, open_corpus
     from hotjax.optim import OptimConfig
-    from hotjax.run import select_devices
+    from hotjax.startup import select_devices
     from models.llama import as_trained, preset
     from sharding.strategy import Strategy
     from sharding.table import Bucket, StrategyTable, load_table
@@ -187,13 +200,26 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     devices = select_devices(None)
     n = len(devices)
     if args.device_memory is None:
-        args.device_memory = DEVICE_MEMORY_MIB if n == 8 else PROCESS_DEVICE_MEMORY_MIB
+        args.device_memory = (DEVICE_MEMORY_MIB if n == 8 else PROCESS_DEVICE_MEMORY_MIB) * MiB
     dtype = args.compute_dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16")
     corpus = open_corpus(args.data)
     tokenizer = load_tokenizer(args.tokenizer, corpus)
     config = as_trained(preset(args.model), tokenizer.vocab_size, compute_dtype=dtype)
     total = args.warmup + args.steps
     optim = OptimConfig(warmup_steps=1, total_steps=total + 1)
+    wall = None
+    if args.device_memory == WALL:
+        from hotjax.planning.wall import memory_wall
+
+        wall = memory_wall(config, args.context, devices,
+                           progress=lambda line: console.print(line, markup=False))
+        args.device_memory = wall.budget_bytes
+        console.print(f"memory wall at {args.context} tokens per row: "
+                      f"{shown_bytes(wall.budget_bytes)} per device, below "
+                      f"{wall.ceiling.strategy} keeping rows whole "
+                      f"({shown_bytes(wall.ceiling.peak_bytes)}, remat {wall.ceiling.remat}) and "
+                      f"above {wall.floor.strategy} splitting them "
+                      f"({shown_bytes(wall.floor.peak_bytes)})", markup=False)
     table = load_table(args.table) if args.table else None
     if table is not None and table.max_len != args.context:
         raise UserError(f"{table.source}: its longest bucket is {table.max_len}, not the context "
@@ -210,22 +236,27 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         return [next(stream) for _ in range(total)]
 
     data = {"hot": draw(max_lens), "a": draw([args.context]), "b": draw([args.context], "none")}
-    data["c"], data["a0"] = data["hot"], data["a"]
+    data["c"], data["a0"] = data["hot"], data["a"]  # c: auto's buckets where it is planned
     search, lengths = None, [document_lengths(m) for m in data["a"]]
     auto = None
     if args.auto:
         search, auto = planned(config, devices, args, np.concatenate(lengths),
                                len(lengths[0]), console)
         data["auto"] = draw([b.max_len for b in auto.buckets])
+        data["c"] = data["auto"]
     methods = [m for m in METHODS if m in data]
     for step in range(total):
         seen = {(data[m][step].sequences, data[m][step].real_tokens) for m in methods}
         if len(seen) > 1:
             raise RuntimeError(f"mini-batch {step}: methods hold different documents: {seen}")
 
-    default = CANDIDATES if n == 8 else OTHER_CANDIDATES.format(n=n)
-    texts = [args.strategy] if args.strategy else (args.candidates or default).split(";")
-    candidates = [Strategy.parse(t.strip()) for t in texts if t.strip()]
+    if args.strategy or args.candidates or n == 8:
+        texts = [args.strategy] if args.strategy else (args.candidates or CANDIDATES).split(";")
+        candidates = [Strategy.parse(t.strip()) for t in texts if t.strip()]
+    else:  # every strategy the planner knows over these devices, each with every remat policy
+        from hotjax.planning.search import candidate_strategies
+
+        candidates = candidate_strategies(config, n)
     static, candidate_report = choose(candidates, data["a"], args, config, optim, devices,
                                       console)
     if table is None:  # the hand-written one: the context's bucket under (a) on 8 devices
@@ -233,8 +264,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         table = StrategyTable((*short, Bucket(args.context, long)), "hand-written table")
     single = StrategyTable.single(static, args.context, METHODS["a"])
     tables = {"hot": table, "auto": auto, "a": single, "a0": single, "b": single,
-              "c": StrategyTable(tuple(Bucket(b.max_len, static) for b in table.buckets),
-                                 METHODS["c"])}
+              "c": StrategyTable(tuple(Bucket(b.max_len, static)
+                                       for b in (auto or table).buckets), METHODS["c"])}
     trainers = {m: build(tables[m], data[m], args, config, optim, devices, balance=m != "a0")
                 for m in methods}
     for m, trainer in trainers.items():
@@ -258,9 +289,15 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         "model": {"preset": args.model, "params": config.num_params(),
                   "vocab_size": config.vocab_size, "compute_dtype": dtype},
         "corpus": corpus.source, "tokenizer": tokenizer.identity,
-        **{k: getattr(args, k) for k in ("quick", "context", "batch_tokens", "device_memory",
-                                         "warmup", "steps", "switch_method", "seed")},
+        **{k: getattr(args, k) for k in ("quick", "context", "batch_tokens", "warmup", "steps",
+                                         "switch_method", "seed")},
+        "device_memory": args.device_memory / MiB,  # MiB in the report, as its table shows
         "static_strategy": str(static), "candidates": candidate_report,
+        "wall": None if wall is None else {
+            "budget_bytes": wall.budget_bytes,
+            "fits": [{"strategy": str(f.strategy), "whole_rows": f.whole_rows,
+                      "peak_bytes": f.peak_bytes, "remat": f.remat, "accumulate": f.accumulate}
+                     for f in wall.fits]},
         "profile": search.profile.name if search else None,
         **summarize(records, trainers, predicted, args.warmup),
     }
@@ -285,11 +322,13 @@ def planned(config: LlamaConfig, devices: list, args: argparse.Namespace, length
 
     from hotjax.planning import search as plan_lib
     from hotjax.planning.measure import measure_profile
+    from hotjax.planning.wall import xla_bytes
 
     console.print("measuring this machine's profile on the model...", markup=False)
     profile = measure_profile(devices, model=config, quick=args.quick)
-    search = plan_lib.Search(config, profile, len(devices), int(args.device_memory * MiB))
-    found = plan_lib.plan(search, plan_lib.typical_batch(lengths, batch), args.context)
+    search = plan_lib.Search(config, profile, len(devices), args.device_memory)
+    found = plan_lib.plan_checked(search, plan_lib.typical_batch(lengths, batch), args.context,
+                                  xla_bytes(config, devices))
     console.print(f"auto: planned on profile {profile.name}, predicted "
                   f"{found.seconds * 1e3:,.1f} ms per typical step", markup=False)
     return search, found.table(METHODS["auto"])
@@ -338,12 +377,18 @@ def summarize(records: dict[str, list[dict]], trainers: dict[str, Trainer],
 
     def ratios(key: str) -> dict[str, float]:
         v = {m: methods[m][key] for m in methods}
-        pairs = ("hot/a", "auto/a", "hot/b", "hot/c", "c/a", "a/a0")
+        pairs = ("hot/a", "auto/a", "hot/b", "hot/c", "auto/c", "c/a", "a/a0")
         return {p: v[p.split("/")[0]] / v[p.split("/")[1]] for p in pairs
-                if all(m in v for m in p.split("/"))}
+                if all(v.get(m) for m in p.split("/"))}
+
+    # The cost model's ratios of tokens/s: its step time's inverse ratios.
+    inverse = {m: 1 / methods[m]["predicted_s"] for m in methods if methods[m]["predicted_s"]}
 
     hot = methods["hot"]["losses"]
+    for m in methods:
+        methods[m]["predicted_tokens_per_s"] = inverse.get(m)
     return {"methods": methods, "ratios": ratios("tokens_per_s"),
+            "predicted_ratios": ratios("predicted_tokens_per_s"),
             "ratios_cpu": ratios("tokens_per_cpu_s"),
             "max_loss_difference": max(abs(x - y) for m in methods
                                        for x, y in zip(methods[m]["losses"], hot, strict=True))}
@@ -376,7 +421,8 @@ def print_report(report: dict, console: Console) -> None:
                       f"{r['switched_bytes'] / MiB:.2f}", f"{r['tokens_per_s']:,.0f}",
                       f"{r['tokens_per_cpu_s']:,.0f}")
     console.print(table)
-    for key, what in (("ratios", "tokens/s"), ("ratios_cpu", "tokens/CPU-s")):
+    for key, what in (("ratios", "tokens/s"), ("ratios_cpu", "tokens/CPU-s"),
+                      ("predicted_ratios", "tokens/s the cost model predicts")):
         console.print(f"ratios of real {what}: " + ", ".join(
             f"{k} = {v:.2f}" for k, v in report[key].items()), style="bold", highlight=False)
     candidates = ", ".join(f"{c['strategy']} ({c['status']})" for c in report["candidates"])
@@ -411,10 +457,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the longest bucket, in tokens (default: %(default)s)")
     parser.add_argument("--batch-tokens", type=int, default=12288,
                         help="real tokens per mini-batch, at most (default: %(default)s)")
-    parser.add_argument("--device-memory", type=memory_size, metavar="SIZE",
+    parser.add_argument("--device-memory", type=budget, metavar="SIZE|wall",
                         help=f"per-device memory budget, like 6GiB (a bare number is MiB; "
                         f"default: {DEVICE_MEMORY_MIB} MiB on 8 devices, else "
-                        f"{PROCESS_DEVICE_MEMORY_MIB} MiB)")
+                        f"{PROCESS_DEVICE_MEMORY_MIB} MiB), or `wall`: the budget under which "
+                        f"the context's rows fit no strategy that keeps them whole, while one "
+                        f"that splits them fits (hotjax.planning.wall)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed steps first (default: %(default)s)")
@@ -427,9 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run --strategies auto and the cost model's predictions (default: "
                         "on; the profile is measured in the run, on the model)")
     parser.add_argument("--strategy", help="use this strategy for (a) instead of choosing")
-    parser.add_argument("--data", help="corpus (default: the Python standard library)")
-    parser.add_argument("--tokenizer", help="tokenizer.json, a SentencePiece .model or 'bytes' "
-                        "(default: a byte-level BPE trained on the corpus and cached)")
+    add_options(parser, "data", "tokenizer")  # as hotjax train's
     parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"),
                         help="default: float32 on CPU, bfloat16 on accelerators")
     parser.add_argument("--switch-method", default="auto",

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     import jax
 
     from hotjax.optim import OptimConfig
-    from hotjax.run import select_devices
+    from hotjax.startup import select_devices
     from models.llama import as_trained, preset
     from sharding.strategy import Strategy
 

@@ -30,11 +30,15 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
 
 def add_processes_option(parser: argparse.ArgumentParser) -> None:
     """`--processes N` (see the module), and the options `hotjax launch` gives each process."""
-    from hotjax.cli import add_process_options
+    from hotjax.commands.options import add_process_options
 
     parser.add_argument("--processes", type=int, metavar="N", help="run as N processes of one "
                         "CPU device each, pinned to their own cores (hotjax launch): a real "
                         "N-device cluster")
+    parser.add_argument("--link", metavar="RATE", help="with --processes: the processes in a "
+                        "network namespace whose loopback carries at most RATE (50MB/s, "
+                        "400Mbit), or a profile's link scaled to this machine's compute "
+                        "(a800-4x8:intra, a800-4x8:inter); needs root and iproute2")
     add_process_options(parser)
     parser.add_argument("--report-file", help=argparse.SUPPRESS)  # process 0 writes it
 
@@ -56,17 +60,35 @@ def _launched(script: str, args: argparse.Namespace) -> dict | int:
 
     if args.processes < 1:
         raise UserError(f"--processes {args.processes}: pass a positive number")
-    argv, skip = [], False
-    for a in args.argv:  # the same command, less --processes
-        if skip or a == "--processes" or a.startswith("--processes="):
-            skip = not skip and a == "--processes"
-            continue
-        argv.append(a)
+    argv = _without(args.argv, "--processes")  # the same command in each process
+    rate = None
+    if args.link is not None:  # resolved once, here: the processes run on the shaped link
+        from hotjax.link import check_tools, resolve
+
+        check_tools()
+        shares = launch.core_shares(args.processes)
+        rate, how = resolve(args.link, args.processes, 1, shares[0] if shares else None)
+        if how:
+            print(f"--link {args.link}: {how}", file=sys.stderr, flush=True)
+        argv = _without(argv, "--link")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "report.json"
         code = launch.run([sys.executable, script, *argv, "--report-file", str(path)],
-                          args.processes, 1, out=sys.stderr)
+                          args.processes, 1, out=sys.stderr, link=rate)
         return code or json.loads(path.read_text())
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """`argv` less `flag` and its value (`--flag V` or `--flag=V`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(f"{flag}="):
+            out.append(a)
+    return out
 
 
 def console(stderr: bool, width: int = 120) -> Console:
@@ -80,26 +102,32 @@ def console(stderr: bool, width: int = 120) -> Console:
 
 def report(name: str, args: argparse.Namespace, run, print_table, devices: int | None = None,
            exit_code=lambda found: 0, width: int = 120) -> int:
-    """A benchmark's end: start JAX (`devices`: see `start_jax`), `run(args, progress)` for its
-    report, print the table (to stderr under `--json`, which prints the report's JSON), and
-    exit with `exit_code(report)`, or 2 with one line on a `UserError`. Under `--processes N`
-    the run is N launched processes (see the module); process 0 hands its report back."""
+    """A benchmark's end: start JAX (`devices`: simulated CPU devices, where a launch sets
+    none), `run(args, progress)` for its report, print the table (to stderr under `--json`,
+    which prints the report's JSON), and exit with `exit_code(report)`, or 2 with one line
+    on a `UserError`. Under `--processes N` the run is N launched processes (see the module);
+    process 0 hands its report back."""
     import io
     import json
     from pathlib import Path
 
-    from hotjax import start_jax
+    from hotjax.startup import SIMULATED_CPU_DEVICES, simulate_cpu_devices, start_jax
     from models.errors import UserError
 
     progress = console(stderr=True, width=width)
     processes = _process_args(args)
     try:
+        if getattr(args, "link", None) and not getattr(args, "processes", None):
+            raise UserError(f"--link {args.link}: a link joins processes: add --processes 2")
         if getattr(args, "processes", None) and processes[2] is None:
             found = _launched(sys.modules[run.__module__].__file__, args)
             if isinstance(found, int):
                 return found
         else:
-            start_jax(devices, processes)
+            # `devices` simulated CPU devices where none are set (a launched process has its
+            # own); the run takes every device there is.
+            simulate_cpu_devices(devices or SIMULATED_CPU_DEVICES)
+            start_jax(None, processes)
             if processes[2]:  # one voice: process 0's
                 from rich.console import Console
 

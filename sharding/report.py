@@ -4,11 +4,13 @@ activation layout. Arithmetic on shapes only: no devices needed."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from models.attention import DEFAULT_BLOCK, choose_backend
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
+from models.optimizers import ADAMW, Optimizer
 from models.pipeline import bubble, in_flight
 from sharding.strategy import Strategy, fit_to_model, partial_axes, ways
 
@@ -21,14 +23,14 @@ ACTIVATIONS = {
     "logits": ("batch", "inner_seq", "vocab"),
 }
 FP32 = 4
-ADAM_MOMENTS = 2
 
 
-def state_bytes(strategy: Strategy, config: LlamaConfig) -> dict[str, int]:
+def state_bytes(strategy: Strategy, config: LlamaConfig,
+                optimizer: Optimizer = ADAMW) -> dict[str, int]:
     """Per-device bytes of the model state a home `strategy` keeps: fp32 `params`, the fp32
-    gradient sum (`grads`) and AdamW's two moments (`optimizer`), step counters left out. The
-    one count of them: `strategy show`, the trainer's and the planner's choice of home and the
-    cost model all read it."""
+    gradient sum (`grads`) and the state `optimizer` declares (`optimizer`), step counters left
+    out. The one count of them: `strategy show`, the trainer's and the planner's choice of home
+    and the cost model all read it."""
     fitted, _ = fit_to_model(strategy, config)
     sizes = fitted.axes
     flat_shapes = _flatten(abstract_params(config))
@@ -42,17 +44,36 @@ def state_bytes(strategy: Strategy, config: LlamaConfig) -> dict[str, int]:
             if any(size % n for size, n in zip(shape, pieces, strict=False)):
                 raise UserError(f"{strategy}: parameter {name} {shape} does not split as "
                                 f"{tuple(spec)}: choose mesh sizes that divide it")
-            copies = ADAM_MOMENTS if kind == "optimizer" else 1
-            totals[kind] += copies * FP32 * math.prod(shape) // math.prod(pieces)
+            # The optimizer's arrays of the weight's shape split as `spec`; others (Adafactor's
+            # row and column statistics) are replicated, as the home lays them out.
+            arrays = optimizer.state_shapes(shape) if kind == "optimizer" else [shape]
+            totals[kind] += sum(FP32 * math.prod(a) // (math.prod(pieces) if a == shape else 1)
+                                for a in arrays)
     return totals
 
 
-def describe(strategy: Strategy, config: LlamaConfig, platform: str = "cpu") -> dict[str, Any]:
-    """The placement of every parameter and activation, per-device bytes of the state, and the
-    attention kernel that runs on `platform` (a JAX platform name: cpu, gpu, tpu)."""
+def resident_bytes(config: LlamaConfig, strategy: Strategy,
+                   optimizer: Optimizer = ADAMW) -> int:
+    """Per-device bytes that stay while buckets run, under the home `strategy`: fp32 weights,
+    the optimizer's state and the fp32 gradient sum (step counters left out)."""
+    return sum(state_bytes(strategy, config, optimizer).values())
+
+
+def most_sharded(strategies: Iterable[Strategy], config: LlamaConfig,
+                 optimizer: Optimizer = ADAMW) -> Strategy:
+    """The strategy holding the fewest `resident_bytes` per device (the first of equals): the
+    home of a table that names none, for the trainer and the planner alike."""
+    return min(strategies, key=lambda s: resident_bytes(config, s, optimizer))
+
+
+def describe(strategy: Strategy, config: LlamaConfig, platform: str = "cpu",
+             optimizer: Optimizer = ADAMW) -> dict[str, Any]:
+    """The placement of every parameter and activation, per-device bytes of the state (its
+    optimizer's as `optimizer` declares it), and the attention kernel that runs on `platform`
+    (a JAX platform name: cpu, gpu, tpu)."""
     fitted, notes = fit_to_model(strategy, config)
     sizes = fitted.axes
-    totals = state_bytes(strategy, config)
+    totals = state_bytes(strategy, config, optimizer)
     flat_shapes = _flatten(abstract_params(config))
     params = []
     for name, axes in _flatten(param_axes(config)).items():
@@ -64,7 +85,7 @@ def describe(strategy: Strategy, config: LlamaConfig, platform: str = "cpu") -> 
                                 and v != specs["params"]}})
     return {"strategy": str(strategy), "mesh": {a: n for a, n in sizes.items() if n > 1},
             "rules": fitted.rules.name, "notes": list(notes), "params": params,
-            "bytes_per_device": totals,
+            "optimizer": optimizer.name, "bytes_per_device": totals,
             "batch_shards": fitted.batch_shards,
             "pipeline": _pipeline(fitted, config),
             "gradients": _gradients(fitted, totals["grads"]),

@@ -181,9 +181,9 @@ class Strategy:
                                 f"{2 * stages})")
         strategy = cls(sizes, _parse_rules(DEFAULT_RULES if rules is None else rules, where),
                        balanced, microbatches)
-        if balanced and strategy.seq_ways("context") == 1:
+        if balanced and strategy.ring == 1:
             raise UserError(f"{where}: a balanced chunk order needs the sequence split over a "
-                            f"context axis larger than 1: add one, or drop balanced")
+                            f"context axis larger than 1 (a ring): add one, or drop balanced")
         idle = [f"{a}={n}" for a, n in strategy.axes.items()
                 if n > 1 and a not in strategy.rules.mesh_axes_used()]
         if idle:
@@ -260,6 +260,13 @@ class Strategy:
     def stages(self) -> int:
         """Pipeline stages: the stacked layers split over `stage` (1: no pipeline)."""
         return self.axes["stage"]
+
+    @property
+    def ring(self) -> int:
+        """Devices a context ring passes K/V round: the ways attention's sequence (`inner_seq`)
+        is split, whichever mesh axes the rules split it over (1: no ring)."""
+        split = ways(self.activation_spec((None, "inner_seq")), self.axes)
+        return split[1] if len(split) > 1 else 1
 
     def seq_ways(self, axis: str) -> int:
         """How many ways the residual sequence is split over one mesh axis."""
@@ -351,6 +358,17 @@ def partial_axes(strategy: Strategy) -> tuple[str, ...]:
             break
         axes.append(axis)
     return tuple(axes)
+
+
+def independent_shards(strategy: Strategy, accumulate: str = "local") -> bool:
+    """Whether a bucket's data shards run its micro-steps without meeting: under `local`
+    accumulation over every mesh axis that splits the rows (`partial_axes`: no weight nor
+    gradient split over them), each shard keeps its own partial sum and exchanges nothing until
+    the bucket's one gradient reduction. Their work then balances over the bucket, not over
+    each micro-step (`hotjax.balance.place`)."""
+    return (accumulate == "local" and strategy.data_shards > 1
+            and math.prod(strategy.axes[a] for a in partial_axes(strategy))
+            == strategy.data_shards)
 
 
 def fit_to_model(strategy: Strategy, config: LlamaConfig) -> tuple[Strategy, tuple[str, ...]]:

@@ -4,6 +4,7 @@ never the numbers."""
 
 import dataclasses
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,12 +22,12 @@ from models.attention import (
     ring_block_counts,
     visible_blocks,
 )
-from models.llama import PRESETS, bind, init_params
+from models.llama import bind, init_params
 from sharding.strategy import Layout, Strategy, fit_to_model
 from sharding.table import Bucket, StrategyTable, parse_table
 
 TOLERANCE = 1e-5  # fp32: only the order of the softmax sums differs
-TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=256, compute_dtype="float32")
+TINY = dataclasses.replace(helpers.TINY, vocab_size=256)
 
 
 def packed_rows(rows: int, seq_len: int, lengths: list[int], seed: int = 0,
@@ -276,8 +277,8 @@ def test_a_memory_budget_picks_the_cheapest_remat_policy_that_fits(devices):
     peaks = {policy: BucketStep(dataclasses.replace(TINY, remat=policy), strategy,
                                 devices).peak_bytes((8, 512)) for policy in ("none", "dots")}
     # Room for one row per device with `dots`, not with `none`.
-    budget_mib = (resident + (peaks["none"] + peaks["dots"]) / 2) / 2**20
-    trainer = Trainer(TINY, optim, table, devices, device_memory=budget_mib)
+    budget = resident + (peaks["none"] + peaks["dots"]) // 2  # bytes
+    trainer = Trainer(TINY, optim, table, devices, device_memory=budget)
     assert (trainer.buckets[0].config.remat, trainer.micro_rows) == ("dots", [8])
     # A policy named by the table (or --remat) is kept whatever the budget.
     named = StrategyTable((Bucket(512, strategy, remat="full"),), "test")

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import error, one_line
 
 from hotjax.checkpoint import megatron, megatron_core
 from hotjax.checkpoint import meta as meta_lib
-from hotjax.cli import main
 from hotjax.data import ByteTokenizer, MiniBatches, open_corpus
 from hotjax.data.corpus import check_batch
 from hotjax.data.records import MAX_DOCUMENT_BYTES
@@ -40,19 +40,6 @@ ADDRESS_SPACE = 4 * 2**30
 PEAK_MIB = 256
 # What the readers may allocate over all the fuzzed cases together (each is a few KiB).
 FUZZ_GROWTH_MIB = 256
-
-
-def _one_line(err: str) -> str:
-    """The one error line of stderr, its last (a run's header may come before), no traceback."""
-    errors = [line for line in err.splitlines() if line.startswith("hotjax: error: ")]
-    assert len(errors) == 1 and err.rstrip().endswith(errors[0]), err
-    assert "Traceback" not in err, err
-    return errors[0]
-
-
-def _error(argv: list[str], capsys) -> str:
-    assert main(argv) == 2
-    return _one_line(capsys.readouterr().err)
 
 
 def _hotjax(*args: str, cwd: Path) -> tuple[int, str, float, float]:
@@ -106,13 +93,13 @@ HUGE = str(2**40)
 ])
 def test_a_size_flag_past_what_the_machine_holds_is_one_line_naming_flag_and_bound(
         argv, names, capsys):
-    err = _error(argv, capsys)
+    err = error(argv, capsys)
     assert all(name in err for name in names), err
 
 
 def test_a_trillion_token_batch_is_refused_at_once_in_bounded_memory(tmp_path):
     code, err, peak, cpu = _hotjax("train", "--batch-tokens", str(10**12), cwd=tmp_path)
-    assert code == 2 and "--batch-tokens 1000000000000" in _one_line(err)
+    assert code == 2 and "--batch-tokens 1000000000000" in one_line(err)
     assert cpu < 1.0 and peak < PEAK_MIB, (cpu, peak)
 
 
@@ -120,8 +107,8 @@ def test_a_batch_larger_than_the_whole_corpus_is_refused_naming_both_numbers(tmp
     path = tmp_path / "small.jsonl"
     path.write_text("".join(json.dumps({"text": "x" * 50}) + "\n" for _ in range(10)))
     # Ten documents of 50 bytes: at most 53 tokens each (a token per byte, BOS, EOS, a prefix).
-    err = _error(["train", "--model", "tiny", "--tokenizer", "bytes", "--data", str(path),
-                  "--batch-tokens", "1000"], capsys)
+    err = error(["train", "--model", "tiny", "--tokenizer", "bytes", "--data", str(path),
+                 "--batch-tokens", "1000"], capsys)
     assert "--batch-tokens 1,000" in err and "at most 530 tokens" in err, err
     corpus = open_corpus(str(path))
     check_batch(corpus, context=512, long_documents="split", batch_tokens=530)
@@ -142,7 +129,7 @@ def test_a_200_mb_jsonl_line_is_refused_naming_file_line_and_bound_in_bounded_me
         f.write(b'"}\n')
     code, err, peak, _ = _hotjax("data", "stats", "--data", str(path), "--tokenizer", "bytes",
                                  cwd=tmp_path)
-    line = _one_line(err)
+    line = one_line(err)
     assert code == 2 and f"{path}:2: a line longer than" in line, line
     assert f"{MAX_DOCUMENT_BYTES:,} bytes" in line and "MAX_DOCUMENT_BYTES" in line
     assert peak < PEAK_MIB, peak
@@ -201,8 +188,8 @@ def _hf_text(**changes: Any) -> str:
 def test_a_hostile_hf_config_json_is_refused_in_one_line_before_memory_grows(
         text, expect, tmp_path, capsys):
     before = _peak_mib()
-    err = _error(["ckpt", "import-hf", str(_hf_dir(tmp_path, text)), str(tmp_path / "out")],
-                 capsys)
+    err = error(["ckpt", "import-hf", str(_hf_dir(tmp_path, text)), str(tmp_path / "out")],
+                capsys)
     assert expect in err and "config.json" in err, err
     assert _peak_mib() - before < 100  # 10^8 layers once grew to 4.8 GB
     assert not (tmp_path / "out").exists()
@@ -241,10 +228,10 @@ def _megatron_root(tmp_path: Path, tracker: bytes, metadata: str | None = None) 
      "sharded_backend_version is -1, outside 0 to"),
     (b"100", "[" * 10**5 + "]" * 10**5, "nests deeper than 64 levels (MAX_JSON_DEPTH)"),
 ])
-def test_a_hostile_megatron_core_tracker_or_metadata_json_is_one_line(
+def test_a_hostile_megatron_core_tracker_or_metadata_json_isone_line(
         tracker, metadata, expect, tmp_path, capsys):
     root = _megatron_root(tmp_path, tracker, metadata)
-    err = _error(["ckpt", "import-megatron-core", str(root), str(tmp_path / "out")], capsys)
+    err = error(["ckpt", "import-megatron-core", str(root), str(tmp_path / "out")], capsys)
     assert expect in err, err
     assert str(root / (megatron.TRACKER if metadata is None else "iter_0000100")) in err
 
@@ -290,8 +277,8 @@ def test_a_dcp_checkpoint_claiming_a_tensor_of_10_to_the_15_elements_is_refused_
     metadata.state_dict_metadata["model.embed_tokens.weight"].size = torch.Size([10**15, 64])
     (directory / ".metadata").write_bytes(pickle.dumps(metadata))
     before = _peak_mib()
-    err = _error(["ckpt", "import-dcp", str(directory), str(tmp_path / "out"), "--model",
-                  "tiny"], capsys)
+    err = error(["ckpt", "import-dcp", str(directory), str(tmp_path / "out"), "--model",
+                 "tiny"], capsys)
     assert f"{directory / '.metadata'}: tensor model.embed_tokens.weight claims " \
            f"64,000,000,000,000,000 elements" in err, err
     assert _peak_mib() - before < 100
@@ -329,12 +316,12 @@ def _step_dir(tmp_path: Path, text: str) -> Path:
     ({"tokenizer": {"identity": "bytes", "vocab_size": 0}}, "tokenizer.vocab_size is 0"),
     ({"optimizer": {"lr": math.nan}}, "optimizer.lr is nan, not a finite number"),
 ])
-def test_hotjax_checkpoint_metadata_out_of_range_is_refused_in_one_line(
+def test_hotjax_checkpoint_metadata_out_of_range_is_refused_inone_line(
         changes, expect, tmp_path, capsys):
     step_dir = _step_dir(tmp_path, json.dumps({**_record(), **changes}))
     assert meta_lib.read(_step_dir(tmp_path / "valid", json.dumps(_record())))["step"] == 3
     # Resuming reads it first: step -5 no longer resumes and trains past --steps.
-    err = _error(["train", "--resume-from", str(step_dir)], capsys)
+    err = error(["train", "--resume-from", str(step_dir)], capsys)
     assert f"{step_dir / meta_lib.META_FILE}: " in err and expect in err, err
 
 
@@ -354,7 +341,7 @@ def stream(tmp_path_factory) -> MiniBatches:
     ({"pending": [[3, "32", 1]]}, "a pending piece's number is '32'"),
     ({"documents": {"next_index": None}}, "documents.next_index is None"),
 ])
-def test_a_hostile_data_position_is_refused_in_one_line(stream, change, expect):
+def test_a_hostile_data_position_is_refused_inone_line(stream, change, expect):
     next(stream)
     state = {**stream.get_state(), "pending": [[3, 32, 1]]}
     stream.set_state(state)  # a valid position: document 32 has two pieces at context 64

@@ -4,14 +4,13 @@ shards out where the rows allow, and the micro-batches carry the rows where they
 
 import dataclasses
 import itertools
+import re
 
 import numpy as np
 import pytest
 
 from hotjax.balance import (
-    ATTENTION_TRAINING,
     EMPTY,
-    MATMUL_TRAINING,
     imbalance,
     place,
     row_work,
@@ -19,6 +18,7 @@ from hotjax.balance import (
 from hotjax.data import Batch
 from hotjax.step import NO_TARGET, micro_step_inputs, next_token_targets
 from models.llama import preset
+from models.work import ATTENTION_TRAINING, MATMUL_TRAINING
 from sharding.strategy import Layout, Strategy
 
 TINY = dataclasses.replace(preset("tiny"), vocab_size=384)
@@ -110,3 +110,54 @@ def test_micro_batches_carry_each_row_where_it_was_placed(devices):
         else:
             np.testing.assert_array_equal(stacked["tokens"][slot], tokens[row])
             np.testing.assert_array_equal(stacked["targets"][slot], targets[row])
+
+
+def test_shards_that_meet_once_per_bucket_balance_their_totals():
+    """Two rows per micro-step over two data shards: shards that meet every micro-step wait
+    for the heavier row of each (similar rows paired: 5+4, 3+3, 2+1); shards that meet only at
+    the bucket's end wait for the heavier total, which placement evens out exactly."""
+    work = np.array([1.0, 3, 5, 2, 4, 3])
+    per_step = place(work, 2, 2)
+    assert per_step.after == pytest.approx((5 + 3 + 2) / 9)
+    in_order = imbalance(work, 2, 2, per_bucket=True)
+    assert in_order == pytest.approx(max(1 + 5 + 4, 3 + 2 + 3) / 9)
+    placed = place(work, 2, 2, per_bucket=True)
+    _check_permutation(placed.order, 6, 2)
+    totals = [work[placed.order[shard::2]].sum() for shard in range(2)]
+    assert totals == [9.0, 9.0] and placed.after == pytest.approx(1.0)
+    assert placed.before == pytest.approx(in_order)
+
+
+@pytest.mark.parametrize(("text", "accumulate", "independent"), [
+    ("data=2", "local", True), ("data=2,tensor=4", "local", True),
+    ("fsdp=2,rules=zero1", "local", True), ("data=2", "sharded", False),
+    ("fsdp=2,rules=fsdp", "local", False), ("fsdp=2,rules=zero2", "local", False),
+    ("data=2,fsdp=2,rules=fsdp", "local", False), ("tensor=2", "local", False)])
+def test_data_shards_meet_once_per_bucket_only_where_nothing_splits_over_them(
+        text, accumulate, independent):
+    from sharding.strategy import independent_shards
+
+    assert independent_shards(Strategy.parse(text), accumulate) is independent
+
+
+def test_a_data_parallel_micro_step_exchanges_nothing_between_its_shards(devices):
+    """Under local accumulation the data shards' micro-step has no collective (they meet at
+    the bucket's reduction), and its inputs are placed without one: the same arrays as
+    `jax.device_put`, which across processes would first check that every process agrees."""
+    import jax
+
+    from hotjax.step import bucket_step
+
+    bucket = bucket_step(TINY, Strategy.parse("data=2"), tuple(devices[:2]))
+    hlo = bucket.compiled((2, 256)).as_text()
+    # Collectives over groups of one device (a shard_map's psum over an axis of size 1) move
+    # nothing; any other would make the shards meet.
+    groups = re.findall(r"(?:all-reduce|all-gather|reduce-scatter|all-to-all)\(.*?"
+                        r"replica_groups=(\{[^=]*\}),", hlo)
+    assert groups and all(re.fullmatch(r"\{(\{\d+\},?)+\}", g) for g in groups), groups
+    assert "collective-permute(" not in hlo
+    arrays = {"tokens": np.arange(2 * 256, dtype=np.int32).reshape(2, 256)}
+    placed = bucket.place(arrays)["tokens"]
+    put = jax.device_put(arrays["tokens"], bucket.layout.batch_sharding)
+    assert placed.sharding == put.sharding
+    np.testing.assert_array_equal(np.asarray(placed), arrays["tokens"])

@@ -4,29 +4,20 @@ strategies and methods, scheduled switches against `jax.device_put`)."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 import tomllib
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ROOT, python
 
 from hotjax.planning.profile import parse_profile
 
-ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 600  # each takes well under a minute on 2 idle cores; shared machines are slower
 LOSS_TOLERANCE = 1e-4  # float32 compute: only the summation order differs
 
 
 def run_quick(script: str, *flags: str) -> dict:
     """The script's JSON report from `--quick --json`, after checking it exited cleanly."""
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, f"scripts/{script}.py", "--quick", "--json", *flags],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout)
+    return json.loads(python(f"scripts/{script}.py", "--quick", "--json", *flags).stdout)
 
 
 def positive(x: float) -> bool:

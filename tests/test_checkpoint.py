@@ -3,6 +3,7 @@ donated steps cannot disturb, what is kept, `inspect`, Hugging Face round trips,
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -14,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY
 
-from hotjax.checkpoint import convert, store
+from hotjax.checkpoint import convert, dirs, fingerprint, store
 from hotjax.checkpoint import meta as meta_lib
+from hotjax.checkpoint.formats import FORMATS
 from hotjax.checkpoint.lock import LOCK_FILE
 from hotjax.checkpoint.training import restore_state
 from hotjax.cli import main
@@ -29,7 +32,6 @@ from models.llama import PRESETS, LlamaConfig, abstract_params
 from sharding.strategy import Strategy
 from sharding.table import StrategyTable
 
-TINY = dataclasses.replace(PRESETS["tiny"], compute_dtype="float32")
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=4)
 # As tests/test_cli.py runs it, so that compiled steps are shared through the cache.
 TINY_RUN = ["train", "--model", "tiny", "--tokenizer", "bytes", "--context", "256",
@@ -119,15 +121,15 @@ def test_training_resumes_computing_in_half_precision(dtype, devices, fsdp_check
 def test_fingerprints_agree_on_every_layout_on_device_and_on_the_host(devices,
                                                                     fsdp_checkpoint):
     _, host = fsdp_checkpoint
-    expected = store.fingerprints(host.params)  # numpy, on the host
+    expected = fingerprint.of_tree(host.params)  # numpy, on the host
     for strategy in ("fsdp=8", "data=8,rules=dp"):
         shardings = _trainer(strategy, devices).home.state_shardings.params
         leaves = jax.tree.leaves(jax.device_put(host.params, shardings))
-        on_device = jax.device_get(store._device_fingerprints(leaves))  # as on accelerators
+        on_device = jax.device_get(fingerprint._on_devices(leaves))  # as on accelerators
         assert [int(v) for v in on_device] == list(expected.values())
     changed = jax.tree.map(np.copy, host.params)
     changed["layers"]["wq"][1, 2, 3, 4] += 1e-6
-    assert store.fingerprints(changed)["layers/wq"] != expected["layers/wq"]
+    assert fingerprint.of_tree(changed)["layers/wq"] != expected["layers/wq"]
 
 
 def test_async_save_is_not_disturbed_by_the_donated_steps_after_it(devices, tmp_path):
@@ -156,7 +158,7 @@ def test_keeps_the_last_n_and_every_kth_step(tmp_path):
     for step in range(1, 8):
         checkpoints.save(step, tree, {"count": jnp.zeros((), jnp.int32)}, record, None)
     checkpoints.close()
-    assert store.steps(tmp_path) == [3, 6, 7]
+    assert dirs.steps(tmp_path) == [3, 6, 7]
 
 
 def test_latest_never_names_a_partial_checkpoint(devices, tmp_path, fsdp_checkpoint):
@@ -165,10 +167,10 @@ def test_latest_never_names_a_partial_checkpoint(devices, tmp_path, fsdp_checkpo
     partial = tmp_path / "5.orbax-checkpoint-tmp-1234"  # a save killed before its rename
     shutil.copytree(path, partial)
     (partial / "meta" / "metadata").unlink()
-    assert store.latest(tmp_path) == tmp_path / "4"
-    assert store.find(tmp_path) == tmp_path / "4"
+    assert dirs.latest(tmp_path) == tmp_path / "4"
+    assert dirs.find(tmp_path) == tmp_path / "4"
     with pytest.raises(UserError, match="incomplete checkpoint"):
-        store.find(partial)
+        dirs.find(partial)
 
 
 def test_inspect_shows_step_arrays_metadata_and_the_writing_layout(run_checkpoint, capsys):
@@ -356,6 +358,10 @@ def test_a_newer_checkpoint_in_ckpt_dir_is_never_overwritten(run_checkpoint, tmp
     (["ckpt", "export-hf", "{ckpt}", "{ckpt}"], "is not an empty directory"),
     (["ckpt", "import-hf", "{tmp}/none", "{tmp}/out"], "no such checkpoint directory"),
     (["ckpt", "import-shards", "{tmp}/none.toml", "{tmp}/out"], "manifest not found"),
+    (["ckpt", "import-shards", "{tmp}/none.toml", "{tmp}/out", "--workers", "0"],
+     "--workers 0: pass a positive number of processes"),
+    (["ckpt", "import-shards", "{tmp}/none.toml", "{tmp}/out", "--model", "tiny"],
+     "--config and --model go with --format megatron"),
 ])
 def test_ckpt_command_errors_are_one_line(argv, expected, tmp_path, run_checkpoint, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)).replace("{ckpt}", str(run_checkpoint))
@@ -363,6 +369,21 @@ def test_ckpt_command_errors_are_one_line(argv, expected, tmp_path, run_checkpoi
     assert main(argv) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("hotjax: error:") and expected in errors[0]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_each_format_of_the_table_is_a_command_running_its_modules_functions(fmt, capsys):
+    module = importlib.import_module(f"hotjax.checkpoint.{fmt.module}")
+    for kind, function in (("import", fmt.imports), ("export", fmt.exports)):
+        if function is None:
+            continue
+        assert callable(getattr(module, function))
+        with pytest.raises(SystemExit) as done:
+            main(["ckpt", f"{kind}-{fmt.name}", "--help"])
+        assert done.value.code == 0
+        shown = capsys.readouterr().out
+        assert all(o.flag in shown
+                   for o in (fmt.import_options if kind == "import" else fmt.export_options))
 
 
 def test_ckpt_errors_exit_2_without_a_traceback_in_a_new_process(tmp_path):

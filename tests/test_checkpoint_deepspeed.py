@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from hotjax.checkpoint import dirs, store
 from hotjax.checkpoint import meta as meta_lib
-from hotjax.checkpoint import store
 from hotjax.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -120,9 +120,9 @@ def test_the_import_records_the_deepspeed_run_and_its_adamw(runs, tmp_path, caps
     _import(runs, 2, "ds", tmp_path / "ck")
     printed = capsys.readouterr().out
     assert "step 2, parameters, AdamW moments, hf naming, from deepspeed ZeRO-2" in printed
-    meta = meta_lib.read(store.find(tmp_path / "ck"))
+    meta = meta_lib.read(dirs.find(tmp_path / "ck"))
     assert meta["optimizer"] == {
-        "source": "torch.optim.AdamW", "loss_scaling": "off", "lr": torch_llama.LR,
+        "name": "adamw", "source": "torch.optim.AdamW", "loss_scaling": "off", "lr": torch_llama.LR,
         "betas": list(torch_llama.BETAS), "eps": torch_llama.EPS,
         "weight_decay_matrix": torch_llama.WEIGHT_DECAY, "weight_decay_norm": 0.0,
         "clip_norm": 1.0}

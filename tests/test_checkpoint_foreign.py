@@ -1,13 +1,13 @@
 """Foreign shard sets: a TP=2 · PP=2 · ZeRO dp=2 run's rank files, made here from a known model,
 import to exactly its arrays; every inconsistency names the rank file and the tensor."""
 
-import dataclasses
 import json
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers import TINY
 from safetensors.numpy import save_file
 
 from hotjax.checkpoint import foreign, store
@@ -15,9 +15,8 @@ from hotjax.checkpoint.manifest import load as load_manifest
 from hotjax.cli import main
 from models.errors import UserError
 from models.hf import params_to_hf_state
-from models.llama import PRESETS, abstract_params, init_params
+from models.llama import abstract_params, init_params
 
-TINY = dataclasses.replace(PRESETS["tiny"], compute_dtype="float32")  # GQA: 8 heads, 4 K/V
 TP, PP, DP, ALIGN = 2, 2, 2, 16
 V, D, F, H = TINY.vocab_size, TINY.dim, TINY.ffn_dim, TINY.head_dim
 Q, KV = TINY.n_heads * H, TINY.n_kv_heads * H

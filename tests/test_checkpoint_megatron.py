@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from hotjax.checkpoint import foreign, megatron, store
+from hotjax.checkpoint import foreign, megatron, model, store
 from hotjax.checkpoint.manifest import load as load_manifest
 from hotjax.cli import main
 from models.errors import UserError
@@ -252,7 +252,8 @@ def test_a_hand_written_manifest_of_the_same_files_imports_the_same_tensors(chec
 
 def test_the_model_is_read_from_megatrons_args_when_no_config_is_given(checkpoint, tmp_path,
                                                                        params, garbage):
-    config = foreign.model_config(megatron.derive_manifest(checkpoint))
+    manifest = megatron.derive_manifest(checkpoint)
+    config = model.from_manifest(manifest.model, manifest.path)
     assert config == dataclasses.replace(TINY, vocab_size=V_PAD)  # the padding becomes vocabulary
     out = megatron.import_megatron(checkpoint / ITER_DIR, tmp_path / "out", workers=1)
     imported = _restored(out, config).arrays[store.PARAMS]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from hotjax.checkpoint import dcp, store
+from hotjax.checkpoint import dcp, dirs, torch_state
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.cli import main
 from models.hf import config_to_hf
@@ -116,19 +116,19 @@ def test_a_tp2_run_imports_to_its_modules_weights_and_its_optimizers_moments(fmt
     assert main(["ckpt", "import-megatron-core", str(runs / "tp2" / fmt),
                  str(tmp_path / "ck")]) == 0
     assert "step 2, parameters, AdamW moments" in capsys.readouterr().out
-    config, _, params, adam = dcp.read_for_export(tmp_path / "ck")
+    config, _, params, step, state = torch_state.read_for_export(tmp_path / "ck")
     assert (config.n_heads, config.n_kv_heads, config.ffn_dim, config.vocab_size,
             config.tie_embeddings) == (N, K, F, run.VOCAB, False)
     locals_ = _locals(runs / "tp2", 2, 1)
     total = sum(x.numel() for r in locals_ for n, x in r.items() if "/" not in n)
     assert _check(params, locals_, 2) == total
-    assert _check(adam.mu, locals_, 2, "exp_avg/") == total
-    assert _check(adam.nu, locals_, 2, "exp_avg_sq/") == total
-    assert int(adam.count) == run.ITERATION
-    meta = meta_lib.read(store.find(tmp_path / "ck"))
+    assert _check(state["exp_avg"], locals_, 2, "exp_avg/") == total
+    assert _check(state["exp_avg_sq"], locals_, 2, "exp_avg_sq/") == total
+    assert step == run.ITERATION
+    meta = meta_lib.read(dirs.find(tmp_path / "ck"))
     assert meta["optimizer"] == {
-        "source": "torch.optim.AdamW", "loss_scaling": "off", "lr": run.LR, "eps": run.EPS,
-        "betas": list(run.BETAS), "weight_decay_matrix": run.WEIGHT_DECAY,
+        "name": "adamw", "source": "torch.optim.AdamW", "loss_scaling": "off", "lr": run.LR,
+        "eps": run.EPS, "betas": list(run.BETAS), "weight_decay_matrix": run.WEIGHT_DECAY,
         "weight_decay_norm": 0.0}
 
 
@@ -138,18 +138,18 @@ def test_a_data_parallel_run_with_bucketed_optimizer_state_imports_its_moments(r
     iteration = runs / "dp2" / "dp_reshardable" / f"iter_{run.ITERATION:07d}"
     assert main(["ckpt", "import-megatron-core", str(iteration), str(tmp_path / "ck")]) == 0
     assert "step 2, parameters, AdamW moments" in capsys.readouterr().out
-    config, _, params, adam = dcp.read_for_export(tmp_path / "ck")
-    assert config.tie_embeddings and "lm_head" not in params and int(adam.count) == 2
+    config, _, params, step, state = torch_state.read_for_export(tmp_path / "ck")
+    assert config.tie_embeddings and "lm_head" not in params and step == 2
     locals_ = _locals(runs / "dp2", 1, 2)
     total = sum(x.numel() for n, x in locals_[0].items() if "/" not in n)
     assert _check(params, locals_, 1) == total
-    assert _check(adam.mu, locals_, 1, "exp_avg/") == total
-    assert _check(adam.nu, locals_, 1, "exp_avg_sq/") == total
+    assert _check(state["exp_avg"], locals_, 1, "exp_avg/") == total
+    assert _check(state["exp_avg_sq"], locals_, 1, "exp_avg_sq/") == total
     assert main(["ckpt", "import-megatron-core", str(iteration), str(tmp_path / "weights"),
                  "--weights-only"]) == 0
     assert "parameters only" in capsys.readouterr().out
-    _, _, params, adam = dcp.read_for_export(tmp_path / "weights")
-    assert adam is None and _check(params, locals_, 1) == total
+    _, _, params, step, state = torch_state.read_for_export(tmp_path / "weights")
+    assert step is None and state is None and _check(params, locals_, 1) == total
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -2,68 +2,27 @@
 layout or device count, and after a SIGKILL at any moment, mid-save included."""
 
 import concurrent.futures
-import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import pytest
+from helpers import TINY_RUN, records, start_hotjax, table
 
-from hotjax.checkpoint import store
+from hotjax.checkpoint import dirs
 from hotjax.cli import main
-
-# As tests/test_cli.py and tests/test_checkpoint.py run it: compiled steps are shared.
-TINY_RUN = ["train", "--model", "tiny", "--tokenizer", "bytes", "--context", "256",
-            "--batch-tokens", "2048", "--compute-dtype", "float32", "--log-every", "1"]
-
-
-def _records(metrics: Path) -> list[dict]:
-    if not metrics.exists():
-        return []
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
-
-
-# Two bucket tables over the same buckets and row multiples, under different strategies.
-TABLES = {
-    "dp.toml": """
-[[bucket]]
-max_len = 128
-mesh = { data = 8 }
-rules = "dp"
-[[bucket]]
-max_len = 256
-mesh = { data = 8 }
-rules = "dp"
-""",
-    "zero2.toml": """
-[[bucket]]
-max_len = 128
-mesh = { data = 2, fsdp = 4 }
-rules = "zero2"
-[[bucket]]
-max_len = 256
-mesh = { data = 8 }
-rules = "dp"
-""",
-}
 
 
 def _start(flags: list[str], devices: int, cwd: Path, name: str) -> tuple[subprocess.Popen, Path]:
-    """`hotjax train` in a new process with `devices` simulated devices, in `cwd` (which gets
-    the TABLES); stderr to a file."""
-    for file, text in TABLES.items():
-        (cwd / file).write_text(text)
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu",
-           "COLUMNS": "400"}
+    """`hotjax train` in a new process with `devices` simulated devices, in `cwd`; stderr to a
+    file."""
     err = cwd / f"{name}.err"
     with err.open("w") as sink:
-        process = subprocess.Popen([sys.executable, "-m", "hotjax.cli", *TINY_RUN, *flags],
-                                   stdout=subprocess.DEVNULL, stderr=sink, env=env, cwd=cwd)
+        process = start_hotjax(*TINY_RUN, *flags, cwd=cwd, devices=devices,
+                               stdout=subprocess.DEVNULL, stderr=sink)
     return process, err
 
 
@@ -88,7 +47,7 @@ class Resume(NamedTuple):
 
 # Uninterrupted runs on 8 devices, each saving at steps 2 and 4.
 ORIGINS = {"data": ("--strategy", "data=8"), "fsdp": ("--strategy", "fsdp=8"),
-           "table": ("--strategies", "dp.toml")}
+           "table": ("--strategies", str(table("dp")))}
 # One entry per layout: adding a layout (a new rule set, mesh or table) is one line here.
 RESUMES = {
     "8->4 devices": Resume("data", 4, ("--strategy", "data=4")),
@@ -97,7 +56,8 @@ RESUMES = {
     "8->2 devices": Resume("fsdp", 2, ("--strategy", "fsdp=2")),
     "fsdp->tensor": Resume("fsdp", 8, ("--strategy", "data=2,tensor=4")),
     "data->context": Resume("data", 8, ("--strategy", "data=4,context=2")),
-    "another bucket table": Resume("table", 8, ("--strategies", "zero2.toml")),
+    # The same buckets and row multiples under another strategy.
+    "another bucket table": Resume("table", 8, ("--strategies", str(table("zero2")))),
 }
 
 
@@ -113,7 +73,7 @@ def uninterrupted(tmp_path_factory) -> dict[str, tuple[list[dict], Path]]:
                           "--save-every", "2", "--metrics-jsonl", str(metrics)], 8, directory,
                          origin)
         assert code == 0, err
-        return _records(metrics), ckpt
+        return records(metrics), ckpt
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         return dict(zip(ORIGINS, pool.map(run, ORIGINS), strict=True))
@@ -129,7 +89,7 @@ def resumed(uninterrupted, tmp_path_factory) -> dict[str, tuple[int, str, list[d
         step_2 = uninterrupted[layout.origin][1] / "2"
         code, err = _run(["--steps", "4", *layout.flags, "--resume-from", str(step_2),
                           "--metrics-jsonl", str(metrics)], layout.devices, directory, str(i))
-        return code, err, _records(metrics)
+        return code, err, records(metrics)
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         return dict(zip(RESUMES, pool.map(resume, range(len(RESUMES)), RESUMES), strict=True))
@@ -179,7 +139,7 @@ def _chain(directory: Path, seed: int, kills: int) -> list[Trial]:
     for i in range(kills + 1):
         kill = "none" if i == kills else ("mid-save", "random")[i % 2]
         metrics = directory / f"{i}.jsonl"
-        start = max(store.steps(ckpt), default=0)
+        start = max(dirs.steps(ckpt), default=0)
         flags = [*CRASH_RUN, "--ckpt-dir", str(ckpt), "--metrics-jsonl", str(metrics)]
         if kill == "none":
             code, text = _run(flags, 1, directory, str(i))
@@ -187,9 +147,9 @@ def _chain(directory: Path, seed: int, kills: int) -> list[Trial]:
         else:
             process, err = _start(flags, 1, directory, str(i))
             try:
-                _wait(lambda m=metrics: len(_records(m)) >= 1, process)
+                _wait(lambda m=metrics: len(records(m)) >= 1, process)
                 if kill == "mid-save":
-                    _wait(lambda: any(store.TMP_MARK in p.name for p in ckpt.iterdir()),
+                    _wait(lambda: any(dirs.TMP_MARK in p.name for p in ckpt.iterdir()),
                           process)
                 else:
                     time.sleep(rng.uniform(0.0, 0.6))
@@ -201,15 +161,15 @@ def _chain(directory: Path, seed: int, kills: int) -> list[Trial]:
             assert f"resumed from {ckpt / str(start)} (step {start})" in text, text
         else:
             assert "resumed from" not in text, text
-        trials.append(Trial(kill, start, _records(metrics), store.steps(ckpt),
-                            [p.name for p in ckpt.iterdir() if store.TMP_MARK in p.name]))
+        trials.append(Trial(kill, start, records(metrics), dirs.steps(ckpt),
+                            [p.name for p in ckpt.iterdir() if dirs.TMP_MARK in p.name]))
     return trials
 
 
 def test_sigkill_at_any_moment_resumes_from_the_last_complete_checkpoint(tmp_path):
     reference = tmp_path / "reference.jsonl"
     assert main([*TINY_RUN, *CRASH_RUN[:6], "--metrics-jsonl", str(reference)]) == 0
-    losses = {r["step"]: r["loss"] for r in _records(reference)}
+    losses = {r["step"]: r["loss"] for r in records(reference)}
     chains = [tmp_path / "a", tmp_path / "b"]
     for chain in chains:
         chain.mkdir()

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from test_preemption import RUN, _records, _Run, corpus  # noqa: F401 - corpus: a fixture
+from helpers import hotjax, records
+from test_preemption import RUN, _Run, corpus  # noqa: F401 - corpus: a fixture
 
-from hotjax.checkpoint import lock, store
+from hotjax.checkpoint import dirs, lock
 from hotjax.cli import main
 
 ENDS_WITHIN_S = 60  # from the fault to the process's exit: seconds, not Orbax's 300 s timeouts
@@ -90,7 +91,7 @@ def _saving_in_the_background(ck: Path, tmp_path: Path, monkeypatch) -> _Run:
     in the main thread)."""
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "1")
     run = _Run("--ckpt-dir", str(ck), "--save-every", "1", cwd=tmp_path)
-    run.wait_for(lambda: 2 in store.steps(ck))
+    run.wait_for(lambda: 2 in dirs.steps(ck))
     return run
 
 
@@ -104,7 +105,7 @@ def test_a_ckpt_dir_turned_read_only_mid_run_ends_it_and_its_earlier_steps_resum
     frozen = time.monotonic()
     code, lines = run.end()
     assert time.monotonic() - frozen < ENDS_WITHIN_S
-    kept = store.steps(ck)
+    kept = dirs.steps(ck)
     assert code == 2 and len(lines) == 1, lines
     assert re.fullmatch(
         rf"hotjax: error: --ckpt-dir {re.escape(str(ck))}: saving step \d+ failed \(Read-only "
@@ -114,7 +115,7 @@ def test_a_ckpt_dir_turned_read_only_mid_run_ends_it_and_its_earlier_steps_resum
 
     metrics = tmp_path / "resumed.jsonl"
     assert main([*RUN, "--resume-from", str(ck), "--metrics-jsonl", str(metrics)]) == 0
-    assert [r["step"] for r in _records(metrics)] == list(range(kept[-1] + 1, 13))
+    assert [r["step"] for r in records(metrics)] == list(range(kept[-1] + 1, 13))
 
 
 def test_a_ckpt_dir_removed_mid_run_ends_it_in_one_line_naming_the_removal(
@@ -153,7 +154,7 @@ def test_a_second_run_on_a_ckpt_dir_stops_at_its_start_until_the_holder_is_kille
     """While another process holds the directory: one line naming its pid, host and start,
     exit 2, before anything is compiled. Once it is killed (SIGKILL: nothing of its own
     unlocks), the run trains and saves there; the lock file is no checkpoint to Orbax,
-    `store.find` or `hotjax ckpt inspect`."""
+    `dirs.find` or `hotjax ckpt inspect`."""
     ck = tmp_path / "ck"
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(ck)], stdout=subprocess.PIPE,
                               text=True)
@@ -170,7 +171,7 @@ def test_a_second_run_on_a_ckpt_dir_stops_at_its_start_until_the_holder_is_kille
     assert main([*RUN, "--ckpt-dir", str(ck)]) == 0
     assert (ck / lock.LOCK_FILE).is_file()
     assert json.loads((ck / lock.LOCK_FILE).read_text())["pid"] == os.getpid()
-    assert store.steps(ck) == [12] and store.find(ck) == ck / "12"
+    assert dirs.steps(ck) == [12] and dirs.find(ck) == ck / "12"
     capsys.readouterr()
     assert main(["ckpt", "inspect", str(ck)]) == 0
     assert "complete steps in its directory: [12]" in capsys.readouterr().out
@@ -183,10 +184,8 @@ def test_a_launch_of_two_processes_on_a_held_ckpt_dir_stops_both_at_their_start(
     held = lock.take(lock.writable(ck))
     try:
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "hotjax.cli", "launch", "--processes", "2",
-                               "--devices-per-process", "1", "--", *RUN, "--ckpt-dir", str(ck)],
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                              env={**os.environ, "COLUMNS": "400"})
+        done = hotjax("launch", "--processes", "2", "--devices-per-process", "1", "--", *RUN,
+                      "--ckpt-dir", str(ck), cwd=tmp_path, ok=False)
         assert time.monotonic() - started < ENDS_WITHIN_S * 2  # two processes start JAX
     finally:
         held.release()

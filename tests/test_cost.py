@@ -10,12 +10,10 @@ import pytest
 from hotjax import targets
 from hotjax.optim import OptimConfig
 from hotjax.planning.cost import (
-    attention_kernel,
     bucket_reduction_seconds,
     document_pairs,
     micro_step_memory,
     micro_step_time,
-    resident_bytes,
     shares,
     step_seconds,
     visible_pairs,
@@ -32,6 +30,8 @@ from models.attention import Tokens, block_edge, ring_block_counts, visible_bloc
 from models.errors import UserError
 from models.llama import preset
 from models.pipeline import bubble
+from models.work import attention_kernel
+from sharding.report import resident_bytes
 from sharding.strategy import Strategy
 from sharding.transfers import ArraySwitch, schedule_transfers
 

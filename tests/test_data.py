@@ -451,12 +451,11 @@ def test_cut_truncates_or_splits_lengths_at_the_context() -> None:
 
 def test_packing_leaves_each_documents_logits_unchanged() -> None:
     """Document masking and restarted positions: a document sees only itself in a packed row."""
-    import dataclasses
+    from helpers import TINY
 
-    from models.llama import PRESETS, init_model
+    from models.llama import init_model
 
-    config = dataclasses.replace(PRESETS["tiny"], compute_dtype="float32")
-    model = init_model(config, seed=0)
+    model = init_model(TINY, seed=0)
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 256, n).astype(np.int32) for n in (21, 9, 30, 12, 5)]
     packed = pack_rows([len(d) for d in docs], 40)

@@ -1,12 +1,11 @@
 """`hotjax data stats` as a user runs it: numbers that add up, a readable plot, one-line errors."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import error, python, write_table
 from test_data import write_files
 
 from hotjax.cli import main
@@ -57,9 +56,8 @@ def test_split_documents_lose_no_token(corpus, capsys) -> None:
 
 
 def test_buckets_come_from_the_strategy_table(corpus, tmp_path, capsys) -> None:
-    table = tmp_path / "table.toml"
-    table.write_text("[[bucket]]\nmax_len = 32\nmesh = { data = 8 }\n"
-                     "[[bucket]]\nmax_len = 128\nmesh = { data = 2, fsdp = 4 }\n")
+    table = write_table(tmp_path / "table.toml", {"max_len": 32, "mesh": "data = 8"},
+                        {"max_len": 128, "mesh": "data = 2, fsdp = 4"})
     report = stats(capsys, "--data", str(corpus), "--strategies", str(table))
     assert [b["max_len"] for b in report["buckets"]] == [32, 128] and report["context"] == 128
 
@@ -95,16 +93,12 @@ def test_bad_input_is_one_line(flags, expected, corpus, tmp_path, capsys) -> Non
         flags += ["--data", str(corpus)]
     if "--tokenizer" not in flags:
         flags += ["--tokenizer", "bytes"]
-    assert main(["data", "stats", *flags]) == 2
-    stderr = capsys.readouterr().err
-    errors = [line for line in stderr.splitlines() if line.startswith("hotjax: error:")]
-    assert len(errors) == 1 and expected.format(tmp=tmp_path) in errors[0], stderr
+    line = error(["data", "stats", *flags], capsys)
+    assert expected.format(tmp=tmp_path) in line, line
 
 
 def test_the_data_layer_imports_neither_jax_nor_grain_until_iterated() -> None:
     # JAX fixes the CPU device count when imported, so `hotjax train` must set it first.
     code = ("import sys, hotjax.data, hotjax.data.cli, hotjax.data.stats; "
             "print(sorted({'jax', 'grain'} & set(sys.modules)))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60, check=True)
-    assert result.stdout.strip() == "[]"
+    assert python("-c", code, timeout=60).stdout.strip() == "[]"

@@ -1,53 +1,39 @@
-"""The examples a user starts from: a training script of one's own equals `hotjax train`, and
-a checkpoint written on 8 devices resumes on 4 under another strategy with the uninterrupted
-run's losses."""
+"""The examples a user starts from: a training script of one's own, its run built from parts
+(a model of its own, a table and an optax optimizer made in Python), equals `hotjax train` given
+the same parts as files; and a checkpoint written on 8 devices resumes on 4 under another
+strategy with the uninterrupted run's losses."""
 
 import concurrent.futures
+import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ROOT, hotjax, python, records
 
-ROOT = Path(__file__).parent.parent
-# A tiny model on byte tokens in fp32, over a hot-switched two-bucket table on 8 devices.
-FLAGS = ["--model", "tiny", "--tokenizer", "bytes", "--batch-tokens", "2048",
-         "--compute-dtype", "float32", "--seed", "5", "--steps", "4", "--strategies"]
-TABLE = """
-[[bucket]]
-max_len = 128
-mesh = { data = 8 }
-rules = "dp"
-
-[[bucket]]
-max_len = 256
-mesh = { data = 2, fsdp = 2, tensor = 2 }
-rules = "megatron"
-"""
+# Byte tokens in fp32, over the example's hot-switched two-bucket table on 8 devices.
+FLAGS = ["--tokenizer", "bytes", "--batch-tokens", "2048", "--compute-dtype", "float32",
+         "--seed", "5", "--steps", "4", "--warmup-steps", "2"]
 
 
-def _python(*args: str, cwd: Path, devices: int = 8) -> str:
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu",
-           "COLUMNS": "400"}
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
-def _records(stdout: str) -> list[dict]:
-    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+def _example():
+    """examples/train_llama.py as a module: its model, table and optimizer."""
+    spec = importlib.util.spec_from_file_location("train_llama",
+                                                  ROOT / "examples" / "train_llama.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    """`hotjax train` and the example script on the same flags, side by side, the example
-    saving steps 2 and 4; then the restore example from its step 2 onto 4 devices."""
+    """`hotjax train`, given the example's model and table as files, and the example script on
+    the same flags, side by side, each saving steps 2 and 4; then the restore example from the
+    command's step 2 onto 4 devices."""
     tmp = tmp_path_factory.mktemp("examples")
-    (tmp / "table.toml").write_text(TABLE)
+    example = _example()
+    (tmp / "model.json").write_text(json.dumps(example.model().to_dict()))
+    (tmp / "table.toml").write_text(example.strategy_table(8).toml())
     corpus = tmp / "corpus.jsonl"
     from hotjax.data import open_corpus
 
@@ -56,23 +42,23 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     starts, lengths = rng.integers(0, len(text) - 300, 400), rng.integers(10, 300, 400)
     corpus.write_text("".join(json.dumps({"text": text[s:s + n]}) + "\n"
                               for s, n in zip(starts, lengths, strict=True)))
-    flags = [*FLAGS, "table.toml", "--data", str(corpus)]
+    flags = [*FLAGS, "--data", str(corpus)]
 
     def cli() -> list[dict]:
-        _python("-m", "hotjax.cli", "train", *flags, "--metrics-jsonl", "cli.jsonl", cwd=tmp)
-        return [json.loads(line) for line in (tmp / "cli.jsonl").read_text().splitlines()]
+        hotjax("train", *flags, "--model", "model.json", "--strategies", "table.toml",
+               "--ckpt-dir", "ck", "--save-every", "2", "--metrics-jsonl", "cli.jsonl", cwd=tmp)
+        return records(tmp / "cli.jsonl")
 
-    def example() -> list[dict]:
-        return _records(_python(str(ROOT / "examples" / "train_llama.py"), *flags,
-                                "--devices", "8", "--ckpt-dir", "ck", "--save-every", "2",
-                                "--eval-data", str(corpus), "--eval-every", "2",
-                                "--eval-batches", "1", cwd=tmp))
+    def script() -> list[dict]:
+        return records(python(ROOT / "examples" / "train_llama.py", *flags, "--devices", "8",
+                              "--ckpt-dir", "ck-script", "--save-every", "2", "--eval-data", corpus,
+                              "--eval-every", "2", "--eval-batches", "1", cwd=tmp).stdout)
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        cli_run, example_run = pool.map(lambda f: f(), (cli, example))
-    restored = _records(_python(str(ROOT / "examples" / "restore_on_new_mesh.py"),
-                                str(tmp / "ck" / "2"), "--devices", "4", "--strategy",
-                                "fsdp=2,tensor=2", cwd=tmp, devices=4))
+        cli_run, example_run = pool.map(lambda f: f(), (cli, script))
+    restored = records(python(ROOT / "examples" / "restore_on_new_mesh.py", tmp / "ck" / "2",
+                              "--devices", "4", "--strategy", "fsdp=2,tensor=2", cwd=tmp,
+                              devices=4).stdout)
     evaluations = [r for r in example_run if "eval_loss" in r]
     example_run = [r for r in example_run if "loss" in r]
     return {"cli": cli_run, "example": example_run, "restored": restored,
@@ -101,11 +87,11 @@ def test_evaluate_gives_the_loss_a_step_reports_and_updates_nothing(runs, tmp_pa
 
     import hotjax
 
-    config = hotjax.RunConfig(model="tiny", tokenizer="bytes", batch_tokens=2048,
-                              compute_dtype="float32", seed=5, steps=4,
-                              strategies=str(runs["tmp"] / "table.toml"), data=runs["corpus"],
-                              devices=8)
-    with hotjax.Run(config) as run:
+    tmp = runs["tmp"]
+    config = hotjax.RunConfig(model=str(tmp / "model.json"), tokenizer="bytes",
+                              batch_tokens=2048, compute_dtype="float32", seed=5, steps=4,
+                              strategies=str(tmp / "table.toml"), data=runs["corpus"])
+    with hotjax.Run.from_config(config) as run:
         state = run.init()
         batch = run.next_batch()
         before = jax.tree.map(np.asarray, state.params)
@@ -120,7 +106,7 @@ def test_evaluate_gives_the_loss_a_step_reports_and_updates_nothing(runs, tmp_pa
 
 
 def test_a_checkpoint_from_8_devices_resumes_on_4_under_another_strategy(runs):
-    restored, uninterrupted = runs["restored"], runs["example"]
+    restored, uninterrupted = runs["restored"], runs["cli"]
     assert [r["step"] for r in restored] == [3, 4]
     np.testing.assert_allclose([r["loss"] for r in restored],
                                [r["loss"] for r in uninterrupted[2:]], rtol=0, atol=1e-5)

@@ -13,19 +13,19 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import pytest
+from helpers import TINY
 
 from hotjax.data import Batch, ByteTokenizer, MiniBatch, MiniBatches, open_corpus
 from hotjax.optim import OptimConfig
-from hotjax.planning.cost import most_sharded
 from hotjax.train import BucketMetrics, Trainer, best_order
 from models.errors import UserError
-from models.llama import PRESETS
+from sharding.report import most_sharded
 from sharding.strategy import Strategy
 from sharding.table import Bucket, StrategyTable, parse_table
 
 # Vocabulary padded to 384 so that it splits over tensor=4; fp32 so that every layout must give
 # the same numbers to fp32 reduction-order noise.
-CONFIG = dataclasses.replace(PRESETS["tiny"], vocab_size=384, compute_dtype="float32")
+CONFIG = dataclasses.replace(TINY, vocab_size=384)
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=2, total_steps=5)
 TABLE = parse_table({"bucket": [
     {"max_len": 32, "mesh": {"data": 8}},
@@ -220,21 +220,21 @@ def test_micro_batches_sized_to_a_budget_are_the_most_that_fit(devices):
     peaks = {rows: bucket.peak_bytes((rows, LONGEST)) for rows in (8, 16)}
     assert peaks[16] > peaks[8]
     # Room for 16 rows and half of 8 more: 16 fit, 24 would not.
-    budget = (resident + peaks[16] + (peaks[16] - peaks[8]) // 2) / 2**20
+    budget = resident + peaks[16] + (peaks[16] - peaks[8]) // 2  # bytes
     sized = Trainer(CONFIG, OPTIM, table, devices, device_memory=budget)
     assert sized.micro_rows == [16]
-    assert max(sized.memory().values()) <= budget * 2**20
+    assert max(sized.memory().values()) <= budget
     # A bucket that a typical mini-batch fills with 12 rows gets 8: one micro-step of 16
     # would mostly compute empty rows.
     assert Trainer(CONFIG, OPTIM, table, devices, device_memory=budget,
                    typical_rows=[12.0]).micro_rows == [8]
     # A budget the home state fits but no micro-step beside it still gives the smallest
     # micro-batch (the run's memory check refuses it with a one-line error)...
-    tight = (resident + peaks[8] // 2) / 2**20
+    tight = resident + peaks[8] // 2
     assert Trainer(CONFIG, OPTIM, table, devices, device_memory=tight).micro_rows == [8]
     # ...and one the home state does not fit is refused before any bucket compiles.
-    with pytest.raises(UserError, match=r"--device-memory 0.01: the home state needs 0\.2 MiB"):
-        Trainer(CONFIG, OPTIM, table, devices, device_memory=0.01)
+    with pytest.raises(UserError, match=r"--device-memory 0\.1 MiB: the home state needs 0\.2 MiB"):
+        Trainer(CONFIG, OPTIM, table, devices, device_memory=2**20 // 10)
 
 
 def test_bfloat16_hot_table_stays_within_bf16_rounding_of_one_device(devices, minibatches,

@@ -1,23 +1,50 @@
 """The code's rooms: no two modules import each other, however indirectly (an import inside a
-function counts: it is a dependency all the same), and the packages the README names exist."""
+function counts: it is a dependency all the same; so does a module imported by its name, with
+`importlib.import_module`), and the packages the README names exist."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("hotjax", "models", "sharding")
 
 
-def _module(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def _module(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The project's modules `path` imports, anywhere in it."""
-    found = set()
-    package = _module(path) if path.name == "__init__.py" else _module(path).rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+def _type_checking(tree: ast.AST) -> set[ast.AST]:
+    """The nodes under `if TYPE_CHECKING:`, which never run."""
+    return {node for block in ast.walk(tree) if isinstance(block, ast.If)
+            and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+            for statement in block.body for node in ast.walk(statement)}
+
+
+def _by_name(tree: ast.AST, modules: set[str]) -> set[str]:
+    """The project's modules `tree` imports by name: the string given to
+    `importlib.import_module`, and where the name is computed (`import_module(NAMES[key])`),
+    every string in the module that names one of them."""
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and (getattr(node.func, "attr", None) or getattr(node.func, "id", None))
+             in ("import_module", "__import__") and node.args]
+    if all(isinstance(call.args[0], ast.Constant) for call in calls):
+        return {call.args[0].value for call in calls} & modules
+    return {node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in modules}
+
+
+def _imports(path: Path, modules: set[str], root: Path = ROOT) -> set[str]:
+    """The project's modules `path` imports, anywhere in it but under `if TYPE_CHECKING:`."""
+    package = (_module(path, root) if path.name == "__init__.py"
+               else _module(path, root).rpartition(".")[0])
+    tree = ast.parse(path.read_text())
+    found, skipped = _by_name(tree, modules), _type_checking(tree)
+    for node in ast.walk(tree):
+        if node in skipped:
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -34,10 +61,10 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    files = [f for p in PACKAGES for f in (ROOT / p).rglob("*.py")]
-    modules = {_module(f) for f in files}
-    return {_module(f): _imports(f, modules) - {_module(f)} for f in files}
+def _graph(root: Path = ROOT) -> dict[str, set[str]]:
+    files = [f for p in PACKAGES for f in (root / p).rglob("*.py")]
+    modules = {_module(f, root) for f in files}
+    return {_module(f, root): _imports(f, modules, root) - {_module(f, root)} for f in files}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -79,8 +106,34 @@ def test_the_circle_finder_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_a_circle_made_by_importing_a_name_is_found(tmp_path):
+    """As `hotjax.cli` once loaded `hotjax.planning.cli` by its name from a list, and that
+    imported `hotjax.cli` back."""
+    package = tmp_path / "hotjax"
+    (package / "planning").mkdir(parents=True)
+    for name in ("__init__.py", "planning/__init__.py"):
+        (package / name).write_text("")
+    (package / "cli.py").write_text(
+        'import importlib\nCOMMANDS = ("hotjax.planning.cli",)\n\n\ndef parser():\n'
+        '    for name in COMMANDS:\n        importlib.import_module(name).register()\n')
+    (package / "planning" / "cli.py").write_text(
+        "def register():\n    from hotjax.cli import parser\n")
+    assert _cycles(_graph(tmp_path)) == [["hotjax.cli", "hotjax.planning.cli"]]
+
+
+def test_the_package_face_starts_nothing_and_shows_its_names():
+    """Importing `hotjax` imports neither JAX nor the planner; its lazy names are listed."""
+    done = subprocess.run([sys.executable, "-c", "import sys, hotjax; print(sorted(sys.modules)); "
+                           "print(dir(hotjax))"], capture_output=True, text=True, check=True,
+                          cwd=ROOT)
+    loaded, names = done.stdout.splitlines()
+    assert "'jax'" not in loaded and "hotjax.planning" not in loaded
+    assert all(f"'{name}'" in names for name in ("Run", "RunConfig", "StrategyTable",
+                                                  "start_jax", "LlamaConfig"))
+
+
 def test_planning_is_one_package():
     planning = {m for m in _graph() if m.startswith("hotjax.planning.")}
-    assert planning == {"hotjax.planning.search", "hotjax.planning.cost",
-                        "hotjax.planning.profile", "hotjax.planning.measure",
-                        "hotjax.planning.cli"}
+    assert planning >= {"hotjax.planning.search", "hotjax.planning.cost",
+                        "hotjax.planning.profile", "hotjax.planning.measure"}
+    assert not any(m.endswith(".cli") for m in planning)  # its command is in hotjax.commands

@@ -8,15 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import TINY
 
 from hotjax.data import Batch, MiniBatch
 from hotjax.optim import OptimConfig, loss_scale, make_optimizer
 from hotjax.train import Trainer
 from models.errors import UserError
-from models.llama import PRESETS
 from sharding.table import parse_table
 
-FP16 = dataclasses.replace(PRESETS["tiny"], vocab_size=384, compute_dtype="float16")
+FP16 = dataclasses.replace(TINY, vocab_size=384, compute_dtype="float16")
 TABLE = parse_table({"bucket": [
     {"max_len": 32, "mesh": {"data": 8}},
     {"max_len": 64, "mesh": {"data": 2, "tensor": 4}, "rules": "megatron"},

@@ -15,58 +15,36 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ROOT, TINY_RUN, hotjax, records, start_hotjax, table, write_table
 
-from hotjax.checkpoint import store
+from hotjax.checkpoint import dirs
 from hotjax.cli import main
 from hotjax.preemption import REQUEUE_EXIT
 
-TINY = ["train", "--model", "tiny", "--tokenizer", "bytes", "--compute-dtype", "float32",
-        "--log-every", "1", "--context", "256", "--batch-tokens", "2048"]
-HOT = """
-[[bucket]]
-max_len = 64
-mesh = { data = 8 }
-rules = "dp"
-[[bucket]]
-max_len = 128
-mesh = { data = 2, tensor = 4 }
-rules = "megatron"
-[[bucket]]
-max_len = 256
-mesh = { context = 4, tensor = 2 }
-rules = "megatron"
-"""
 
-
-def _launch_argv(*flags: str) -> list[str]:
-    return [sys.executable, "-m", "hotjax.cli", "launch", "--processes", "2",
-            "--devices-per-process", "4", "--", *TINY, *flags]
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+def _launch(*flags: str, devices_per_process: int = 4) -> list[str]:
+    """`hotjax launch`'s arguments: the tiny run as 2 processes."""
+    return ["launch", "--processes", "2", "--devices-per-process", str(devices_per_process),
+            "--", *TINY_RUN, *flags]
 
 
 def _one_process(tmp_path: Path, *flags: str) -> list[dict]:
     metrics = tmp_path / f"one-{len(list(tmp_path.glob('one-*')))}.jsonl"
-    assert main([*TINY, *flags, "--metrics-jsonl", str(metrics)]) == 0
-    return _records(metrics)
+    assert main([*TINY_RUN, *flags, "--metrics-jsonl", str(metrics)]) == 0
+    return records(metrics)
 
 
 def test_two_processes_train_a_hot_table_as_one_process_does_and_one_resumes_it(tmp_path):
-    (tmp_path / "hot.toml").write_text(HOT)
-    flags = ["--steps", "5", "--strategies", str(tmp_path / "hot.toml")]
+    flags = ["--steps", "5", "--strategies", str(table("hot"))]
     ck = tmp_path / "ck"
     saves = ["--save-every", "3", "--keep-every", "3"]
-    done = subprocess.run(_launch_argv(*flags, "--metrics-jsonl", str(tmp_path / "two.jsonl"),
-                                       "--ckpt-dir", str(ck), *saves),
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:]
+    done = hotjax(*_launch(*flags, "--metrics-jsonl", str(tmp_path / "two.jsonl"),
+                           "--ckpt-dir", str(ck), *saves), cwd=tmp_path)
     assert (ck / ".hotjax.lock").is_file()  # taken by process 0 alone: a second would fail
     # Process 0 speaks for the run: its lines alone carry the progress and the summary.
     assert "[0] step     5" in done.stdout and "[1] step" not in done.stdout
     assert "jax.device_put: the run spans 2 processes" in done.stdout
-    two = _records(tmp_path / "two.jsonl")
+    two = records(tmp_path / "two.jsonl")
     one = _one_process(tmp_path, *flags, "--ckpt-dir", str(tmp_path / "ck1"), *saves)
     assert [r["tokens"] for r in two] == [r["tokens"] for r in one]
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one],
@@ -79,12 +57,10 @@ def test_two_processes_train_a_hot_table_as_one_process_does_and_one_resumes_it(
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in two[3:]],
                                rtol=0, atol=1e-5)
     # And the other way round: one process's checkpoint resumes in two, under fsdp.
-    done = subprocess.run(_launch_argv("--steps", "5", "--strategy", "fsdp=8", "--resume-from",
-                                       str(tmp_path / "ck1" / "3"), "--metrics-jsonl",
-                                       str(tmp_path / "two-resumed.jsonl")),
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:]
-    resumed = _records(tmp_path / "two-resumed.jsonl")
+    hotjax(*_launch("--steps", "5", "--strategy", "fsdp=8", "--resume-from",
+                    str(tmp_path / "ck1" / "3"), "--metrics-jsonl",
+                    str(tmp_path / "two-resumed.jsonl")), cwd=tmp_path)
+    resumed = records(tmp_path / "two-resumed.jsonl")
     assert [r["step"] for r in resumed] == [4, 5]
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in one[3:]],
                                rtol=0, atol=1e-5)
@@ -104,22 +80,18 @@ def _mixed_corpus(path: Path) -> Path:
 def test_two_pinned_processes_of_one_device_train_balanced_data_parallel_as_one_device(tmp_path):
     """The testbed: 2 processes of one CPU device, each pinned to its own core; `data=2`
     places rows on the two by estimated work, and the losses are one device's."""
-    (tmp_path / "dp.toml").write_text('[[bucket]]\nmax_len = 2048\nmesh = { data = 2 }\n'
-                                      'rules = "dp"\nmicro_rows = 4\n')
-    flags = [*TINY[:TINY.index("--context")], "--data", str(_mixed_corpus(tmp_path / "d.jsonl")),
-             "--context", "2048", "--batch-tokens", "16384", "--steps", "2"]
-    done = subprocess.run([sys.executable, "-m", "hotjax.cli", "launch", "--processes", "2",
-                           "--devices-per-process", "1", "--", *flags, "--strategies",
-                           str(tmp_path / "dp.toml"), "--metrics-jsonl",
-                           str(tmp_path / "two.jsonl")],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:]
+    dp = write_table(tmp_path / "dp.toml", {"max_len": 2048, "mesh": "data = 2", "rules": "dp",
+                                            "micro_rows": 4})
+    flags = ["--data", str(_mixed_corpus(tmp_path / "d.jsonl")), "--context", "2048",
+             "--batch-tokens", "16384", "--steps", "2"]  # later flags win over TINY_RUN's
+    done = hotjax(*_launch(*flags, "--strategies", str(dp), "--metrics-jsonl",
+                           str(tmp_path / "two.jsonl"), devices_per_process=1), cwd=tmp_path)
     first = done.stdout.splitlines()[0]
     assert "2 processes x 1 CPU device, each pinned to its own cores (core 0 | core 1)" in first
-    two = _records(tmp_path / "two.jsonl")
+    two = records(tmp_path / "two.jsonl")
     metrics = tmp_path / "one.jsonl"
-    assert main([*flags, "--devices", "1", "--metrics-jsonl", str(metrics)]) == 0
-    one = _records(metrics)
+    assert main([*TINY_RUN, *flags, "--devices", "1", "--metrics-jsonl", str(metrics)]) == 0
+    one = records(metrics)
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one],
                                rtol=0, atol=1e-5)
     # Placed by work, the shards even out: step 2's packing order gave one shard 12 % more.
@@ -147,7 +119,7 @@ def _wait(condition, launcher: subprocess.Popen, timeout: float = 300) -> None:
 
 
 def _saving(ck: Path) -> list[Path]:
-    return [p for p in ck.iterdir() if store.TMP_MARK in p.name] if ck.is_dir() else []
+    return [p for p in ck.iterdir() if dirs.TMP_MARK in p.name] if ck.is_dir() else []
 
 
 def _kill_process_1(launcher: subprocess.Popen, moment: str, ck: Path, metrics: Path
@@ -157,7 +129,7 @@ def _kill_process_1(launcher: subprocess.Popen, moment: str, ck: Path, metrics: 
     save is still unfinished, else let go until the next). The launcher's output, and the
     partial saves the kill left."""
     try:
-        _wait(lambda: metrics.exists() and len(_records(metrics)) >= 2, launcher)
+        _wait(lambda: metrics.exists() and len(records(metrics)) >= 2, launcher)
         process_1 = _process_1(launcher)
         while moment == "mid-save":
             _wait(lambda: _saving(ck), launcher)
@@ -190,26 +162,21 @@ def test_a_lost_process_ends_the_launch_and_a_rerun_resumes_as_if_never_stopped(
     runs = []
     for i, moment in enumerate(("mid-step", "mid-save", None)):
         metrics = tmp_path / f"run-{i}.jsonl"
-        start = max(store.steps(ck), default=0)
-        argv = _launch_argv(*FAULTS, "--ckpt-dir", str(ck), "--save-every", "2", "--keep-last",
-                            "2", "--metrics-jsonl", str(metrics))
-        wide = {**os.environ, "COLUMNS": "400"}  # rich would wrap the checkpoint's path
+        start = max(dirs.steps(ck), default=0)
+        args = _launch(*FAULTS, "--ckpt-dir", str(ck), "--save-every", "2", "--keep-last", "2",
+                       "--metrics-jsonl", str(metrics))
         if moment is None:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
-                                  cwd=tmp_path, env=wide)
-            assert done.returncode == 0, done.stdout[-3000:]
-            output, partial = done.stdout, []
+            output, partial = hotjax(*args, cwd=tmp_path).stdout, []
         else:
-            launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, cwd=tmp_path, env=wide)
+            launcher = start_hotjax(*args, cwd=tmp_path)
             output, partial = _kill_process_1(launcher, moment, ck, metrics)
         if start:
             assert f"resumed from {ck / str(start)} (step {start})" in output, output[-3000:]
-        records = _records(metrics)
-        assert [r["step"] for r in records] == list(range(start + 1, start + 1 + len(records)))
-        np.testing.assert_allclose([r["loss"] for r in records],
-                                   [reference[r["step"]] for r in records], rtol=0, atol=1e-5)
-        runs.append((moment, records, partial, store.steps(ck)))
+        steps = records(metrics)
+        assert [r["step"] for r in steps] == list(range(start + 1, start + 1 + len(steps)))
+        np.testing.assert_allclose([r["loss"] for r in steps],
+                                   [reference[r["step"]] for r in steps], rtol=0, atol=1e-5)
+        runs.append((moment, steps, partial, dirs.steps(ck)))
     (_, _, _, after_step), (_, _, partial, after_save), (_, last, _, final) = runs
     assert after_step and len(partial) == 1  # the kill hit a save
     saving = int(partial[0].name.split(".")[0])
@@ -222,10 +189,7 @@ PINNED = ["--steps", "6", "--strategy", "data=2"]
 
 
 def _pinned_launch(tmp_path: Path, *flags: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "hotjax.cli", "launch", "--processes", "2",
-            "--devices-per-process", "1", "--", *TINY, *PINNED, *flags]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=tmp_path, env={**os.environ, "COLUMNS": "400"})
+    return start_hotjax(*_launch(*PINNED, *flags, devices_per_process=1), cwd=tmp_path)
 
 
 def _end(launcher: subprocess.Popen, timeout: float) -> str:
@@ -246,11 +210,11 @@ def test_sigterm_to_a_pinned_launch_saves_the_step_reached_and_the_rerun_resumes
     flags = ["--ckpt-dir", str(ck), "--metrics-jsonl", str(metrics)]
     launcher = _pinned_launch(tmp_path, *flags)
     try:
-        _wait(lambda: metrics.exists() and len(_records(metrics)) >= 1, launcher)
+        _wait(lambda: metrics.exists() and len(records(metrics)) >= 1, launcher)
         launcher.send_signal(signal.SIGTERM)
     finally:
         output = _end(launcher, 120)
-    reached = _records(metrics)[-1]["step"]
+    reached = records(metrics)[-1]["step"]
     assert launcher.returncode == REQUEUE_EXIT and 1 <= reached < 6, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert (f"[0] hotjax: preempted at step {reached}: saved {ck / str(reached)}; rerun the same "
@@ -258,20 +222,20 @@ def test_sigterm_to_a_pinned_launch_saves_the_step_reached_and_the_rerun_resumes
     assert "[1] hotjax:" not in output  # process 0 speaks for the run
     assert output.rstrip().endswith(f"hotjax launch: the run was stopped and saved; exit "
                                     f"{REQUEUE_EXIT} (rerun the same command to resume)")
-    assert store.steps(ck) == [reached] and not _saving(ck)
+    assert dirs.steps(ck) == [reached] and not _saving(ck)
     for item in ("params", "opt_state"):
         assert {d.name for d in (ck / str(reached) / item).glob("ocdbt.process_*")} == {
             "ocdbt.process_0", "ocdbt.process_1"}
-    first = _records(metrics)
+    first = records(metrics)
 
     again = _pinned_launch(tmp_path, *flags)
     output = _end(again, 300)
     assert again.returncode == 0, output[-3000:]
     assert f"resumed from {ck / str(reached)} (step {reached})" in output, output[-3000:]
-    records = [*first, *_records(metrics)]
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    np.testing.assert_allclose([r["loss"] for r in records],
-                               [reference[r["step"]] for r in records], rtol=0, atol=1e-5)
+    steps = [*first, *records(metrics)]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([r["loss"] for r in steps],
+                               [reference[r["step"]] for r in steps], rtol=0, atol=1e-5)
 
 
 HEARTBEAT_S = 10
@@ -287,7 +251,7 @@ def test_a_peer_that_stops_answering_ends_every_process_in_one_line_within_a_min
     launcher = _pinned_launch(tmp_path, "--heartbeat-timeout", str(HEARTBEAT_S),
                               "--metrics-jsonl", str(metrics))
     try:
-        _wait(lambda: metrics.exists() and len(_records(metrics)) >= 1, launcher)
+        _wait(lambda: metrics.exists() and len(records(metrics)) >= 1, launcher)
         children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
                                   text=True).stdout.split()
         process_1 = _process_1(launcher)
@@ -405,16 +369,11 @@ def test_plan_measures_the_devices_of_every_process_as_nodes(tmp_path):
     from hotjax.planning.profile import load_profile
     from sharding.table import load_table
 
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "HOTJAX_CACHE": str(tmp_path / "cache")}
-
     def plan(*flags: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "-m", "hotjax.cli", "launch", "--processes", "2",
-             "--devices-per-process", "2", "--", "plan", "--model", "tiny", "--lengths",
-             str(root / "docs" / "stdlib-lengths.json"), "--context", "1024", *flags],
-            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        done = hotjax("launch", "--processes", "2", "--devices-per-process", "2", "--", "plan",
+                      "--model", "tiny", "--lengths", ROOT / "docs" / "stdlib-lengths.json",
+                      "--context", "1024", *flags, cwd=tmp_path,
+                      env={"HOTJAX_CACHE": str(tmp_path / "cache")})
         return done.stdout + done.stderr
 
     output = plan("--measure", "--out", str(tmp_path / "planned.toml"))
@@ -427,9 +386,9 @@ def test_plan_measures_the_devices_of_every_process_as_nodes(tmp_path):
         assert all(b > 0 for _, b in (*bandwidths.intra, *bandwidths.inter))
     assert profile.inter_node_bandwidth > 0 and profile.intra_node_bandwidth > 0
     assert "[0] table written to" in output and "[1] table written to" not in output
-    table = load_table(tmp_path / "planned.toml")
-    table.check_devices(4)
-    assert table.max_len == 1024
+    planned = load_table(tmp_path / "planned.toml")
+    planned.check_devices(4)
+    assert planned.max_len == 1024
     # Planning again reads the cached profile (process 0's, for both): nothing is measured.
     again = plan("--json")
     assert "measuring" not in again and '"profile": "measured-cpu-2x2"' in again

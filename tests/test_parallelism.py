@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import TINY
 
 from hotjax.data import Batch, MiniBatch
 from hotjax.optim import OptimConfig
@@ -25,12 +26,12 @@ from hotjax.step import (
     step_memory,
 )
 from hotjax.train import Trainer
-from models.llama import PRESETS, abstract_params
+from models.llama import abstract_params
 from sharding.strategy import Strategy
 from sharding.table import StrategyTable
 
 # Divisible by every mesh size used here; GQA with 4 K/V heads for 8 query heads.
-CONFIG = dataclasses.replace(PRESETS["tiny"], vocab_size=256, compute_dtype="float32")
+CONFIG = dataclasses.replace(TINY, vocab_size=256)
 GQA2 = dataclasses.replace(CONFIG, n_kv_heads=2)
 # Adam's first update is about lr * grad / (|grad| + eps): where a gradient is near zero, fp32
 # reduction order moves it, so params can differ by up to ~lr there. LLaMA's lr and eps keep that

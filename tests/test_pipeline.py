@@ -8,6 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from helpers import TINY, TINY_RUN, error
 from test_parallelism import compiled_update
 
 from hotjax.cli import main
@@ -24,8 +25,7 @@ from sharding.table import Bucket, StrategyTable
 
 # Eight layers, so that each of eight stages holds one; fp32, so that every layout must give the
 # one-device numbers to reduction-order noise.
-CONFIG = dataclasses.replace(PRESETS["tiny"], n_layers=8, vocab_size=384,
-                             compute_dtype="float32")
+CONFIG = dataclasses.replace(TINY, n_layers=8, vocab_size=384)
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, total_steps=4)
 SEQ, ROWS = 64, 16
 
@@ -189,11 +189,7 @@ def test_strategy_show_gives_stages_layers_micro_batches_and_the_bubble(capsys):
     ("data=8,microbatches=4", "microbatches are a pipeline's"),
 ])
 def test_bad_pipelines_are_one_line_errors(strategy, expected, tmp_path, capsys):
-    assert main(["train", "--model", "tiny", "--tokenizer", "bytes", "--steps", "1",
-                 "--strategy", strategy]) == 2
-    err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1].startswith("hotjax: error: ") and expected in err, err
-    assert "Traceback" not in err
+    assert expected in error([*TINY_RUN, "--steps", "1", "--strategy", strategy], capsys)
 
 
 @pytest.mark.parametrize("rules, expected", [

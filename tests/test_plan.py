@@ -184,3 +184,82 @@ def test_strategies_auto_plans_for_this_machine_and_trains_like_one_device(tmp_p
     assert main(["plan", *same, "--out", str(tmp_path / "plan.toml")]) == 0
     planned = load_table(tmp_path / "plan.toml")
     assert planned == trained and planned.home is not None
+
+
+def test_a_rule_set_added_to_rule_sets_is_planned_and_priced_by_what_it_maps(monkeypatch):
+    """A new entry of `RULE_SETS` — Megatron's layout with its axes swapped: attention and the
+    MLP split over `fsdp`, the weights' `embed` and the batch over `tensor` — becomes a
+    candidate of its own, and the cost model prices its collectives by the device groups its
+    rules map, not by the axes' names: on `fsdp=2·tensor=4` it costs what Megatron costs on
+    `fsdp=4·tensor=2` (a tensor-parallel group of 2, weights gathered over 4), term by term."""
+    from hotjax.planning.cost import micro_step_time
+    from sharding.strategy import RULE_SETS, Rules, Strategy
+
+    tensor_like = {"heads": "fsdp", "kv_heads": "fsdp", "mlp": "fsdp", "vocab": "fsdp"}
+    swapped = Rules.from_mappings("swapped", {"layers": "stage", "embed": "tensor", **tensor_like},
+                                  {"batch": ("data", "tensor"), **tensor_like})
+    monkeypatch.setitem(RULE_SETS, "swapped", swapped)
+    profile = load_profile("a800-4x8")
+    candidates = {str(s): s for s in plan.candidate_strategies(TINY, 8)}
+    assert "fsdp2·tensor4 [swapped]" in candidates
+    new, megatron = candidates["fsdp2·tensor4 [swapped]"], Strategy.parse(
+        "fsdp=4,tensor=2,rules=megatron")
+    shape = (4, CONTEXT)
+    priced, reference = (micro_step_time(TINY, s, shape, profile) for s in (new, megatron))
+    assert priced.tensor > 0 and priced.fsdp > 0
+    assert priced.terms() == pytest.approx(reference.terms(), rel=1e-12)
+    # The search prices it like any other candidate and can choose it.
+    search = plan.Search(TINY, profile, 8, 80 * GiB)
+    assert new in search.strategies
+    lengths = np.full(8, CONTEXT)
+    (bucket,) = plan.fixed_table(search, lengths, [(CONTEXT, new)]).buckets
+    only = plan.plan(plan.Search(TINY, profile, 8, 80 * GiB, [new]), lengths, CONTEXT)
+    assert [b.strategy for b in only.buckets] == [new]
+    assert only.buckets[0].seconds == pytest.approx(bucket.seconds)
+
+
+def test_the_table_recorded_is_the_one_written_not_its_fit_to_the_model(devices):
+    """`tiny` has 4 K/V heads: under `tensor=8` the trainer replicates each over two ranks (its
+    rules lose `kv_heads`). The run's table, as checkpoints record it, keeps the rules the user
+    named, and so does its home."""
+    from hotjax.optim import OptimConfig
+    from hotjax.train import Trainer
+    from sharding.strategy import Strategy
+    from sharding.table import StrategyTable
+
+    written = StrategyTable.single(Strategy.parse("tensor=8,rules=megatron"), 256, "test")
+    trainer = Trainer(TINY, OptimConfig(), written, devices)
+    assert trainer.home.layout.strategy.rules != written.buckets[0].strategy.rules  # fitted
+    assert trainer.home_strategy == written.buckets[0].strategy
+    recorded = dataclasses.replace(written, home=trainer.home_strategy).to_dict()
+    assert recorded["home"]["rules"] == "megatron"
+    assert recorded["bucket"][0]["rules"] == "megatron"
+
+
+def test_a_declared_memory_wall_refuses_whole_rows_and_admits_a_ring(devices):
+    """The wall between data=2 (each device a whole row) and a balanced context ring (each
+    device half of one): the trainer, by XLA's memory analysis as always, refuses the first
+    under that budget whatever it recomputes and trains the second."""
+    from hotjax.optim import OptimConfig
+    from hotjax.planning.wall import keeps_whole_rows, memory_wall
+    from hotjax.train import Trainer
+    from sharding.strategy import Strategy
+    from sharding.table import StrategyTable
+
+    config = dataclasses.replace(TINY, compute_dtype="float32")
+    whole, ring = Strategy.parse("data=2"), Strategy.parse("context=2,balanced=true")
+    assert keeps_whole_rows(whole) and keeps_whole_rows(Strategy.parse("tensor=2"))
+    assert not keeps_whole_rows(ring)
+    assert not keeps_whole_rows(Strategy.parse("tensor=2,rules=megatron-sp"))
+    wall = memory_wall(config, 512, devices[:2], [whole, ring])
+    assert wall.floor.peak_bytes < wall.budget_bytes < wall.ceiling.peak_bytes
+    assert wall.ceiling.strategy == whole and wall.floor.strategy == ring
+
+    def trainer(strategy: Strategy) -> Trainer:
+        table = StrategyTable.single(strategy, 512, "wall")
+        return Trainer(config, OptimConfig(), table, devices[:2],
+                       device_memory=wall.budget_bytes)
+
+    assert trainer(ring).check_memory(wall.budget_bytes)
+    with pytest.raises(plan.UserError, match="needs .* per device"):
+        trainer(whole).check_memory(wall.budget_bytes)

@@ -6,31 +6,24 @@ import errno
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import TINY_RUN, records, start_hotjax
 
-from hotjax.checkpoint import store
+from hotjax.checkpoint import dirs
 from hotjax.cli import main
 from hotjax.preemption import REQUEUE_EXIT
 
 # A tiny model on byte tokens in fp32 on one device: saves are written in the background.
-RUN = ["train", "--model", "tiny", "--tokenizer", "bytes", "--compute-dtype", "float32",
-       "--devices", "1", "--strategy", "data=1", "--context", "256", "--batch-tokens", "2048",
-       "--log-every", "1", "--steps", "12"]
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+RUN = [*TINY_RUN, "--devices", "1", "--strategy", "data=1", "--steps", "12"]
 
 
 def _losses(path: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _records(path)}
+    return {r["step"]: r["loss"] for r in records(path)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,10 +51,7 @@ class _Run:
     """`hotjax train` in a process of its own, its output collected as it comes."""
 
     def __init__(self, *flags: str, cwd: Path):
-        env = {**os.environ, "COLUMNS": "400"}  # rich would wrap the checkpoint's path
-        self.process = subprocess.Popen([sys.executable, "-m", "hotjax.cli", *RUN, *flags],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, cwd=cwd, env=env)
+        self.process = start_hotjax(*RUN, *flags, cwd=cwd)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout))
         self._reader.start()
@@ -95,14 +85,14 @@ def test_a_stop_signal_saves_the_step_reached_and_the_rerun_resumes_as_if_never_
     ck, metrics = tmp_path / "ck", tmp_path / "run.jsonl"
     flags = ["--ckpt-dir", str(ck), "--save-every", "2", "--metrics-jsonl", str(metrics)]
     run = _Run(*flags, cwd=tmp_path)
-    run.wait_for(lambda: metrics.exists() and len(_records(metrics)) >= 2)
+    run.wait_for(lambda: metrics.exists() and len(records(metrics)) >= 2)
     run.signal(signal.SIGTERM)
     code, lines = run.end()
-    reached = _records(metrics)[-1]["step"]
+    reached = records(metrics)[-1]["step"]
     assert code == REQUEUE_EXIT and 2 <= reached < 12
     assert lines == [f"hotjax: preempted at step {reached}: saved {ck / str(reached)}; rerun "
                      f"the same command to resume"]
-    assert store.steps(ck)[-1] == reached and not list(ck.glob(f"*{store.TMP_MARK}*"))
+    assert dirs.steps(ck)[-1] == reached and not list(ck.glob(f"*{dirs.TMP_MARK}*"))
 
     again = _Run(*flags, cwd=tmp_path)
     again.wait_for(lambda: any("resumed from" in line for line in again.lines))
@@ -112,7 +102,7 @@ def test_a_stop_signal_saves_the_step_reached_and_the_rerun_resumes_as_if_never_
     code, lines = again.end()
     assert code == 128 + signal.SIGTERM
     assert len(lines) == 1 and lines[0].startswith("hotjax: stopped at once by a second SIGTERM")
-    assert store.steps(ck)[-1] == reached and not list(ck.glob(f"*{store.TMP_MARK}*"))
+    assert dirs.steps(ck)[-1] == reached and not list(ck.glob(f"*{dirs.TMP_MARK}*"))
 
     assert main([*RUN, *flags]) == 0
     resumed = _losses(metrics)
@@ -131,7 +121,7 @@ def test_a_save_the_disk_refuses_is_one_line_and_the_earlier_checkpoints_resume(
     written = JsonCheckpointHandler._save_fn
 
     async def full_at_step_3(self, item, directory):
-        if str(directory).startswith(str(tmp_path / "ck" / f"3{store.TMP_MARK}")):
+        if str(directory).startswith(str(tmp_path / "ck" / f"3{dirs.TMP_MARK}")):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
         await written(self, item, directory)
 
@@ -145,7 +135,7 @@ def test_a_save_the_disk_refuses_is_one_line_and_the_earlier_checkpoints_resume(
     assert errors[0].startswith(f"hotjax: error: --ckpt-dir {ck}: saving step 3 failed (No "
                                 f"space left on device): a checkpoint needs about 1.6 MiB and ")
     assert errors[0].endswith("the checkpoints of steps 1, 2 are intact")
-    assert store.steps(ck) == [1, 2] and not list(ck.glob(f"*{store.TMP_MARK}*"))
+    assert dirs.steps(ck) == [1, 2] and not list(ck.glob(f"*{dirs.TMP_MARK}*"))
 
     assert main([*RUN, *flags]) == 0
     resumed = _losses(metrics)

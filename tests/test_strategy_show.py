@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+from helpers import write_table
 
 from hotjax.cli import main
 from models.llama import PRESETS, padded_vocab
@@ -72,10 +73,9 @@ def test_zero1_replicates_params_and_grads_and_splits_adam_moments(capsys):
 
 
 def test_a_table_gives_one_report_per_bucket_in_bucket_order(capsys, tmp_path):
-    table = tmp_path / "table.toml"
-    table.write_text('[[bucket]]\nmax_len = 256\nmesh = { data = 8 }\nrules = "dp"\n\n'
-                     '[[bucket]]\nmax_len = 1024\nmesh = { fsdp = 8 }\nrules = "fsdp"\n'
-                     'micro_rows = 16\n')
+    table = write_table(tmp_path / "table.toml",
+                        {"max_len": 256, "mesh": "data = 8", "rules": "dp"},
+                        {"max_len": 1024, "mesh": "fsdp = 8", "rules": "fsdp", "micro_rows": 16})
     short, long = _show(capsys, str(table), "--model", "tiny")
     assert (short["strategy"], long["strategy"]) == ("data8 [dp]", "fsdp8 [fsdp]")
     assert _specs(short)["layers/wq"] == "replicated"
@@ -127,7 +127,7 @@ def test_the_table_names_the_strategy_every_parameter_and_the_state_bytes(capsys
                  "layers/w_down", "lm_head"):
         assert name in out
     matrices, norms = _sizes(TINY)
-    assert f"Adam moments {2 * FP32 * (matrices // 8 + norms) / 2**20:,.1f} MiB" in out
+    assert f"AdamW state {2 * FP32 * (matrices // 8 + norms) / 2**20:,.1f} MiB" in out
     # ZeRO-1 keeps fp32 weights and their gradient sum whole, the moments split 8 ways.
     state = FP32 * (2 * (matrices + norms) + 2 * (matrices // 8 + norms))
     assert "home fsdp8 [zero1] (the most sharded): " in out
@@ -136,14 +136,14 @@ def test_the_table_names_the_strategy_every_parameter_and_the_state_bytes(capsys
 
 def test_a_table_shows_the_home_it_names(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
-    table = tmp_path / "table.toml"
-    table.write_text('home = { mesh = { fsdp = 8 }, rules = "fsdp" }\n[[bucket]]\n'
-                     'max_len = 256\nmesh = { data = 8 }\nrules = "dp"\n')
+    table = write_table(tmp_path / "table.toml",
+                        {"max_len": 256, "mesh": "data = 8", "rules": "dp"},
+                        home={"mesh": "fsdp = 8", "rules": "fsdp"})
     assert main(["strategy", "show", str(table), "--model", "tiny"]) == 0
     matrices, norms = _sizes(TINY)
     state = FP32 * 4 * (matrices // 8 + norms)  # weights, gradient sum, two moments
-    assert (f"home fsdp8 [fsdp] (the table names it): fp32 weights, gradient sum and Adam "
-            f"moments stay there, {state / 2**20:,.1f} MiB per device") in capsys.readouterr().out
+    assert (f"home fsdp8 [fsdp] (the table names it): fp32 weights, gradient sum and AdamW's "
+            f"state stay there, {state / 2**20:,.1f} MiB per device") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("strategy, model, expected", [

@@ -182,3 +182,27 @@ def test_micro_rows_or_buckets_that_do_not_fit_the_layout_are_user_errors(device
                                                       batch.positions))),))
     with pytest.raises(UserError, match=r"mini-batch buckets \[64\] are not the table's \[128\]"):
         trainer.step(trainer.init(seed=0), shorter)
+
+
+def test_a_run_built_from_parts_steps_without_waiting_and_trains_as_the_trainer(
+        devices, stdlib_batches, one_device_run):
+    """`Run` of a model, a table and an optax optimizer made in Python: each step returns
+    before its metrics are read (device values, fetched when asked), and the losses and weights
+    are the trainer's with hotjax's own AdamW."""
+    from hotjax.optim import make_optimizer
+    from hotjax.run import Run
+    from models.llama import param_axes
+
+    table = StrategyTable.single(Strategy.parse("data=1"), SEQ, "in Python")
+    run = Run(TINY, table, make_optimizer(OPTIM, param_axes(TINY)), stdlib_batches,
+              devices=devices[:1])
+    state, steps = run.init(0), []
+    for _ in stdlib_batches:
+        state, metrics = run.step(state)
+        assert isinstance(metrics.device["loss"], jax.Array)  # not read yet
+        steps.append(metrics)
+    ref_losses, ref_params = one_device_run
+    np.testing.assert_allclose([m["loss"] for m in steps], ref_losses, rtol=0, atol=1e-5)
+    diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))),
+                         jax.tree.map(np.asarray, state.params), ref_params[-1])
+    assert max(jax.tree.leaves(diffs)) <= 1e-5, diffs

@@ -1,17 +1,18 @@
-"""`hotjax ckpt`: inspect a checkpoint, import and export Hugging Face weights, PyTorch
-Distributed Checkpoints and DeepSpeed's (universal) checkpoints, import Megatron-Core's
-torch_dist checkpoints and foreign shard sets.
-(Training saves and resumes through `hotjax train --ckpt-dir / --resume-from`.)"""
+"""`hotjax ckpt`: inspect a checkpoint, and import and export it in the formats of the table
+`checkpoint.formats` (Hugging Face, PyTorch DCP, DeepSpeed, Megatron, shard sets), one command
+each. (Training saves and resumes through `hotjax train --ckpt-dir / --resume-from`.)"""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 from pathlib import Path
 from typing import Any
 
-from hotjax import start_jax
-from models.options import CHECKPOINT_NAMINGS
+from hotjax.checkpoint.formats import EMBEDDING, FORMATS, RECORDED, Format, Option
+from hotjax.startup import start_jax
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -23,95 +24,35 @@ def register(commands: argparse._SubParsersAction) -> None:
     inspect.add_argument("path", help="a step directory, or a checkpoint directory (its latest)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
     inspect.set_defaults(handler=_inspect)
+    for fmt in FORMATS:
+        if fmt.imports:
+            parser = sub.add_parser(f"import-{fmt.name}", help=fmt.import_help)
+            parser.add_argument("source", help=fmt.source_help)
+            parser.add_argument("out", help="a new checkpoint directory")
+            if fmt.model:
+                parser.add_argument("--config", help=f"the model's Hugging Face config.json "
+                                    f"(default: {fmt.model_help})")
+                vocabulary = ("its vocabulary size read from the checkpoint"
+                              if fmt.model == EMBEDDING else "with its vocabulary (the "
+                              "checkpoint's padding rows are dropped)")
+                parser.add_argument("--model", help=f"a model preset instead, {vocabulary}")
+            if fmt.tokenizer:
+                parser.add_argument("--tokenizer", help="the tokenizer to record"
+                                    + (" (default: the directory's tokenizer.json, if any)"
+                                       if fmt.model is None else ""))
+            _options(parser, fmt.import_options)
+            parser.set_defaults(handler=functools.partial(_import, fmt))
+        if fmt.exports:
+            parser = sub.add_parser(f"export-{fmt.name}", help=fmt.export_help)
+            parser.add_argument("path", help="a step directory, or a checkpoint directory")
+            parser.add_argument("out", help="a new directory")
+            _options(parser, fmt.export_options)
+            parser.set_defaults(handler=functools.partial(_export, fmt))
 
-    import_hf = sub.add_parser("import-hf", help="a Hugging Face LLaMA directory to a "
-                               "weights-only checkpoint")
-    import_hf.add_argument("hf_dir")
-    import_hf.add_argument("out", help="a new checkpoint directory")
-    import_hf.add_argument("--tokenizer", help="the tokenizer to record (default: the "
-                           "directory's tokenizer.json, if any)")
-    import_hf.set_defaults(handler=_import_hf)
 
-    export_hf = sub.add_parser("export-hf", help="a checkpoint's parameters to a Hugging Face "
-                               "LLaMA directory")
-    export_hf.add_argument("path", help="a step directory, or a checkpoint directory")
-    export_hf.add_argument("out", help="a new directory")
-    export_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                           default="float32", help="weights' dtype (default: %(default)s)")
-    export_hf.set_defaults(handler=_export_hf)
-
-    import_dcp = sub.add_parser("import-dcp", help="a PyTorch Distributed Checkpoint "
-                                "(torchtitan, FSDP2, DTensor) to a checkpoint that resumes its "
-                                "training: weights, AdamW moments and step")
-    import_dcp.add_argument("dcp_dir", help="the directory torch.distributed.checkpoint.save "
-                            "wrote (.metadata and *.distcp)")
-    import_dcp.add_argument("out", help="a new checkpoint directory")
-    _model_flags(import_dcp, "(default: config.json beside the checkpoint)",
-                 "its vocabulary size read from the checkpoint")
-    import_dcp.add_argument("--naming", choices=CHECKPOINT_NAMINGS,
-                            help="the tensors' names (default: detected)")
-    import_dcp.add_argument("--tokenizer", help="the tokenizer to record")
-    import_dcp.set_defaults(handler=_import_dcp)
-
-    export_dcp = sub.add_parser("export-dcp", help="a checkpoint to a PyTorch Distributed "
-                                "Checkpoint that torch loads into any sharding of the model")
-    export_dcp.add_argument("path", help="a step directory, or a checkpoint directory")
-    export_dcp.add_argument("out", help="a new directory")
-    export_dcp.add_argument("--naming", choices=CHECKPOINT_NAMINGS, default="hf",
-                            help="the tensors' names (default: %(default)s)")
-    export_dcp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                            default="float32", help="weights' dtype; AdamW moments stay "
-                            "float32 (default: %(default)s)")
-    export_dcp.set_defaults(handler=_export_dcp)
-
-    import_ds = sub.add_parser("import-deepspeed", help="a DeepSpeed checkpoint (ZeRO-1/2/3 "
-                               "rank files of any data-parallel size, or a universal directory) "
-                               "to a checkpoint that resumes its training: fp32 weights, AdamW "
-                               "moments and step")
-    import_ds.add_argument("ds_dir", help="the directory engine.save_checkpoint wrote (or one "
-                           "step of it), or ds_to_universal's output")
-    import_ds.add_argument("out", help="a new checkpoint directory")
-    _model_flags(import_ds, "(default: config.json beside the checkpoint)",
-                 "its vocabulary size read from the checkpoint")
-    import_ds.add_argument("--tokenizer", help="the tokenizer to record")
-    import_ds.set_defaults(handler=_import_deepspeed)
-
-    import_mc = sub.add_parser("import-megatron-core", help="a Megatron-Core torch_dist "
-                               "checkpoint (Megatron-LM's default format, of any TP/PP/DP) to a "
-                               "checkpoint: weights, and Adam's moments and step where saved "
-                               "per parameter")
-    import_mc.add_argument("mc_dir", help="the checkpoint's root (latest_checkpointed_iteration"
-                           ".txt names the iteration) or one iteration's directory")
-    import_mc.add_argument("out", help="a new checkpoint directory")
-    _model_flags(import_mc, "(default: the model the checkpoint's args record)",
-                 "with its vocabulary (the checkpoint's padding rows are dropped)")
-    import_mc.add_argument("--weights-only", action="store_true", help="leave the optimizer "
-                           "state out (needed for the distributed optimizer's default "
-                           "dp_reshardable format)")
-    import_mc.add_argument("--tokenizer", help="the tokenizer to record")
-    import_mc.set_defaults(handler=_import_megatron_core)
-
-    export_universal = sub.add_parser("export-universal", help="a checkpoint to a universal "
-                                      "directory that DeepSpeed resumes (load_universal) under "
-                                      "any ZeRO stage and data-parallel size")
-    export_universal.add_argument("path", help="a step directory, or a checkpoint directory")
-    export_universal.add_argument("out", help="a new directory")
-    export_universal.set_defaults(handler=_export_universal)
-
-    shards = sub.add_parser("import-shards", help="per-rank files of a TP/PP/ZeRO run to a "
-                            "weights-only checkpoint: described by a manifest, or Megatron-LM's")
-    shards.add_argument("source", help="a .toml or .json manifest (format: "
-                        "hotjax.checkpoint.manifest); with --format megatron, a Megatron "
-                        "checkpoint directory (its root or one iteration's)")
-    shards.add_argument("out", help="a new checkpoint directory")
-    shards.add_argument("--format", choices=("manifest", "megatron"), default="manifest",
-                        help="megatron: mp_rank_XX[_YYY]/model_optim_rng.pt files, their "
-                        "manifest derived from the files (default: %(default)s)")
-    _model_flags(shards, "(--format megatron; default: the model the rank files' args record)",
-                 "with its vocabulary (the files' padding rows are dropped)")
-    shards.add_argument("--workers", type=int, help="conversion processes (default: one per "
-                        "core, at most 8)")
-    shards.set_defaults(handler=_import_shards)
+def _options(parser: argparse.ArgumentParser, options: tuple[Option, ...]) -> None:
+    for option in options:
+        parser.add_argument(option.flag, help=option.help, **dict(option.settings))
 
 
 def _inspect(args: argparse.Namespace) -> None:
@@ -125,133 +66,58 @@ def _inspect(args: argparse.Namespace) -> None:
         _print(info)
 
 
-def _import_hf(args: argparse.Namespace) -> None:
+def _import(fmt: Format, args: argparse.Namespace) -> None:
     start_jax(1)
-    from hotjax.checkpoint.convert import import_hf
+    from hotjax.checkpoint import model
 
-    print(f"wrote {import_hf(args.hf_dir, args.out, args.tokenizer)}")
+    module = importlib.import_module(f"hotjax.checkpoint.{fmt.module}")
+    options = {o.dest: getattr(args, o.dest) for o in fmt.import_options}
+    source = Path(args.source)
+    if fmt.model:
+        rows = getattr(module, fmt.rows) if fmt.model == EMBEDDING else None
+        options["config"] = model.for_import(
+            args.config, args.model, beside=source, recorded=fmt.model == RECORDED,
+            rows=None if rows is None else functools.partial(rows, source))
+    if fmt.tokenizer:
+        from hotjax.data import load_tokenizer
+
+        options["tokenizer"] = load_tokenizer(args.tokenizer, None) if args.tokenizer else None
+    _report_import(getattr(module, fmt.imports)(source, args.out, **options))
 
 
-def _export_hf(args: argparse.Namespace) -> None:
+def _export(fmt: Format, args: argparse.Namespace) -> None:
     start_jax(1)
-    from hotjax.checkpoint.convert import export_hf
-
-    print(f"wrote {export_hf(args.path, args.out, args.dtype)}")
-
-
-def _model_flags(parser: argparse.ArgumentParser, config_default: str, model_help: str) -> None:
-    parser.add_argument("--config", help=f"the model's Hugging Face config.json {config_default}")
-    parser.add_argument("--model", help=f"a model preset instead, {model_help}")
+    module = importlib.import_module(f"hotjax.checkpoint.{fmt.module}")
+    options = {o.dest: getattr(args, o.dest) for o in fmt.export_options}
+    print(f"wrote {getattr(module, fmt.exports)(args.path, args.out, **options)}")
 
 
-def _import_dcp(args: argparse.Namespace) -> None:
-    start_jax(1)
-    from hotjax.checkpoint import dcp
-    from hotjax.checkpoint.convert import model_config
-
-    directory = Path(args.dcp_dir)
-    config = model_config(args.config, args.model, beside=directory,
-                          vocab_size=lambda: dcp.embedding_rows(directory))
-    step_dir = dcp.import_dcp(directory, args.out, config, naming=args.naming,
-                              tokenizer=_tokenizer(args))
-    _report_import(step_dir, "torch")
-
-
-def _import_deepspeed(args: argparse.Namespace) -> None:
-    start_jax(1)
-    from hotjax.checkpoint import deepspeed
-    from hotjax.checkpoint.convert import model_config
-
-    directory = Path(args.ds_dir)
-    config = model_config(args.config, args.model, beside=directory,
-                          vocab_size=lambda: deepspeed.embedding_rows(directory))
-    step_dir = deepspeed.import_deepspeed(directory, args.out, config, tokenizer=_tokenizer(args))
-    _report_import(step_dir, "DeepSpeed")
-
-
-def _import_megatron_core(args: argparse.Namespace) -> None:
-    start_jax(1)
-    from hotjax.checkpoint import megatron_core
-    from hotjax.checkpoint.convert import model_config
-    from models.llama import preset
-
-    directory = Path(args.mc_dir)
-    # A preset's vocabulary is the real one; the checkpoint's embedding holds it padded.
-    config = model_config(args.config, args.model, beside=directory,
-                          vocab_size=lambda: preset(args.model).vocab_size) if (
-        args.config or args.model) else None
-    step_dir = megatron_core.import_megatron_core(directory, args.out, config=config,
-                                                  weights_only=args.weights_only,
-                                                  tokenizer=_tokenizer(args))
-    _report_import(step_dir, "Megatron-Core")
-
-
-def _tokenizer(args: argparse.Namespace) -> Any:
-    from hotjax.data import load_tokenizer
-
-    return load_tokenizer(args.tokenizer, None) if args.tokenizer else None
-
-
-def _report_import(step_dir: Path, trainer: str) -> None:
-    """What an import of a PyTorch run wrote, and the run's AdamW settings it recorded."""
+def _report_import(step_dir: Path) -> None:
+    """What an import wrote; of a foreign run's state, its optimizer and the settings recorded."""
     from hotjax.checkpoint import meta as meta_lib
+    from models.optimizers import DEFAULT, named
 
     meta = meta_lib.read(step_dir)
-    what = ("parameters, AdamW moments" if "opt_state" in meta["items"]
-            else "parameters only (no optimizer state saved)")
-    foreign = meta["written_from"]["foreign"]
-    print(f"wrote {step_dir}: step {meta['step']}, {what}, {foreign['naming']} naming"
-          + (f", from {foreign['format']}" if trainer != "torch" else ""))
+    foreign = (meta.get("written_from") or {}).get("foreign") or {}
+    if "naming" not in foreign:  # weights converted by name: nothing more to say
+        print(f"wrote {step_dir}")
+        return
     optimizer = meta.get("optimizer") or {}
-    found = {k: v for k, v in optimizer.items() if k not in ("source", "loss_scaling")}
+    label = named(optimizer.get("name", DEFAULT)).label
+    what = (f"parameters, {label} moments" if "opt_state" in meta["items"]
+            else "parameters only (no optimizer state saved)")
+    print(f"wrote {step_dir}: step {meta['step']}, {what}, {foreign['naming']} naming, "
+          f"from {foreign['format']}")
+    found = {k: v for k, v in optimizer.items() if k not in ("name", "source", "loss_scaling")}
     if found:
         def show(v: Any) -> str:
             if isinstance(v, list | tuple):
                 return "/".join(map(show, v))
             return f"{v:g}" if isinstance(v, int | float) else str(v)
 
-        print(f"the {trainer} run's AdamW: " + ", ".join(f"{k} {show(v)}"
-                                                        for k, v in found.items())
+        print(f"the {foreign['format']} run's {label}: " + ", ".join(
+            f"{k} {show(v)}" for k, v in found.items())
               + " (a hotjax run resumes with its own optimizer settings)")
-
-
-def _export_dcp(args: argparse.Namespace) -> None:
-    start_jax(1)
-    from hotjax.checkpoint.dcp import export_dcp
-
-    print(f"wrote {export_dcp(args.path, args.out, naming=args.naming, dtype=args.dtype)}")
-
-
-def _export_universal(args: argparse.Namespace) -> None:
-    start_jax(1)
-    from hotjax.checkpoint.universal import export_universal
-
-    print(f"wrote {export_universal(args.path, args.out)}")
-
-
-def _import_shards(args: argparse.Namespace) -> None:
-    from models.errors import UserError
-
-    if args.workers is not None and args.workers < 1:
-        raise UserError(f"--workers {args.workers}: pass a positive number of processes")
-    if args.format == "manifest" and (args.config or args.model):
-        raise UserError("--config and --model go with --format megatron: a manifest names its "
-                        "model itself")
-    start_jax(1)
-    if args.format == "manifest":
-        from hotjax.checkpoint.foreign import import_shards
-
-        print(f"wrote {import_shards(args.source, args.out, args.workers)}")
-        return
-    from hotjax.checkpoint.convert import model_config
-    from hotjax.checkpoint.megatron import import_megatron
-    from models.llama import preset
-
-    # A preset's vocabulary is the real one; the files' embedding holds it padded.
-    config = model_config(args.config, args.model, beside=Path(args.source),
-                          vocab_size=lambda: preset(args.model).vocab_size) if (
-        args.config or args.model) else None
-    print(f"wrote {import_megatron(args.source, args.out, config=config, workers=args.workers)}")
 
 
 def _print_table(record: dict[str, Any] | None, console: Any) -> None:

@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from hotjax.checkpoint import dirs, model, store
 from hotjax.checkpoint import meta as meta_lib
-from hotjax.checkpoint import store
 from hotjax.data import load_tokenizer
 from models.errors import UserError
 from models.hf import (
@@ -24,13 +23,13 @@ from models.hf import (
     read_json,
     write_hf_directory,
 )
-from models.llama import LlamaConfig, abstract_params, param_axes, preset
+from models.llama import abstract_params, param_axes
 
 
-def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | None = None) -> Path:
+def import_hf(hf_dir: str | Path, out: str | Path, *, tokenizer: Any = None) -> Path:
     """A weights-only checkpoint of a Hugging Face LLaMA directory, at step 0; the tokenizer
-    (`--tokenizer`, else the directory's tokenizer.json if any) is recorded."""
-    store.check_new_directory(out)
+    (loaded, else the directory's tokenizer.json if any) is recorded."""
+    dirs.check_new_directory(out)
     hf_dir = Path(hf_dir).absolute()
     if not hf_dir.is_dir():
         raise UserError(f"{hf_dir}: no such checkpoint directory")
@@ -38,25 +37,22 @@ def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | None = None)
     params = store.pending(hf_param_makers(hf_tensors_of(hf_dir), config),
                            abstract_params(config))
     if tokenizer is None and (hf_dir / "tokenizer.json").is_file():
-        tokenizer = str(hf_dir / "tokenizer.json")
+        tokenizer = load_tokenizer(str(hf_dir / "tokenizer.json"), None)
     record = meta_lib.record(
-        step=0, source=f"import-hf {hf_dir}", items=[store.PARAMS],
-        model=config.to_dict(),
-        tokenizer=meta_lib.tokenizer_record(load_tokenizer(tokenizer, None)) if tokenizer
-        else None)
+        step=0, source=f"import-hf {hf_dir}", items=[store.PARAMS], model=config.to_dict(),
+        tokenizer=meta_lib.tokenizer_record(tokenizer) if tokenizer else None)
     return store.save_weights(out, params, record)
 
 
 def export_hf(path: str | Path, out: str | Path, dtype: str = "float32") -> Path:
     """A Hugging Face LLaMA directory of a checkpoint's parameters, in `dtype`. Vocabulary
     padding past the recorded tokenizer's size is left out, so the two agree."""
-    out = store.check_new_directory(out)
-    step_dir = store.find(path)
+    out = dirs.check_new_directory(out)
+    step_dir = dirs.find(path)
     meta = meta_lib.read(step_dir)
-    config = LlamaConfig.checked(meta["model"], f"{step_dir / meta_lib.META_FILE}: model",
-                                 meta_lib.DAMAGED)
+    config = model.saved(meta, step_dir)
     vocab = meta_lib.real_vocab(meta)
-    axes = {store.array_path(p): a for p, a in jax.tree_util.tree_flatten_with_path(
+    axes = {dirs.array_path(p): a for p, a in jax.tree_util.tree_flatten_with_path(
         param_axes(config), is_leaf=lambda a: isinstance(a, tuple))[0]}
     arrays = ((key, store.trim(x, axes[key], vocab)) for key, x in store.restore_each(
         step_dir, store.PARAMS, param_keys(config)))
@@ -66,29 +62,10 @@ def export_hf(path: str | Path, out: str | Path, dtype: str = "float32") -> Path
     return out
 
 
-def model_config(config_json: str | Path | None, model: str | None, *, beside: Path,
-                 vocab_size: Callable[[], int]) -> LlamaConfig:
-    """The model a foreign checkpoint holds: its Hugging Face config.json (`config_json`, else
-    one found beside the checkpoint), or the preset `model` with the checkpoint's vocabulary
-    size (`vocab_size`, read from its embedding)."""
-    if config_json is not None and model is not None:
-        raise UserError("--config and --model both name the model: pass one")
-    if model is not None:
-        # The vocabulary is the checkpoint's claim: checked before the model is sized by it.
-        return LlamaConfig.checked({**preset(model).to_dict(), "vocab_size": vocab_size(),
-                                    "compute_dtype": "float32"}, f"{beside} (with --model "
-                                   f"{model})", "pass the checkpoint's own --config")
-    file = Path(config_json) if config_json is not None else beside / CONFIG_FILE
-    if not file.is_file():
-        raise UserError(f"{file}: no such config.json: pass the model's Hugging Face config "
-                        f"with --config, or a preset with --model")
-    return config_from_hf(read_json(file))
-
-
 def describe(path: str | Path) -> dict[str, Any]:
     """A checkpoint's step, metadata, sizes and arrays (shape and dtype), read without
     loading any array."""
-    step_dir = store.find(path)
+    step_dir = dirs.find(path)
     meta = meta_lib.read(step_dir)
     items = {}
     for item in meta["items"]:
@@ -99,7 +76,7 @@ def describe(path: str | Path) -> dict[str, Any]:
             "bytes": sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in arrays.values()),
             "arrays": {name: {"shape": list(a.shape), "dtype": str(a.dtype)}
                        for name, a in arrays.items()}}
-    siblings = store.steps(step_dir.parent)
+    siblings = dirs.steps(step_dir.parent)
     return {"path": str(step_dir), "step": meta["step"],
             "steps_in_directory": siblings,
             **{k: v for k, v in meta.items() if k not in ("step", "fingerprints")},

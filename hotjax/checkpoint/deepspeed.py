@@ -17,8 +17,8 @@ Files are read with torch's weights-only loader, memory-mapped, one parameter at
 file is opened again for each parameter it holds a part of, so that its pages read leave memory
 with the parameter); the few DeepSpeed classes they pickle are read as plain records, so
 DeepSpeed need not be installed.
-Names are Hugging Face's, matched by suffix as in `checkpoint.dcp` (wrappers such as `module.`
-need no configuration).
+Names are Hugging Face's, matched by suffix (`torch_state.resolve`: wrappers such as `module.`
+need no configuration); an import is a `torch_state.TorchState`.
 """
 
 from __future__ import annotations
@@ -33,15 +33,17 @@ from typing import Any
 
 import numpy as np
 
-from hotjax.checkpoint import dcp, untrusted
+from hotjax.checkpoint import dirs, torch_state, untrusted
 from hotjax.checkpoint import meta as meta_lib
-from hotjax.checkpoint.dcp import MOMENTS, TorchState
+from hotjax.checkpoint.torch_state import TorchState
 from models import bounds
 from models.errors import UserError
 from models.hf import LazyTensors, hf_tensor_shapes
 from models.llama import LlamaConfig
+from models.optimizers import ADAMW
 
 _TAG_BYTES = 4096  # what is read of `latest`: a step directory's name ("global_step2")
+MOMENTS = ADAMW.torch_names("import-deepspeed")  # the optimizer state an import reads
 FIELDS = ("fp32", *MOMENTS)  # a universal parameter directory's files, besides step.pt
 _OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _MODEL_FILE = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
@@ -379,7 +381,7 @@ def _hyperparameters(state: dict[str, Any], groups: list[dict]) -> dict[str, Any
             if field in group:
                 values[str(g), field] = group[field]
         values[str(g), "params"] = list(groups[g]) if g < len(groups) else []
-    out = dcp.hyperparameters(values, {n: n for g in groups for n in g})
+    out = torch_state.hyperparameters(values, {n: n for g in groups for n in g})
     if not groups and param_groups:  # a universal directory's groups name no parameters
         first = param_groups[0]
         out.update({f: first[f] for f in ("lr", "eps") if f in first})
@@ -466,20 +468,20 @@ def embedding_rows(directory: str | Path) -> int:
                     f"LLaMA checkpoint")
 
 
-def torch_state(checkpoint: DeepSpeedCheckpoint, config: LlamaConfig) -> TorchState:
+def read_state(checkpoint: DeepSpeedCheckpoint, config: LlamaConfig) -> TorchState:
     """The checkpoint's weights and AdamW state under Hugging Face names, checked against
     `config`."""
-    names = dcp.foreign_names(config, "hf")
+    names = torch_state.foreign_names(config, "hf")
     expected = hf_tensor_shapes(config)
     found: dict[str, str] = {}  # HF name -> DeepSpeed name
     for name, shape in checkpoint.shapes.items():
         parts = [c for c in name.split(".") if c not in ("module", "_orig_mod")]
-        resolved = dcp.resolve(parts, {n: n for n in names})
+        resolved = torch_state.resolve(parts, {n: n for n in names})
         where = checkpoint.path / "zero" / name if checkpoint.layout == "universal" else (
             checkpoint.path)
         if resolved is None:
-            if not name.endswith(dcp.BUFFERS) and not (config.tie_embeddings
-                                                       and name.endswith(dcp.HEADS)):
+            if not name.endswith(torch_state.BUFFERS) and not (
+                    config.tie_embeddings and name.endswith(torch_state.HEADS)):
                 raise UserError(f"{where}: holds parameter {name}, which a LLaMA of this config "
                                 f"lacks: pass the --config the run trained")
             continue
@@ -507,12 +509,10 @@ def import_deepspeed(directory: str | Path, out: str | Path, config: LlamaConfig
                      tokenizer: Any = None) -> Path:
     """A hotjax checkpoint of a DeepSpeed checkpoint: its fp32 master weights, AdamW moments
     and step, so that training resumes there on any strategy."""
-    from hotjax.checkpoint import store
-
-    store.check_new_directory(out)
+    dirs.check_new_directory(out)
     checkpoint = read_deepspeed(directory)
-    state = torch_state(checkpoint, config)
-    return dcp.save_torch_state(
+    state = read_state(checkpoint, config)
+    return torch_state.save_torch_state(
         out, state, config, source=f"import-deepspeed {checkpoint.path}",
         foreign={"format": f"deepspeed {checkpoint.layout}", "naming": "hf",
                  "data_parallel": checkpoint.dp or None, "checkpoint": str(checkpoint.path)},

@@ -472,9 +472,9 @@ class Converted:
 def import_shards(manifest_path: str | Path, out: str | Path,
                   workers: int | None = None) -> Path:
     """Converts the shard set `manifest_path` describes into a weights-only checkpoint."""
-    from hotjax.checkpoint import store
+    from hotjax.checkpoint import dirs
 
-    store.check_new_directory(out)
+    dirs.check_new_directory(out)
     manifest = load_manifest(manifest_path)
     return import_manifest(manifest, out, workers, source=f"import-shards {manifest.path}",
                            layout=manifest.describe())
@@ -485,11 +485,11 @@ def import_manifest(manifest: Manifest, out: str | Path, workers: int | None, *,
     """Converts the shard set `manifest` describes (hand-written or derived) into a
     weights-only checkpoint at `out`, recording `source` and the `layout` that wrote it."""
     from hotjax.checkpoint import meta as meta_lib
-    from hotjax.checkpoint import store
+    from hotjax.checkpoint import model, store
     from models.hf import LazyTensors, hf_param_makers, hf_read_order, hf_tensor_shapes
     from models.llama import abstract_params
 
-    config = model_config(manifest)
+    config = model.from_manifest(manifest.model, manifest.path)
     shapes = hf_tensor_shapes(config)
     tasks = plan(manifest, config.n_layers, shapes)
     record = meta_lib.record(step=manifest.step, source=source, items=[store.PARAMS],
@@ -500,20 +500,3 @@ def import_manifest(manifest: Manifest, out: str | Path, workers: int | None, *,
         tensors = LazyTensors(shapes, converted.read)
         params = store.pending(hf_param_makers(tensors, config), abstract_params(config))
         return store.save_weights(out, params, record)
-
-
-def model_config(manifest: Manifest) -> Any:
-    """The manifest's model: a preset, config fields over an optional preset, or an HF config."""
-    from models.hf import config_from_hf, read_json
-    from models.llama import LlamaConfig, preset
-
-    model, where = manifest.model, f"{manifest.path}: model"
-    if isinstance(model, str):
-        return dataclasses.replace(preset(model), compute_dtype="float32")
-    if "hf_config" in model:
-        file = manifest.path.parent / model["hf_config"]
-        return config_from_hf(read_json(file))
-    fields = {k: v for k, v in model.items() if k != "preset"}
-    base = preset(model["preset"]).to_dict() if "preset" in model else {}
-    return LlamaConfig.checked({**base, **fields, "compute_dtype": "float32"}, where,
-                               "fix the manifest's model")

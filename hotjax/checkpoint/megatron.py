@@ -76,11 +76,8 @@ def derive_manifest(directory: str | Path, config: LlamaConfig | None = None, *,
             raise UserError(f"{file(0, 0)}: lacks tensor {EMBED}: the first stage holds the "
                             f"embedding")
         vocab_size_padded = ranks[(0, 0)][EMBED].shape[0] * tp
-    if config is None:
-        if not isinstance(args, argparse.Namespace):
-            raise UserError(f"{file(0, 0)}: records no Megatron args to read the model from: "
-                            f"pass --config (an HF config.json) or --model (a preset)")
-        config = config_from_args(args, file(0, 0), vocab_size_padded)
+    # The files' own checks name a disagreement first; the args are compared after them.
+    config = config or model_of(args, file(0, 0), vocab_size_padded, None, checked=True)
     if config.vocab_size > vocab_size_padded:
         raise UserError(f"{file(0, 0)}: tensor {EMBED}: the padded vocabulary of "
                         f"{vocab_size_padded} rows is smaller than the config's vocab_size "
@@ -93,8 +90,7 @@ def derive_manifest(directory: str | Path, config: LlamaConfig | None = None, *,
         raise UserError(f"{iteration}: the rank files hold {sum(per_stage)} layers "
                         f"({' + '.join(map(str, per_stage))} over pp={pp}), but the config has "
                         f"n_layers={config.n_layers}")
-    if isinstance(args, argparse.Namespace):
-        check_config(config, args, file(0, 0), vocab_size_padded)
+    model_of(args, file(0, 0), vocab_size_padded, config, checked=True)
     stage = next((s for s in range(pp) if per_stage[s]), 0)
     norms = [_norm(file(0, stage), ranks[(0, stage)], fused, local) for fused, local in NORMS]
     # Tied, the last stage of a pipeline keeps a copy of the embedding as its output layer.
@@ -123,15 +119,29 @@ def import_megatron(directory: str | Path, out: str | Path, *, config: LlamaConf
                     workers: int | None = None) -> Path:
     """Converts the Megatron checkpoint at `directory` into a weights-only checkpoint at `out`
     (`derive_manifest` reads the layout; `config` defaults to the files' `args`)."""
-    from hotjax.checkpoint import store
+    from hotjax.checkpoint import dirs
 
-    store.check_new_directory(out)
+    dirs.check_new_directory(out)
     manifest = derive_manifest(directory, config)
     layout = {"format": "megatron", "directory": str(manifest.path), "files": manifest.files,
               "tp": manifest.sizes["tp"], "pp": manifest.sizes["pp"]}
     return foreign.import_manifest(
         manifest, out, workers, layout=layout,
         source=f"import-shards --format megatron {Path(directory).absolute()}")
+
+
+def import_shards(source: str | Path, out: str | Path, *, format: str = "manifest",
+                  config: LlamaConfig | None = None, workers: int | None = None) -> Path:
+    """`hotjax ckpt import-shards`: the shard set the manifest `source` describes, or (`format`
+    "megatron") the Megatron checkpoint directory `source`, as a weights-only checkpoint."""
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers {workers}: pass a positive number of processes")
+    if format == "manifest":
+        if config is not None:
+            raise UserError("--config and --model go with --format megatron: a manifest names "
+                            "its model itself")
+        return foreign.import_shards(source, out, workers)
+    return import_megatron(source, out, config=config, workers=workers)
 
 
 def iteration_directory(directory: Path) -> Path:
@@ -194,6 +204,24 @@ def config_from_args(args: argparse.Namespace, file: Path, vocab_size: int) -> L
     return LlamaConfig.checked(fields, str(file), "its args describe no LLaMA hotjax can build: "
                                "pass --config (an HF config.json) or --model (a preset)",
                                _ARG_NAMES)
+
+
+def model_of(args: Any, file: Path, rows: int, config: LlamaConfig | None, *,
+             checked: bool = False) -> LlamaConfig:
+    """`config` (the caller's: `checkpoint.model.for_import`), checked against the run's `args`
+    where recorded, or else the model those args describe, with `rows` rows of vocabulary (the
+    padded embedding's); `checked`: the args were checked already."""
+    recorded = isinstance(args, argparse.Namespace)
+    if recorded and not checked:
+        check_args(args, file)
+    if config is not None:
+        if recorded:
+            check_config(config, args, file, rows)
+        return config
+    if not recorded:
+        raise UserError(f"{file}: records no Megatron args to read the model from: pass "
+                        f"--config (an HF config.json) or --model (a preset)")
+    return config_from_args(args, file, rows)
 
 
 def check_args(args: argparse.Namespace, file: Path) -> None:

@@ -26,7 +26,6 @@ whatever the checkpoint's size.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import re
@@ -36,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from hotjax.checkpoint import dcp, megatron, store
+from hotjax.checkpoint import dcp, dirs, megatron, store, torch_state
 from hotjax.checkpoint.megatron import EMBED, FC1, FC2, FINAL_NORM, HEAD, NORMS, PROJ, QKV
 from hotjax.checkpoint.megatron_dist import (
     BUCKET,
@@ -48,12 +47,14 @@ from hotjax.checkpoint.megatron_dist import (
 from models import bounds
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params
+from models.optimizers import ADAMW
 
 BACKEND = "torch_dist"
 _STATE = re.compile(r"(?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)"
                     r"\.(.+)")
 _MASTER = ("param", "fp32_param")  # the distributed optimizer's name, the plain one's
 _MOE = ("experts", "router", "shared_experts")
+MOMENTS = ADAMW.torch_names("import-megatron-core")  # Adam's state, as Megatron names it too
 
 
 # ---------------------------------------------------------------------------- reading
@@ -104,24 +105,6 @@ def _rows(tensors: dict[str, Any], where: Path) -> int:
     if EMBED not in tensors:
         raise UserError(f"{where}: lacks tensor {EMBED}: not a Megatron GPT checkpoint")
     return dcp.claimed_shape(tensors[EMBED].size, EMBED, where)[0]
-
-
-def model_config(iteration: Path, common: dict[str, Any], rows: int,
-                 config: LlamaConfig | None) -> LlamaConfig:
-    """`config`, checked against the run's args, or else the model those args describe."""
-    file = iteration / "common.pt"
-    args = common.get("args")
-    if isinstance(args, argparse.Namespace):
-        megatron.check_args(args, file)
-        if config is not None:
-            megatron.check_config(config, args, file, rows)
-    if config is not None:
-        return config
-    if not isinstance(args, argparse.Namespace):
-        raise UserError(f"{file}: records no Megatron args, and the tensors' shapes do not "
-                        f"give the heads, the rotary base or the norm epsilon: pass --config "
-                        f"(an HF config.json) or --model (a preset)")
-    return megatron.config_from_args(args, file, rows)
 
 
 def tensor_shapes(config: LlamaConfig, rows: int, norms: tuple[str, str]) -> dict[str, tuple]:
@@ -225,8 +208,8 @@ def _check_shapes(tensors: dict[str, Any], expected: dict[str, tuple],
                         f"{expected[EMBED][0]} rows is smaller than the config's vocab_size "
                         f"{config.vocab_size}")
     fields = {"weight": dict(zip(expected, expected, strict=True)), **state}
-    if any(f in state for f in dcp.MOMENTS):
-        fields.update({f: state.get(f, {}) for f in dcp.MOMENTS})
+    if any(f in state for f in MOMENTS):
+        fields.update({f: state.get(f, {}) for f in MOMENTS})
     for key, shape in expected.items():
         for field, keys in fields.items():
             if key not in keys:
@@ -366,13 +349,13 @@ def import_megatron_core(directory: str | Path, out: str | Path, *,
     """A hotjax checkpoint of the torch_dist checkpoint at `directory` (its root or one
     iteration's): weights, and Adam's moments and step where saved per parameter (unless
     `weights_only`); `config` defaults to the model the run's args record."""
-    store.check_new_directory(out)
+    dirs.check_new_directory(out)
     iteration = iteration_directory(directory)
     where = iteration / ".metadata"
     metadata, tensors = _tensors(iteration)
     common = read_common(iteration / "common.pt")
     rows = _rows(tensors, where)
-    config = model_config(iteration, common, rows, config)
+    config = megatron.model_of(common.get("args"), iteration / "common.pt", rows, config)
     norms = _norms(tensors, where)
     expected = tensor_shapes(config, rows, norms)
     state, bucketed = _classify(tensors, expected, weights_only, where)
@@ -388,7 +371,7 @@ def import_megatron_core(directory: str | Path, out: str | Path, *,
                            common.get("args"), where)
         common = {**common, "optimizer": [common.get("optimizer"),
                                           *distributed_groups(iteration, metadata)]}
-    moment_fields = [f for f in dcp.MOMENTS if f in state or buckets]
+    moment_fields = [f for f in MOMENTS if f in state or buckets]
     step = _step(common, iteration / "common.pt") if moment_fields else None
     if moment_fields and step is None:
         raise UserError(f"{iteration / 'common.pt'}: its optimizer's param groups record no "
@@ -422,7 +405,7 @@ def import_megatron_core(directory: str | Path, out: str | Path, *,
     foreign = {"format": f"megatron-core {BACKEND}", "naming": "megatron-core",
                "checkpoint": str(iteration), "iteration": iteration_number}
     moments = {f: trees[f] for f in moment_fields} or None
-    return dcp.save_trees(
+    return torch_state.save_trees(
         out, config, trees["weight"], moments,
         step if moments else (iteration_number or 0),
         _hyperparameters(common, iteration / "common.pt"),

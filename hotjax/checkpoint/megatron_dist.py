@@ -20,6 +20,7 @@ from hotjax.checkpoint import dcp, untrusted
 from hotjax.checkpoint.megatron import EMBED, FC1, FC2, FINAL_NORM, HEAD, PROJ, QKV
 from models.errors import UserError
 from models.llama import LlamaConfig
+from models.optimizers import ADAMW
 
 LAYERS = "decoder.layers."
 BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_.+"
@@ -27,6 +28,7 @@ BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)
 # The distributed optimizer's param groups (lr, betas, step), one object per model-parallel rank.
 _GROUPS = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.optimizer/shard_.+")
 _ALIGN = 64  # a bucket's parameters start at multiples of 64 elements
+MOMENTS = ADAMW.torch_names("import-megatron-core")  # a bucket's Adam state, besides `param`
 
 
 # ---------------------------------------------------------------------------- common.pt
@@ -124,7 +126,7 @@ class Buckets:
         self.place: list[dict[tuple[str, int | None], tuple[int, int, tuple]]] = []
         for rank in range(tp):
             count = sum(1 for r, _ in sizes if r == rank)
-            if any((rank, b) not in sizes or fields[rank, b] != {"param", *dcp.MOMENTS}
+            if any((rank, b) not in sizes or fields[rank, b] != {"param", *MOMENTS}
                    for b in range(count)) or count == 0:
                 raise UserError(f"{where}: the distributed optimizer's buckets of rank {rank} "
                                 f"are incomplete (each needs its param, exp_avg and exp_avg_sq): "

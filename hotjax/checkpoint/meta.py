@@ -11,11 +11,13 @@ Free of JAX and Orbax, so `inspect` and the shard importer's workers stay light.
     tokenizer       {identity, vocab_size, bos_id, eos_id, pad_id}, or null when unknown
     seed            the run's seed: it initialised the parameters and orders the data
     data            what the data position refers to: {source, seq_len, batch_tokens, seed}
-    optimizer       the `OptimConfig` fields, or null
+    optimizer       the `OptimConfig` fields (its `name`: an entry of `models.optimizers`; absent:
+                    AdamW), or an import's {name, source, loss_scaling, torch hyperparameters};
+                    null for weights only
     strategy_table  the run's strategy table, home included, as `StrategyTable.to_dict()` writes it
                     (`sharding.table.parse_table` loads it back), or null
     written_from    the layout that wrote it (for `inspect` only; restore never reads it)
-    fingerprints    {item: {array path: uint32}}: see `store.fingerprints`
+    fingerprints    {item: {array path: uint32}}: see `checkpoint.fingerprint`
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hotjax import __version__
+from hotjax.version import __version__
 from models import bounds
 from models.errors import UserError
+from models.optimizers import DEFAULT, OPTIMIZERS
 
 FORMAT = "hotjax-checkpoint/1"
 META_FILE = Path("meta") / "metadata"  # where Orbax's JSON handler puts the `meta` item
@@ -136,6 +139,10 @@ def _check(meta: dict[str, Any], where: str) -> None:
     if optimizer.get("loss_scaling") == "static" and "loss_scale" not in optimizer:
         raise UserError(f"{where}: optimizer has static loss scaling but no loss_scale: "
                         f"{DAMAGED}")
+    name = optimizer.get("name", DEFAULT)
+    if name not in OPTIMIZERS:
+        raise UserError(f"{where}: optimizer.name is {bounds.show(name)}, not one of "
+                        f"{', '.join(OPTIMIZERS)}: written by a newer hotjax, or {DAMAGED}")
     betas = optimizer.get("betas")
     if betas is not None and not (isinstance(betas, list) and len(betas) == 2):
         raise UserError(f"{where}: optimizer.betas is {bounds.show(betas)}, not a pair of "
@@ -155,7 +162,7 @@ _DATA: _Spec = {"source": ("text",), "tokenizer": ("text",), "long_documents": (
                 "batch_tokens": ("whole", 1, bounds.MAX_COUNT),
                 "batch_sequences": ("whole", 1, bounds.MAX_COUNT),
                 "vocab_size": ("whole", 1, bounds.MAX_VOCAB), "seed": ("whole", 0, 2**32 - 1)}
-_OPTIMIZER: _Spec = {"source": ("text",), "loss_scaling": ("text",),
+_OPTIMIZER: _Spec = {"name": ("text",), "source": ("text",), "loss_scaling": ("text",),
                      "warmup_steps": ("whole", 0, bounds.MAX_STEP),
                      "total_steps": ("whole", 1, bounds.MAX_STEP),
                      "loss_scale_period": ("whole", 1, bounds.MAX_STEP),
@@ -215,15 +222,16 @@ def real_vocab(meta: dict[str, Any]) -> int:
     return int(tokenizer.get("vocab_size") or meta["model"]["vocab_size"])
 
 
-def check_run(meta: dict[str, Any], *, tokenizer: dict[str, Any], data: dict[str, Any],
-              where: Path) -> None:
-    """Raises unless the data position in the checkpoint means the same in this run."""
+def check_run(meta: dict[str, Any], *, tokenizer: dict[str, Any],
+              data: dict[str, Any] | None, where: Path) -> None:
+    """Raises unless the checkpoint's tokenizer is this run's and the data position in it means
+    the same in this run (`data` None: the data starts afresh)."""
     saved = meta.get("tokenizer")
     if saved and saved["identity"] != tokenizer["identity"]:
         raise UserError(f"{where}: written with tokenizer {saved['identity']} but this run "
                         f"uses {tokenizer['identity']}: pass the checkpoint's --tokenizer")
     saved_data = meta.get("data")
-    if saved_data:
+    if saved_data and data is not None:
         for key, flag in (("source", "--data"), ("seq_len", "--context"),
                           ("batch_tokens", "--batch-tokens"),
                           ("batch_sequences", "--batch-sequences"),

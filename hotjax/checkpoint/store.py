@@ -1,14 +1,13 @@
 """Universal checkpoints in Orbax: a step's state saved from home, restored onto any layout.
 
-A checkpoint directory holds one directory per step, each with the items
+Each step directory (`dirs`) holds the items
 - `params`, `opt_state`: arrays in logical form (OCDBT, zarr3): the model's own tree of fp32
   parameters (stacked layers, unfused Q/K/V) and the optimizer state that mirrors it. No
   sharding is stored with them, so a restore always names its targets: shape, dtype and the new
   layout's sharding, on any mesh or device count;
-- `meta`: JSON (`checkpoint.meta`), including a fingerprint of every array;
+- `meta`: JSON (`checkpoint.meta`), including a fingerprint of every array (`fingerprint`);
 - `data`: JSON, the data iterator's position (absent from weights-only checkpoints).
-A step directory is complete or absent: Orbax writes `<step>.orbax-checkpoint-tmp*` and renames
-it once every item is committed, so `latest` never names a partial one.
+Saves are complete or absent; a failed one is said in one line (`failures`).
 """
 
 from __future__ import annotations
@@ -17,32 +16,36 @@ import contextlib
 import dataclasses
 import errno
 import json
-import logging
 import math
 import os
-import re
 import shutil
-import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from orbax.checkpoint import checkpoint_managers as keep_policies
 from orbax.checkpoint import type_handlers
 
+from hotjax.checkpoint import failures, fingerprint
 from hotjax.checkpoint import lock as ckpt_lock
 from hotjax.checkpoint import meta as meta_lib
+from hotjax.checkpoint.dirs import (
+    DATA,
+    META,
+    OPT_STATE,
+    PARAMS,
+    TMP_MARK,
+    array_path,
+    check_new_directory,
+    find,
+    write_atomically,
+)
 from models.errors import UserError
-
-PARAMS, OPT_STATE, META, DATA = "params", "opt_state", "meta", "data"
-TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 class Pending:
@@ -75,7 +78,7 @@ class _OneAtATime(type_handlers.NumpyHandler):
                 if x.shape != value.shape or x.dtype != value.dtype:
                     raise AssertionError(f"{info.name}: made {x.shape} {x.dtype}, not "
                                          f"{value.shape} {value.dtype}")
-                value.fingerprint = _host_fingerprint(x)
+                value.fingerprint = fingerprint.of_host(x)
             await super()._background_serialize([x], [info], [arg])
             del x
 
@@ -102,62 +105,6 @@ def _handlers(items: tuple[str, ...] = (PARAMS, OPT_STATE, META, DATA),
             else _array_handler(one_at_a_time) for item in items}
 
 
-def array_path(path: tuple) -> str:
-    """`layers/wq`, `1/0/mu/embed`: a tree path as `inspect` and fingerprints name it."""
-    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                    for k in path)
-
-
-def _fingerprint(x: Any, xp: Any = jnp) -> Any:
-    # Each element's bits times an odd weight set by its position, summed mod 2**32: integer
-    # arithmetic is exact in any order, so every layout of the same values agrees, and any one
-    # changed element changes the sum. `xp` is jax.numpy (on device) or numpy (on host).
-    bits = x.view({1: xp.uint8, 2: xp.uint16, 4: xp.uint32}[x.dtype.itemsize]).astype(xp.uint32)
-    index = xp.arange(x.size, dtype=xp.uint32).reshape(x.shape)
-    return xp.sum(bits * (2 * index + 1), dtype=xp.uint32)
-
-
-def _host_fingerprint(x: np.ndarray, block: int = 1 << 20) -> int:
-    """`_fingerprint` of a host array, a block of elements at a time: the same sum (mod 2**32),
-    without its temporaries of several times the array."""
-    flat = np.ravel(x)
-    flat = flat.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[flat.dtype.itemsize])
-    total = 0
-    for start in range(0, flat.size, block):
-        bits = flat[start:start + block].astype(np.uint32)
-        index = np.arange(start, start + bits.size, dtype=np.uint32)
-        total += int(np.sum(bits * (2 * index + 1), dtype=np.uint32))
-    return total % 2**32
-
-
-_device_fingerprints = jax.jit(lambda leaves: [_fingerprint(x) for x in leaves])
-
-
-def _fingerprint_values(leaves: list[Any]) -> list[int]:
-    # Arrays in this process's host memory (numpy, or on its CPU devices) are read in place: on
-    # CPU a compiled program would cost more than the arithmetic. Arrays spread over several
-    # processes are summed where they live.
-    if all(isinstance(x, np.ndarray) or (x.is_fully_addressable
-                                         and {d.platform for d in x.devices()} == {"cpu"})
-           for x in leaves):
-        return [_host_fingerprint(np.asarray(x)) for x in leaves]
-    return [int(v) for v in jax.device_get(_device_fingerprints(leaves))]
-
-
-def fingerprints(tree: Any) -> dict[str, int]:
-    """Each array's fingerprint, by path: computed where the arrays live, device or host."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    values = _fingerprint_values([x for _, x in leaves])
-    return {array_path(p): v for (p, _), v in zip(leaves, values, strict=True)}
-
-
-def item_fingerprints(items: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """`fingerprints` of several items at once (one computation), by item."""
-    both = fingerprints(items)
-    return {item: {path.split("/", 1)[1]: v for path, v in both.items()
-                   if path.split("/", 1)[0] == item} for item in items}
-
-
 class Checkpoints:
     """A directory of step checkpoints: asynchronous saves, what to keep, the latest one."""
 
@@ -179,7 +126,7 @@ class Checkpoints:
                                               item_handlers=_handlers())
         self._saving: tuple[int, int] | None = None  # the step being written, and its bytes
         self._identity = _identity(self.directory)  # to tell it was removed or replaced
-        _report_failed_writes_once()
+        failures.report_failed_writes_once()
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -207,7 +154,7 @@ class Checkpoints:
         if all(x.is_fully_addressable for x in jax.tree.leaves((params, opt_state))):
             params, opt_state = jax.device_get((params, opt_state))
         meta = {**meta, "step": step, "items": [PARAMS, OPT_STATE],
-                "fingerprints": item_fingerprints({PARAMS: params, OPT_STATE: opt_state})}
+                "fingerprints": fingerprint.of_items({PARAMS: params, OPT_STATE: opt_state})}
         args = {PARAMS: ocp.args.PyTreeSave(params), OPT_STATE: ocp.args.PyTreeSave(opt_state),
                 META: ocp.args.JsonSave(meta)}
         if data is not None:
@@ -258,7 +205,7 @@ class Checkpoints:
             yield
         except Exception as e:
             vanished = self._vanished()
-            code = write_errno(e)
+            code = failures.write_errno(e)
             if (code is None and not vanished) or self._saving is None:
                 raise
             step, size = self._saving
@@ -287,32 +234,6 @@ class Checkpoints:
 PARTIAL_SETTLE_S = 0.2
 PARTIAL_SETTLE_TRIES = 10
 
-# What a write that the file system refuses fails with, by errno: Python's own file writes
-# raise OSError, TensorStore's name the code (`[os_error_code='28']`).
-_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS,
-                 errno.EFBIG, errno.EIO)
-
-
-def write_errno(error: BaseException | None) -> int | None:
-    """The errno (ENOSPC) if `error`, or an error it was raised from or during, is a refused
-    write; None otherwise."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in _WRITE_ERRNOS:
-            return error.errno
-        code = re.search(r"os_error_code='(\d+)'", str(error))
-        if code and int(code.group(1)) in _WRITE_ERRNOS:
-            return int(code.group(1))
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def write_failure(error: BaseException | None) -> str | None:
-    """The system's reason ("No space left on device") if `error` is a refused write."""
-    code = write_errno(error)
-    return None if code is None else os.strerror(code)
-
 
 def _identity(directory: Path) -> tuple[int, int] | None:
     """The directory's device and inode (None: it is not there)."""
@@ -323,78 +244,11 @@ def _identity(directory: Path) -> tuple[int, int] | None:
     return found.st_dev, found.st_ino
 
 
-class _WithoutFailedWrites(logging.Filter):
-    """Drops the records of a failed write: Orbax's threads log it with its traceback (and
-    asyncio a future that held it); the save reports it once, as one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and write_failure(record.exc_info[1]))
-
-
-def _report_failed_writes_once() -> None:
-    for name in ("absl", "asyncio"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _WithoutFailedWrites) for f in logger.filters):
-            logger.addFilter(_WithoutFailedWrites())
-    if not getattr(sys.unraisablehook, "_drops_closed_loops", False):
-        sys.unraisablehook = _without_closed_loops(sys.unraisablehook)
-
-
-def _without_closed_loops(hook):
-    """A failed write stops Orbax's event loop while TensorStore's callbacks still post to it:
-    each reports `Event loop is closed` as an unraisable error, which says nothing more."""
-
-    def unraisable(report) -> None:
-        if not (isinstance(report.exc_value, RuntimeError)
-                and str(report.exc_value) == "Event loop is closed"):
-            hook(report)
-
-    unraisable._drops_closed_loops = True
-    return unraisable
-
-
 def _async_saves() -> bool:
     """Write in the background, except over simulated CPU devices: there the writer's own
     programs and the next step's collectives, enqueued from two threads, can deadlock (seen
     here as a step that never finished)."""
     return not (jax.default_backend() == "cpu" and jax.device_count() > 1)
-
-
-def steps(directory: str | Path) -> list[int]:
-    """The complete checkpoints' steps in `directory` (Orbax's notion of finalized)."""
-    directory = Path(directory).absolute()
-    return sorted(ocp.utils.checkpoint_steps(directory)) if directory.is_dir() else []
-
-
-def latest(directory: str | Path) -> Path | None:
-    """The newest complete step directory in `directory`, if any."""
-    found = steps(directory)
-    return Path(directory).absolute() / str(found[-1]) if found else None
-
-
-def find(path: str | Path) -> Path:
-    """The complete step directory `path` names: itself, or the newest one inside it."""
-    path = Path(path).absolute()
-    if TMP_MARK in path.name:
-        raise UserError(f"{path}: an incomplete checkpoint (its save never finished): "
-                        f"resume from a complete one")
-    if not path.is_dir():
-        raise UserError(f"{path}: no such checkpoint directory")
-    if any((path / item).exists() for item in (META, PARAMS, "_CHECKPOINT_METADATA")):
-        return path
-    step_dir = latest(path)
-    if step_dir is None:
-        raise UserError(f"{path}: holds no complete checkpoint")
-    return step_dir
-
-
-def check_new_directory(directory: str | Path) -> Path:
-    """`directory`, unless something is there already: outputs never overwrite."""
-    directory = Path(directory).absolute()
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise UserError(f"{directory}: exists and is not an empty directory: choose a new "
-                        f"output directory (nothing was written)")
-    return directory
 
 
 def save_weights(directory: str | Path, params: Any, meta: dict[str, Any]) -> Path:
@@ -425,7 +279,7 @@ def save_items(directory: str | Path, items: dict[str, Any], meta: dict[str, Any
         # Fingerprints are known once every array was made and written: the metadata that
         # Orbax wrote without them is replaced before the checkpoint appears.
         prints = {item: {array_path(p): x.fingerprint if isinstance(x, Pending)
-                         else _host_fingerprint(x)
+                         else fingerprint.of_host(x)
                          for p, x in jax.tree_util.tree_flatten_with_path(
                              tree, is_leaf=lambda x: isinstance(x, Pending))[0]}
                   for item, tree in items.items()}
@@ -434,21 +288,6 @@ def save_items(directory: str | Path, items: dict[str, Any], meta: dict[str, Any
 
     write_atomically(directory, write)
     return directory / str(step)
-
-
-def write_atomically(out: Path, write: Callable[[Path], None]) -> Path:
-    """`write` into a scratch directory beside `out`, renamed to `out` once complete."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    scratch.mkdir()
-    try:
-        write(scratch)
-        if out.exists():
-            out.rmdir()  # empty: check_new_directory saw to that
-        os.replace(scratch, out)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return out
 
 
 def saved_arrays(step_dir: Path, item: str) -> dict[str, jax.ShapeDtypeStruct]:
@@ -516,10 +355,10 @@ def restore_each(path: str | Path, item: str,
             with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**_handlers((item,)))) as c:
                 out = c.restore(step_dir, args=ocp.args.Composite(**{item: args}))[item]
         except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types
-            raise UserError(_damage(e, step_dir)) from None
+            raise UserError(failures.read_failure(e, step_dir)) from None
         (x,) = [x for p, x in jax.tree_util.tree_flatten_with_path(out)[0]
                 if array_path(p) == name]
-        if name in expected and _host_fingerprint(x) != expected[name]:
+        if name in expected and fingerprint.of_host(x) != expected[name]:
             raise UserError(f"{step_dir / item}: array {name} does not match its fingerprint: "
                             f"the checkpoint is damaged: resume from another one")
         yield name, x
@@ -552,7 +391,7 @@ def restore(path: str | Path, targets: Mapping[str, Any], *,
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**_handlers(tuple(args)))) as c:
             out = c.restore(step_dir, args=ocp.args.Composite(**args))
     except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types
-        raise UserError(_damage(e, step_dir)) from None
+        raise UserError(failures.read_failure(e, step_dir)) from None
     arrays = {}
     for item, target in targets.items():
         _check_fingerprints(step_dir / item, out[item], reads[item],
@@ -596,22 +435,8 @@ def _reads(step_dir: Path, item: str, target: Any, vocab: tuple[int, int] | None
 def _check_fingerprints(item_dir: Path, tree: Any, reads: Any, expected: dict[str, int]) -> None:
     pairs = [(r, x) for r, x in zip(jax.tree.leaves(reads), jax.tree.leaves(tree), strict=True)
              if r.exact and r.name in expected]
-    found = _fingerprint_values([x for _, x in pairs])
+    found = fingerprint.values([x for _, x in pairs])
     for (r, _), value in zip(pairs, found, strict=True):
         if value != expected[r.name]:
             raise UserError(f"{item_dir}: array {r.name} does not match its fingerprint: the "
                             f"checkpoint is damaged: resume from another one")
-
-
-def _damage(e: BaseException, step_dir: Path) -> str:
-    """One line for a failed read: the item and array TensorStore names, and why."""
-    chain = [e]
-    while (chain[-1].__cause__ or chain[-1].__context__) and len(chain) < 16:
-        chain.append(chain[-1].__cause__ or chain[-1].__context__)
-    text = " ".join(str(x) for x in chain)
-    where = re.search(r'local file "([^"]+)"', text)
-    array = re.search(r'in "([^"]+?)/c/', text)
-    reason = meta_lib.first_line(chain[-1]).rsplit('": ', 1)[-1]
-    return (f"{where.group(1) if where else step_dir}: "
-            f"{'array ' + array.group(1).replace('.', '/') + ' ' if array else ''}unreadable "
-            f"({reason}): the checkpoint is truncated or damaged: resume from another one")

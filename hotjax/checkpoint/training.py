@@ -10,10 +10,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hotjax.checkpoint import dirs, store
 from hotjax.checkpoint import meta as meta_lib
-from hotjax.checkpoint import store
 from hotjax.step import Home, TrainState
 from models.errors import UserError
+from models.optimizers import DEFAULT
 
 
 class Resumed(NamedTuple):
@@ -34,19 +35,28 @@ def run_record(home: Home, *, tokenizer: Any, data: dict[str, Any], seed: int,
         written_from=meta_lib.layout_record(home.layout))
 
 
-def restore_state(path: str | Path, home: Home, record: dict[str, Any]) -> Resumed:
+def restore_state(path: str | Path, home: Home, record: dict[str, Any], *,
+                  weights_only: bool = False) -> Resumed:
     """The state saved at `path`, laid out in `home`, after checking that it fits the run
-    described by `record` (from `run_record`). A weights-only checkpoint (an import) starts
-    at step 0 with a fresh optimizer state and the data from its beginning."""
-    step_dir = store.find(path)
+    described by `record` (from `run_record`). A weights-only checkpoint (an import), or any
+    checkpoint restored `weights_only`, starts at step 0 with a fresh optimizer state and the
+    data from its beginning. Another optimizer's state is refused."""
+    step_dir = dirs.find(path)
     meta = meta_lib.read(step_dir)
     where = step_dir / meta_lib.META_FILE
     meta_lib.check_model(meta, record["model"], where)
-    meta_lib.check_run(meta, tokenizer=record["tokenizer"], data=record["data"], where=where)
     targets = home.abstract_state()
     saved_vocab, vocab = meta["model"]["vocab_size"], home.config.vocab_size
     resize = (saved_vocab, vocab) if saved_vocab != vocab else None
-    weights_only = store.OPT_STATE not in meta["items"]
+    weights_only = weights_only or store.OPT_STATE not in meta["items"]
+    # Weights alone start the data afresh: only the tokenizer must be the checkpoint's.
+    meta_lib.check_run(meta, tokenizer=record["tokenizer"],
+                       data=None if weights_only else record["data"], where=where)
+    saved = (meta.get("optimizer") or {}).get("name", DEFAULT)  # unnamed: before Lion, AdamW
+    if not weights_only and saved != home.optim.name:
+        raise UserError(f"{where}: its optimizer state is {saved}'s but this run trains with "
+                        f"{home.optim.name}: pass --optimizer {saved}, or restore its weights "
+                        f"alone (--weights-only) to start {home.optim.name} afresh")
     saved_scaling = (meta.get("optimizer") or {}).get("loss_scaling", "off")
     if not weights_only and (saved_scaling == "off") != (home.optim.loss_scaling == "off"):
         raise UserError(f"{where}: its optimizer state was saved with loss scaling "

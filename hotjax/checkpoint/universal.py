@@ -1,11 +1,13 @@
 """hotjax checkpoints written as Universal Checkpointing's universal directories, which DeepSpeed
 resumes with `"checkpoint": {"load_universal": true}` and `engine.load_checkpoint(dir)` under any
-ZeRO stage and data-parallel size, fp32 weights, AdamW moments and step included.
+ZeRO stage and data-parallel size, fp32 weights, optimizer state and step included (an export
+of a `torch_state.ExportSource`).
 
 The layout is `ds_to_universal`'s (`checkpoint.deepspeed` reads it): `latest_universal` naming
-`global_step{N}`, which holds `zero/{name}/{fp32,exp_avg,exp_avg_sq,step}.pt` per parameter
-under Hugging Face names, `zero/optimizer_state.pt`, and the model-states files DeepSpeed's
-loader opens (for ZeRO-1/2 and for ZeRO-3). One parameter is held in host memory at a time.
+`global_step{N}`, which holds `zero/{name}/{fp32,step}.pt` and the optimizer's state by torch's
+names (AdamW's `exp_avg.pt`, `exp_avg_sq.pt`) per parameter under Hugging Face names,
+`zero/optimizer_state.pt`, and the model-states files DeepSpeed's loader opens (for ZeRO-1/2 and
+for ZeRO-3). One parameter is held in host memory at a time.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hotjax.checkpoint import dcp, store
-from hotjax.checkpoint.deepspeed import FIELDS
+from hotjax.checkpoint import dirs, store
+from hotjax.checkpoint.torch_state import ExportSource
 from models.errors import UserError
 from models.hf import hf_tensor_shapes, hf_tensors
 
@@ -30,19 +32,20 @@ def export_universal(path: str | Path, out: str | Path) -> Path:
         import torch
     except ImportError:
         raise UserError("DeepSpeed checkpoints need torch: pip install 'hotjax[torch]'") from None
-    out = store.check_new_directory(out)
-    source = dcp.ExportSource.of(path)
+    out = dirs.check_new_directory(out)
+    source = ExportSource.of(path)
     config, optim, step = source.config, source.optim, source.step or 0
     tag = f"global_step{step}"
+    # A weights-only checkpoint resumes as a fresh optimizer of its record: zero state at step 0.
+    moments = source.state_fields or optim.optimizer.torch_names(str(source.step_dir))
 
     def write(scratch: Path) -> None:
         zero = scratch / tag / "zero"
         zero.mkdir(parents=True)
-        # One array restored, converted and saved at a time. A weights-only checkpoint resumes
-        # as a fresh AdamW: zero moments at step 0.
-        for field, which in zip(FIELDS, (store.PARAMS, "mu", "nu"), strict=True):
+        # One array restored, converted and saved at a time.
+        for field in ("fp32", *moments):
             zeros = source.step is None and field != "fp32"
-            for key, x in source.arrays(store.PARAMS if zeros else which):
+            for key, x in source.arrays(store.PARAMS if zeros or field == "fp32" else field):
                 for name, t in hf_tensors(key, x, config):
                     (zero / name).mkdir(exist_ok=True)
                     t = np.ascontiguousarray(np.zeros_like(t) if zeros else t, np.float32)
@@ -52,7 +55,8 @@ def export_universal(path: str | Path, out: str | Path) -> Path:
                         torch.save(torch.tensor(float(step)), zero / name / "step.pt")
                 del x
         group = {"lr": float(optim.schedule()(step)), "betas": (optim.b1, optim.b2),
-                 "eps": optim.eps, "params": []}
+                 **({"eps": optim.eps} if "eps" in optim.optimizer.settings else {}),
+                 "params": []}
         shapes = dict(hf_tensor_shapes(config))
         # DeepSpeed pairs the saved param groups with its own, one to one (zip): one per
         # parameter covers any grouping; ZeRO-3 reads the first group and the step of state 0.
@@ -70,4 +74,4 @@ def export_universal(path: str | Path, out: str | Path) -> Path:
             torch.save(model_states, scratch / tag / name)
         (scratch / "latest_universal").write_text(tag)
 
-    return store.write_atomically(out, write)
+    return dirs.write_atomically(out, write)

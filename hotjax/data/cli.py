@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from hotjax.commands.options import add_options
 from hotjax.config import RunConfig, at_least, at_most
 from hotjax.data.packing import LONG_DOCUMENTS
 from models.bounds import MAX_SEQ_LEN, MAX_VOCAB
@@ -20,15 +21,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     stats = actions.add_parser(
         "stats", help="token-length histogram, bucket shares and padding waste of a corpus")
     stats.set_defaults(handler=_stats)
-    stats.add_argument("--data", help="stdlib, shakespeare, a directory or glob ('src/**/*.py') of "
-                       "text files, a text file, .jsonl/.json records, or .parquet "
-                       "(default: stdlib)")
+    add_options(stats, "data")
     stats.add_argument("--text-field", default="text",
                        help="the field of a record that holds its text (default: %(default)s)")
-    stats.add_argument("--tokenizer", help="tokenizer.json, a SentencePiece .model, or 'bytes' "
-                       "(default: a byte-level BPE trained on the corpus and cached)")
-    stats.add_argument("--vocab-size", type=int, default=_RUN.vocab_size,
-                       help="vocabulary of the BPE trained when no --tokenizer is given")
+    add_options(stats, "tokenizer", "vocab_size")
     stats.add_argument("--context", type=int, help="longest sequence in tokens (default: the "
                        f"table's largest bucket, else {_RUN.context})")
     buckets = stats.add_mutually_exclusive_group()

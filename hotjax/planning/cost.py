@@ -11,8 +11,8 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   each stage group takes 1/S of the rows through the LM head.
 - Attention: 4·N·H FLOPs per visible (query, key) pair forward, 2.5x that backward
   (FlashAttention-2's five matmuls against two: Dao 2023, arXiv:2307.08691), counted over the
-  blocks the kernel that runs computes (`attention_kernel`): on GPU a packed row runs the
-  packed-attention Pallas kernel (tiles of `models.packed_attention.block_for`), on CPU and
+  blocks the kernel that runs computes (`models.work.attention_kernel`): on GPU a packed row
+  runs the packed-attention Pallas kernel (tiles of `models.packed_attention.block_for`), on CPU and
   round every context ring the blockwise kernel; both skip the blocks above the causal diagonal
   and those no document spans (`document_pairs`). `micro_step_time` prices every row as one
   causal document (the worst case); `MicroStepTime.with_attention` reprices it at the busiest
@@ -84,8 +84,9 @@ and 14 % at 2 layers per stage (one layer per stage XLA plans 15-30 % leaner); r
 "full" within 10 % at 2 and 4 layers and 2 % at 32, outside pipelines (a pipeline under remat is not
 calibrated: over-predicted by 25-50 % at 32 layers). A 1F1B pipeline (stage=2, tensor=4 at 4 layers,
 its bucket in one schedule) within 2 % at M = 2 and 8; GPipe's terms were fitted at M = 2 and
-over-predict by 24 % at M = 8, where XLA plans 1F1B a third leaner than GPipe. `resident_bytes` is
-what stays besides: the home's fp32 weights, AdamW moments and gradient sum.
+over-predict by 24 % at M = 8, where XLA plans 1F1B a third leaner than GPipe.
+`sharding.report.resident_bytes` is what stays besides: the home's fp32 weights, the optimizer's
+state and the gradient sum.
 """
 
 from __future__ import annotations
@@ -93,21 +94,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
 from hotjax.planning.profile import Profile
-from models.attention import DEFAULT_BLOCK, PALLAS_BLOCK, block_edge
+from models.attention import block_edge
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
-from models.packed_attention import block_for
 from models.pipeline import in_flight
-from sharding.report import state_bytes
+from models.work import attention_kernel
 from sharding.strategy import MESH_AXES, Strategy, fit_to_model, partial_axes, ways
-from sharding.transfers import TransferSchedule
+from sharding.transfers import TransferSchedule, boxes_from_strategy
 
 # Bumped whenever a change to this model changes what a measured profile's fitted constants
 # mean (they are fitted through `micro_step_time`): cached profiles of another version are
@@ -117,7 +118,11 @@ from sharding.transfers import TransferSchedule
 COST_MODEL_VERSION = 3
 FP32, INT32 = 4, 4
 BATCH_ARRAYS = 4  # tokens, segment ids, positions, targets
-ADAM_MOMENTS = 2
+# Of each collective's tensor, the bytes moved per device over a group of n (the bus-bandwidth
+# convention of nccl-tests): time = latency + factor · bytes / bus bandwidth.
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0}
 # Bytes per element XLA holds matmul operands and activations in, where it widens the compute
 # dtype: XLA:CPU runs bf16 and fp16 dots in fp32. Elsewhere: the compute dtype's size.
 HELD_BYTES = {"cpu": 4}
@@ -191,11 +196,14 @@ class Shares:
     scatter_axes: tuple[str, ...]  # those the gradient layout is split on (reduce-scattered)
     partial_axes: tuple[str, ...]  # data axes a `local` bucket keeps its partial sums apart on
     gather_axes: tuple[str, ...]  # mesh axes the weights are gathered over (FSDP)
+    tensor_axes: tuple[str, ...]  # mesh axes splitting heads or the MLP (tensor parallelism)
+    ring_axes: tuple[str, ...]  # mesh axes splitting attention's sequence (a context ring)
+    sequence_parallel: bool  # the residual stream split over tensor axes too
 
 
 def shares(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int]) -> Shares:
     """One device's part of a micro-step on micro-steps of `shape` (rows, tokens per row)."""
-    strategy, count, token_axes, scatter_axes, gather_axes = _layout(config, strategy)
+    strategy, count, axes = _layout(config, strategy)
     sizes, act = strategy.axes, strategy.activation_spec
     rows, seq_len = shape
 
@@ -210,17 +218,19 @@ def shares(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int]) -> S
         mlp_ways=split((None, "mlp")), vocab_ways=split((None, "vocab")),
         stages=strategy.stages, microbatches=strategy.microbatches or 1,
         layers=config.n_layers // strategy.stages, **count,
-        token_axes=token_axes, scatter_axes=scatter_axes, partial_axes=partial_axes(strategy),
-        gather_axes=gather_axes)
+        partial_axes=partial_axes(strategy), **axes)
 
 
 @functools.lru_cache(maxsize=4096)
 def _layout(config: LlamaConfig, strategy: Strategy) -> tuple[Strategy, dict[str, int],
-                                                              tuple[str, ...], tuple[str, ...],
-                                                              tuple[str, ...]]:
+                                                              dict[str, Any]]:
     """What `shares` needs of a strategy whatever the shape: the strategy fitted to the model,
-    parameter elements per device in each layout, and the mesh axes that split the tokens,
-    that the gradients are scattered over and that the weights are gathered over."""
+    parameter elements per device in each layout, and the mesh axes each collective runs over,
+    read off what the rules map (no mesh axis is priced by its name but `stage`): those that
+    split the tokens, that the gradients are scattered over, that the weights are gathered
+    over, that split heads or the MLP (tensor parallelism's all-reduces, or with the residual
+    stream split over them too, sequence parallelism's gathers and scatters) and that split
+    attention's sequence (the ring's K/V sends)."""
     strategy, _ = fit_to_model(strategy, config)
     sizes, act = strategy.axes, strategy.activation_spec
     count = dict.fromkeys(("weights", "grad_sum", "moments", "layer_weights", "layer_shards",
@@ -245,8 +255,14 @@ def _layout(config: LlamaConfig, strategy: Strategy) -> tuple[Strategy, dict[str
         grad_mesh_axes |= _mesh_axes(placed["grad_sum"])
         compute_mesh_axes |= _mesh_axes(compute)
     token_axes = _mesh_axes(act(("batch", "inner_seq")))
-    return (strategy, count, _ordered(token_axes), _ordered(token_axes & grad_mesh_axes),
-            _ordered(param_mesh_axes - compute_mesh_axes - {"stage"}))
+    tensor_axes = _mesh_axes(act(("heads",))) | _mesh_axes(act(("mlp",)))
+    return strategy, count, {
+        "token_axes": _ordered(token_axes),
+        "scatter_axes": _ordered(token_axes & grad_mesh_axes),
+        "gather_axes": _ordered(param_mesh_axes - compute_mesh_axes - {"stage"}),
+        "tensor_axes": _ordered(tensor_axes),
+        "ring_axes": _ordered(_mesh_axes(act(("inner_seq",)))),
+        "sequence_parallel": bool(_mesh_axes(act(("seq",))) & tensor_axes)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,18 +345,6 @@ def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int,
         gradients=round(gradients), activations=round(activations), working=round(working))
 
 
-def resident_bytes(config: LlamaConfig, strategy: Strategy) -> int:
-    """Per-device bytes that stay while buckets run, under the home `strategy`: fp32 weights,
-    AdamW's two moments and the fp32 gradient sum (step counters left out)."""
-    return sum(state_bytes(strategy, config).values())
-
-
-def most_sharded(strategies: Iterable[Strategy], config: LlamaConfig) -> Strategy:
-    """The strategy holding the fewest `resident_bytes` per device (the first of equals): the
-    home of a table that names none, for the trainer and the planner alike."""
-    return min(strategies, key=lambda s: resident_bytes(config, s))
-
-
 @dataclasses.dataclass(frozen=True)
 class MicroStepTime:
     """Seconds of one micro-step, per term; `seconds` is their sum (overlap already taken)."""
@@ -413,7 +417,7 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     layer_matmuls = (forwards + 2) * s.inner_tokens * layer * s.layers
     head_matmuls = 3 * s.inner_tokens * gemms(((D, V / s.vocab_ways),)) / _head_share(
         s, config.pipeline_schedule)
-    context = fitted.seq_ways("context")
+    context = _size(fitted, s.ring_axes)
     block, _ = attention_kernel(config, profile.platform, shape[1], context)
     pairs = s.rows * visible_pairs(shape[1], context, fitted.balanced, block)
     attention = ((attention_forwards + 2.5) * 4 * H * N / s.head_ways * pairs * s.layers
@@ -423,24 +427,23 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
         n = math.prod(fitted.axes[a] for a in axes)
         if n == 1:
             return 0.0
-        factor = {"all-reduce": 2 * (n - 1) / n, "send": 1.0}.get(name, (n - 1) / n)
-        return profile.collective_latency + factor * nbytes / profile.bandwidth(
+        return profile.collective_latency + BUS_FACTOR[name](n) * nbytes / profile.bandwidth(
             name, n, _crosses_nodes(fitted, axes, profile.devices_per_node))
 
     activation = s.inner_tokens * D * compute
     per_layer = (forwards + 1) * 2  # two per forward, two per backward
-    if fitted.seq_ways("tensor") > 1:
-        per_collective = (collective("all-gather", activation, ("tensor",))
-                          + collective("reduce-scatter", activation, ("tensor",)))
+    if s.sequence_parallel:
+        per_collective = (collective("all-gather", activation, s.tensor_axes)
+                          + collective("reduce-scatter", activation, s.tensor_axes))
     else:
-        per_collective = collective("all-reduce", activation, ("tensor",))
+        per_collective = collective("all-reduce", activation, s.tensor_axes)
     layer_tensor = per_layer * s.layers * per_collective
     tensor = layer_tensor + 2 * per_collective  # embedding and LM head
 
     chunk_kv = 2 * s.rows * shape[1] / context * K * H / s.kv_ways
     ring = ((attention_forwards + 1) * (context - 1) * collective(
-        "send", chunk_kv * compute, ("context",)) + context * collective(
-        "send", chunk_kv * FP32, ("context",)))
+        "send", chunk_kv * compute, s.ring_axes) + context * collective(
+        "send", chunk_kv * FP32, s.ring_axes))
 
     weights = (s.layer_weights + s.other_weights) * compute
     gathers = 1 if config.remat == "none" else 2
@@ -489,18 +492,6 @@ def _size(strategy: Strategy, axes: tuple[str, ...]) -> int:
     return math.prod(strategy.axes[a] for a in axes)
 
 
-def attention_kernel(config: LlamaConfig, platform: str, seq_len: int, context: int
-                     ) -> tuple[int, bool]:
-    """The block edge of the attention kernel a packed row of `seq_len` runs on `platform`
-    under a ring of `context` devices (`models.attention.choose_backend`), and whether it skips
-    the blocks no document spans: both kernels do, the packed-attention Pallas kernel on GPU
-    (`models.packed_attention.computed_blocks`) and the blockwise kernel elsewhere and round
-    every ring."""
-    if platform == "gpu" and context == 1 and seq_len % PALLAS_BLOCK == 0:
-        return block_for(config.dtype, config.head_dim, seq_len), True
-    return config.attention_block or DEFAULT_BLOCK.get(platform, DEFAULT_BLOCK["gpu"]), True
-
-
 def document_pairs(documents_R: Sequence[Sequence[int]], seq_len: int, context: int,
                    balanced: bool, block: int) -> np.ndarray:
     """[R, context] (query, key) pairs each ring rank's blockwise kernel computes, summed over
@@ -537,6 +528,30 @@ def visible_pairs(seq_len: int, context: int, balanced: bool, block: int) -> flo
         return (2 * context - 1) * half * half + 2 * diagonal(half)
     chunk = seq_len // context  # the last rank sees every earlier chunk
     return (context - 1) * chunk * chunk + diagonal(chunk)
+
+
+@functools.lru_cache(maxsize=4096)
+def switch_seconds(config: LlamaConfig, source: Strategy, target: Strategy,
+                   profile: Profile) -> float:
+    """A weight switch's time from `source`'s layout to `target`'s: the most compute-dtype
+    bytes any device lacks, over the slower link the devices span (the transfer scheduler
+    plans the exact transfers: `step_seconds`)."""
+    if source == target:
+        return 0.0
+    devices = max(source.num_devices, target.num_devices)
+    ids = list(range(devices))
+    lacking = np.zeros(devices)
+    for axes, leaf in zip(jax.tree.leaves(param_axes(config), is_leaf=lambda x: isinstance(
+            x, tuple)), jax.tree.leaves(abstract_params(config)), strict=True):
+        before = boxes_from_strategy(source, ids, axes, leaf.shape)
+        after = boxes_from_strategy(target, ids, axes, leaf.shape)
+        for d in ids:
+            overlap = math.prod(max(0, min(x1, y1) - max(x0, y0))
+                                for (x0, x1), (y0, y1) in zip(before[d], after[d], strict=True))
+            lacking[d] += (math.prod(b - a for a, b in after[d]) - overlap) * config.dtype.itemsize
+    bandwidth = (profile.inter_node_bandwidth if devices > profile.devices_per_node
+                 else profile.intra_node_bandwidth)
+    return float(lacking.max()) / bandwidth
 
 
 def step_seconds(micro_steps: Iterable[tuple[MicroStepTime, int]],

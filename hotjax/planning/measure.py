@@ -51,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hotjax import distributed
 from hotjax.config import cache_root
 from hotjax.data import Batch
-from hotjax.planning.cost import COST_MODEL_VERSION, micro_step_time, visible_pairs
+from hotjax.planning.cost import BUS_FACTOR, COST_MODEL_VERSION, micro_step_time, visible_pairs
 from hotjax.planning.profile import COLLECTIVES, GIGA, TERA, GiB, Profile, parse_profile
 from hotjax.step import bucket_step, micro_step_inputs
 from models.attention import DEFAULT_BLOCK, AttentionSharding, attention
@@ -59,11 +59,6 @@ from models.errors import UserError
 from models.llama import LlamaConfig, as_trained, init_params, preset
 from sharding.strategy import Strategy, canonical_devices
 
-# Of each collective's tensor, the bytes moved per device (the busbw convention of nccl-tests
-# and `hotjax.planning.cost`): time = factor · bytes / bus bandwidth.
-BUS_FACTOR: dict[str, Callable[[int], float]] = {
-    "all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
-    "reduce-scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0}
 SIGNIFICANT = 4  # digits kept of each measured figure: the repeats scatter more than that
 FIT_ROWS = 4  # the larger fitted micro-step's rows, per the smaller one's
 CHAIN = 8  # dependent all-reduces timed in one program for the latency

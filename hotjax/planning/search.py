@@ -32,33 +32,44 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hotjax.balance import ATTENTION_TRAINING, EMPTY, MATMUL_TRAINING, place
+from hotjax.balance import EMPTY, place
 from hotjax.data.buckets import pack_buckets
 from hotjax.data.stats import quantiles
 from hotjax.planning.cost import (
     MicroStepTime,
-    attention_kernel,
     bucket_reduction_seconds,
     document_pairs,
     micro_step_memory,
     micro_step_time,
-    most_sharded,
-    resident_bytes,
+    switch_seconds,
     visible_pairs,
 )
 from hotjax.planning.profile import Profile
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
+from models.optimizers import ADAMW, Optimizer
 from models.options import REMAT_POLICIES
-from sharding.strategy import ACCUMULATE, MESH_AXES, Strategy, fit_to_model, ways
+from models.work import attention_kernel, training_flops
+from sharding.report import ACTIVATIONS, most_sharded, resident_bytes
+from sharding.strategy import (
+    ACCUMULATE,
+    MESH_AXES,
+    RULE_SETS,
+    Strategy,
+    as_tuple,
+    fit_to_model,
+    independent_shards,
+    ways,
+)
 from sharding.table import Bucket, StrategyTable
-from sharding.transfers import boxes_from_strategy
 
 MIN_BUCKET = 512  # the shortest bucket boundary considered
+CHECK_ROUNDS = 4  # plans made by `plan_checked` before it gives up
+CORRECTION_MARGIN = 1.02  # a corrected memory model's margin over XLA's measured bytes
 MAX_STAGES = 8
 
 
@@ -108,32 +119,69 @@ def typical_batch(lengths: np.ndarray, batch: int) -> np.ndarray:
 
 
 def candidate_strategies(config: LlamaConfig, devices: int) -> list[Strategy]:
-    """Every strategy over `devices` that fits `config`, each mesh with the rule sets it
-    needs (context parallelism with the balanced chunk order)."""
-    found = []
+    """Every strategy over `devices` that fits `config`: each way to factor the devices over
+    the mesh axes under each rule set of `RULE_SETS` that uses all of its axes (a context ring
+    with the balanced chunk order), each placement once. Two candidates place alike when every
+    parameter, gradient, optimizer state and activation splits over the same device groups
+    (`placement`); of those the earliest rule set on the outermost mesh axes stays (`data=2`
+    under dp, not `fsdp=2` under dp or zero1). A rule set added to `RULE_SETS` is planned."""
+    best: dict[tuple, tuple[tuple, Strategy]] = {}
     for sizes in _factorings(devices, len(MESH_AXES)):
-        mesh = dict(zip(MESH_AXES, sizes, strict=True))
-        if mesh["stage"] > MAX_STAGES:
+        mesh = {a: n for a, n in zip(MESH_AXES, sizes, strict=True) if n > 1} or {"data": 1}
+        if mesh.get("stage", 1) > MAX_STAGES:
             continue
-        if mesh["tensor"] > 1:
-            rule_sets = ("megatron", "megatron-sp")
-        elif mesh["context"] > 1:
-            rule_sets = ("context",)
-        else:
-            rule_sets = ("fsdp",) if mesh["fsdp"] > 1 else ("dp",)
-        for rules in rule_sets:
-            try:
-                strategy = Strategy.create({a: n for a, n in mesh.items() if n > 1} or
-                                           {"data": 1}, rules,
-                                           balanced=mesh["context"] > 1)
-                fitted, notes = fit_to_model(strategy, config)
-            except UserError:
+        for rank, rules in enumerate(RULE_SETS):
+            fitted = _candidate(mesh, rules, config)
+            if fitted is None:
                 continue
-            # No replicated heads or padded widths (they waste the devices), and every weight
-            # splits evenly, as the trainer places it.
-            if not notes and _splits_weights(fitted, config):
-                found.append(fitted)
-    return found
+            key, preference = placement(fitted, config), (rank, tuple(-n for n in sizes))
+            if key not in best or preference < best[key][0]:
+                best[key] = (preference, fitted)
+    found = [strategy for _, strategy in best.values()]
+    return sorted(found, key=lambda s: (s.sizes, list(RULE_SETS).index(s.rules.name)))
+
+
+def _candidate(mesh: dict[str, int], rules: str, config: LlamaConfig) -> Strategy | None:
+    """`rules` on `mesh` fitted to `config` (balanced where it has a ring), or None where it
+    leaves a mesh axis idle, replicates heads, pads widths (they waste the devices) or splits
+    a weight unevenly (the trainer could not place it)."""
+    for balanced in (True, False):
+        try:
+            strategy = Strategy.create(mesh, rules, balanced=balanced)
+        except UserError:
+            continue
+        try:
+            fitted, notes = fit_to_model(strategy, config)
+        except UserError:
+            return None
+        return fitted if not notes and _splits_weights(fitted, config) else None
+    return None
+
+
+def placement(strategy: Strategy, config: LlamaConfig) -> tuple:
+    """What `strategy` does to `config`'s arrays, free of names: for every parameter (its
+    weights, gradient and optimizer state) and activation, the device groups each dimension is
+    split over, as (stride, size) runs of the canonical device order; and the pipeline."""
+    sizes = strategy.axes
+    stride = {a: math.prod(sizes[b] for b in MESH_AXES[i + 1:]) for i, a in enumerate(MESH_AXES)}
+
+    def groups(spec) -> tuple:
+        out = []
+        for part in spec:
+            runs: list[tuple[int, int]] = []
+            for axis in as_tuple(part):
+                if runs and runs[-1][0] == stride[axis] * sizes[axis]:  # contiguous: one run
+                    runs[-1] = (stride[axis], runs[-1][1] * sizes[axis])
+                else:
+                    runs.append((stride[axis], sizes[axis]))
+            out.append(tuple(runs))
+        return tuple(out)
+
+    params = tuple((groups(strategy.param_spec(axes)), groups(strategy.grad_spec(axes)),
+                    groups(strategy.optimizer_spec(axes)))
+                   for axes in jax_leaves(param_axes(config)))
+    activations = tuple(groups(strategy.activation_spec(axes)) for axes in ACTIVATIONS.values())
+    return params, activations, strategy.balanced, strategy.microbatches
 
 
 def _splits_weights(strategy: Strategy, config: LlamaConfig) -> bool:
@@ -176,22 +224,25 @@ class Search:
     """The costs the dynamic program combines, each computed once."""
 
     def __init__(self, config: LlamaConfig, profile: Profile, devices: int,
-                 budget_bytes: int, strategies: Sequence[Strategy] | None = None):
+                 budget_bytes: int, strategies: Sequence[Strategy] | None = None,
+                 optimizer: Optimizer = ADAMW):
         if devices > profile.num_devices:
             raise UserError(f"{devices} devices: profile {profile.name} has "
                             f"{profile.num_devices}: plan for at most that many")
         self.config, self.profile, self.budget = config, profile, budget_bytes
-        self.devices = devices
+        self.devices, self.optimizer = devices, optimizer  # its state stays home
         self.strategies = list(strategies or candidate_strategies(config, devices))
         if not self.strategies:
             raise UserError(f"no strategy over {devices} devices fits the model's shapes: "
                             f"plan for another device count")
-        self.resident = {s: resident_bytes(config, s) for s in self.strategies}
+        self.resident = {s: resident_bytes(config, s, optimizer) for s in self.strategies}
         self._lines: dict[tuple[Strategy, int, str], tuple[int, int, int] | None] = {}
+        # XLA's measured over the model's predicted micro-step bytes, where a plan was checked
+        # (`plan_checked`), by (strategy, bucket length, remat policy).
+        self.corrections: dict[tuple[Strategy, int, str], float] = {}
         self._time: dict[tuple[Strategy, int, str, int], MicroStepTime] = {}
         self._pairs: dict[tuple, np.ndarray] = {}
         self._placed: dict[tuple, tuple[np.ndarray, float]] = {}
-        self._switch: dict[tuple[Strategy, Strategy], float] = {}
 
     def micro_step(self, strategy: Strategy, max_len: int, home_bytes: int, rows: int
                    ) -> _MicroStep | None:
@@ -238,15 +289,26 @@ class Search:
         if key not in self._lines:
             config = dataclasses.replace(self.config, remat=remat)
             shards = strategy.batch_shards
-            ring = strategy.seq_ways("context") * (2 if strategy.balanced else 1)
+            ring = strategy.ring * (2 if strategy.balanced else 1)
             if max_len % ring:
                 self._lines[key] = None
             else:
                 one, two = (micro_step_memory(config, strategy, (k * shards, max_len),
                                               self.profile.platform, accumulate).peak
                              for k in (1, 2))
-                self._lines[key] = (shards, one, two - one)
+                scale = self.corrections.get((strategy, max_len, remat), 1.0)
+                self._lines[key] = (shards, math.ceil(one * scale),
+                                    math.ceil((two - one) * scale))
         return self._lines[key]
+
+    def correct(self, choice: Choice, home_bytes: int, measured_bytes: int) -> None:
+        """Scale the memory model of `choice`'s strategy, bucket and remat policy by what XLA
+        measured of its micro-step (`measured_bytes`, beside `home_bytes` of home state)
+        against what the model predicted, for the plans made from now on."""
+        key = (choice.strategy, choice.max_len, choice.remat)
+        ratio = (measured_bytes - home_bytes) / max(choice.peak_bytes - home_bytes, 1)
+        self.corrections[key] = self.corrections.get(key, 1.0) * ratio * CORRECTION_MARGIN
+        self._lines.clear()
 
     def bucket(self, lengths: np.ndarray, rows: list[list[int]], low: int, max_len: int,
                strategy: Strategy, home_bytes: int, masked: bool = True) -> Choice | None:
@@ -255,21 +317,23 @@ class Search:
         if micro is None:
             return None
         shares, imbalance = self._attention_shares(lengths, rows, max_len, strategy, micro.rows,
-                                                   masked)
+                                                   masked, micro.accumulate)
         seconds = micro.time.bucket_seconds(shares) + (micro.reduction if len(shares) else 0.0)
         return Choice(low, max_len, strategy, micro.rows, micro.remat, micro.steps, len(rows),
                       sum(len(r) for r in rows), int(sum(lengths[i] for r in rows for i in r)),
                       seconds, micro.peak_bytes + home_bytes, imbalance)
 
     def _attention_shares(self, lengths: np.ndarray, rows: list[list[int]], max_len: int,
-                          strategy: Strategy, micro_rows: int, masked: bool
-                          ) -> tuple[np.ndarray, float]:
+                          strategy: Strategy, micro_rows: int, masked: bool,
+                          accumulate: str = "local") -> tuple[np.ndarray, float]:
         """Per micro-step, the attention pairs of the busiest device (data shard and ring
         rank) over those of rows that are one causal document each; and the busiest device's
         pairs over the mean device's, summed over the micro-steps. The rows are placed on data
-        shards as the trainer places them."""
+        shards as the trainer places them. Data shards that meet only at the bucket's end
+        (`independent_shards`) wait for the busiest one's total: each micro-step is priced at
+        an even part of it (a ring's ranks still meet every micro-step)."""
         steps = math.ceil(len(rows) / micro_rows)
-        context = strategy.seq_ways("context")
+        context = strategy.ring
         block, skips = attention_kernel(self.config, self.profile.platform, max_len, context)
         if not rows:  # nothing of the bucket's lengths: no micro-step
             return np.ones(0), 1.0
@@ -282,45 +346,28 @@ class Search:
             self._pairs[key] = document_pairs(documents, max_len, context, strategy.balanced,
                                               block)
         pairs_RxC = self._pairs[key]
-        placed = (*key, micro_rows, shards)
+        per_bucket = independent_shards(strategy, accumulate)
+        placed = (*key, micro_rows, shards, per_bucket)
         if placed not in self._placed:
-            c = self.config
-            per_token = MATMUL_TRAINING * (c.n_layers * (
-                c.dim * c.head_dim * 2 * (c.n_heads + c.n_kv_heads) + 3 * c.dim * c.ffn_dim)
-                + c.dim * c.vocab_size)
-            per_pair = ATTENTION_TRAINING * 4 * c.n_heads * c.head_dim * c.n_layers
+            per_token, per_pair = training_flops(self.config)
             order = place(per_token * max_len + per_pair * pairs_RxC.sum(axis=1), micro_rows,
-                          shards, per_token * max_len).order
+                          shards, per_token * max_len, per_bucket).order
             self._placed[placed] = (order, pairs_RxC.shape[1])
         order, ranks = self._placed[placed]
         slots_SxC = np.where((order == EMPTY)[:, None], 0.0, pairs_RxC[np.maximum(order, 0)])
         devices_MxDxC = slots_SxC.reshape(steps, shards, -1, ranks).sum(axis=2)
-        busiest_M = devices_MxDxC.max(axis=(1, 2))
+        if per_bucket:  # each shard's micro-steps, each at its busiest ring rank, in turn
+            busiest_M = np.full(steps, devices_MxDxC.max(axis=2).sum(axis=0).max() / steps)
+        else:
+            busiest_M = devices_MxDxC.max(axis=(1, 2))
         whole = micro_rows // shards * visible_pairs(max_len, context, strategy.balanced, block)
         mean = devices_MxDxC.mean(axis=(1, 2)).sum()
         return busiest_M / whole, float(busiest_M.sum() / mean) if mean else 1.0
 
     def switch_seconds(self, source: Strategy, target: Strategy) -> float:
-        """A weight switch's time: the most bytes any device lacks, over the slower link the
-        pair of layouts spans (the planner's exact plan goes in the report)."""
-        if source == target:
-            return 0.0
-        key = (source, target)
-        if key not in self._switch:
-            ids = list(range(self.devices))
-            lacking = np.zeros(self.devices)
-            itemsize = self.config.dtype.itemsize
-            for axes, leaf in zip(jax_leaves(param_axes(self.config)),
-                                  jax_leaves(abstract_params(self.config)), strict=True):
-                before = boxes_from_strategy(source, ids, axes, leaf.shape)
-                after = boxes_from_strategy(target, ids, axes, leaf.shape)
-                for d in ids:
-                    lacking[d] += (_volume(after[d]) - _overlap(before[d], after[d])) * itemsize
-            crosses = self.devices > self.profile.devices_per_node
-            bandwidth = (self.profile.inter_node_bandwidth if crosses
-                         else self.profile.intra_node_bandwidth)
-            self._switch[key] = float(lacking.max()) / bandwidth
-        return self._switch[key]
+        """A weight switch's time (`hotjax.planning.cost.switch_seconds`; the planner's exact
+        plan goes in the report)."""
+        return switch_seconds(self.config, source, target, self.profile)
 
 
 def jax_leaves(tree):
@@ -329,20 +376,33 @@ def jax_leaves(tree):
     return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def _volume(box) -> int:
-    return math.prod(b - a for a, b in box)
-
-
-def _overlap(a, b) -> int:
-    return math.prod(max(0, min(x1, y1) - max(x0, y0))
-                     for (x0, x1), (y0, y1) in zip(a, b, strict=True))
-
-
 def boundaries(lengths: np.ndarray, context: int) -> list[int]:
     """Candidate bucket lengths: powers of two from MIN_BUCKET below the context, and it."""
     found = [1 << k for k in range(MIN_BUCKET.bit_length() - 1, context.bit_length())
              if (1 << k) < context]
     return [*found, context]
+
+
+def plan_checked(search: Search, lengths: np.ndarray, context: int,
+                 measured: Callable[[Choice, Strategy], int], max_buckets: int = 4) -> Plan:
+    """`plan`, every bucket of it then checked by `measured(choice, home)`: the per-device
+    bytes of its compiled micro-step beside the home's state, by XLA's memory analysis, as
+    the trainer checks them (`hotjax.planning.wall.xla_bytes`). Where a bucket exceeds the
+    budget the memory model is corrected for it (`Search.correct`) and the plan made again,
+    so that what is planned is what trains."""
+    for _ in range(CHECK_ROUNDS):
+        found = plan(search, lengths, context, max_buckets)
+        home_bytes = resident_bytes(search.config, found.home, search.optimizer)
+        over = [(b, used) for b in found.buckets if b.rows
+                and (used := measured(b, found.home)) > search.budget]
+        for choice, used in over:  # a choice's peak holds its plan's home state
+            search.correct(choice, home_bytes, used)
+        if not over:
+            return found
+    raise UserError(f"no plan whose buckets fit {search.budget / 2**30:.2f} GiB per device by "
+                    f"XLA's memory analysis after {CHECK_ROUNDS} corrections of the memory "
+                    f"model: raise the memory budget, or name the strategies (--strategies "
+                    f"TABLE.toml)")
 
 
 def plan(search: Search, lengths: np.ndarray, context: int, max_buckets: int = 4,
@@ -407,7 +467,7 @@ def _best_for_home(search: Search, lengths: np.ndarray, cuts: list[int], home_by
 def _as_plan(search: Search, chosen: Sequence[Choice]) -> Plan:
     """Buckets with their switches: the weights from home through each bucket in turn, and
     each bucket's fp32 gradients home (in the reverse direction, twice the bytes of bf16)."""
-    home = most_sharded([c.strategy for c in chosen], search.config)
+    home = most_sharded([c.strategy for c in chosen], search.config, search.optimizer)
     running = [c.strategy for c in chosen if c.rows]
     weights = sum(search.switch_seconds(a, b) for a, b in itertools.pairwise([home, *running]))
     widen = 4 / search.config.dtype.itemsize
@@ -420,8 +480,8 @@ def fixed_table(search: Search, lengths: np.ndarray, table: Sequence[tuple[int, 
     """A given table's predicted step (None if a bucket does not fit): (max_len, strategy)
     pairs by increasing length. Rows are packed first-fit-decreasing, or with `packed=False`
     filled end to end (sequences concatenated and cut at the row length), or with `padded`
-    one sequence per row."""
-    home_bytes = min(search.resident[s] for _, s in table)
+    one sequence per row. Its strategies need not be among the search's candidates."""
+    home_bytes = min(resident_bytes(search.config, s, search.optimizer) for _, s in table)
     choices, low = [], 0
     for high, strategy in table:
         members = [n for n in range(len(lengths)) if low < lengths[n] <= high]

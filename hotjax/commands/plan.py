@@ -9,26 +9,23 @@ import json
 import sys
 from pathlib import Path
 
-from hotjax.config import (
-    DEFAULT_BATCH_TOKENS,
-    DEFAULT_MODEL,
-    RunConfig,
-    at_least,
-    memory_size,
-    positive,
+from hotjax.commands.options import (
+    DATA,
+    MODEL,
+    add_options,
+    add_process_options,
+    processes,
+    run_config,
 )
+from hotjax.config import DEFAULT_MODEL, at_least, positive, shown_bytes
 from models import bounds
 from models.errors import UserError
-
-_RUN = RunConfig()
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser("plan", help="choose buckets and a strategy per bucket with the "
                                "cost model, and write them as a strategy table")
     plan.set_defaults(handler=_plan)
-    plan.add_argument("--model", default=DEFAULT_MODEL,
-                      help="model preset (default: %(default)s)")
     profiles = plan.add_mutually_exclusive_group()
     profiles.add_argument("--profile", help="hardware profile: a shipped one (a800-4x8, "
                           "h100-1x8) or a .toml file (default: this machine's, measured once "
@@ -42,66 +39,43 @@ def register(commands: argparse._SubParsersAction) -> None:
                       "of that GPU")
     plan.add_argument("--devices", type=int, help="devices to plan for (default: all of the "
                       "profile's)")
-    memory = plan.add_mutually_exclusive_group()
-    memory.add_argument("--device-memory", type=memory_size, metavar="SIZE",
-                        help="memory budget per device, like 80GiB (a bare number is MiB; "
-                        "default: what the profile's allocator gives of its device memory)")
-    memory.add_argument("--memory-gib", type=float, help="the same in GiB (the older form)")
-    source = plan.add_mutually_exclusive_group()
-    source.add_argument("--lengths", metavar="STATS.json", help="the document lengths of a "
-                        "corpus, as `hotjax data stats --json` saves them")
-    source.add_argument("--data", help="a corpus to tokenize (as for `hotjax train`; default: "
-                        "stdlib)")
-    plan.add_argument("--tokenizer", help="with --data: as for `hotjax train`")
-    plan.add_argument("--vocab-size", type=int, default=_RUN.vocab_size,
-                      help="with --data and no --tokenizer: the BPE trained on the corpus")
-    plan.add_argument("--context", type=int, default=_RUN.context,
-                      help="longest sequence in tokens (default: %(default)s)")
-    plan.add_argument("--long-documents", choices=("truncate", "split"),
-                      default=_RUN.long_documents, help="documents over the context: truncate "
-                      "them (as HotSPa does) or split them into context-length pieces (default: "
-                      "%(default)s, as hotjax train)")
-    size = plan.add_mutually_exclusive_group()
-    size.add_argument("--batch-tokens", type=int, help="real tokens per step (default: "
-                      f"{DEFAULT_BATCH_TOKENS}, as hotjax train)")
-    size.add_argument("--batch-sequences", type=int, help="or sequences per step (the paper "
-                      "trains 512)")
-    plan.add_argument("--compute-dtype", choices=("bfloat16", "float16", "float32"),
-                      default=_RUN.compute_dtype, help="as for hotjax train")
+    # The run `hotjax train --strategies auto` makes with the same options: planned alike.
+    add_options(plan, *MODEL, *DATA, "device_memory", "optimizer")
+    plan.add_argument("--memory-gib", type=float, help="--device-memory in GiB (the older "
+                      "form)")
+    plan.add_argument("--lengths", metavar="STATS.json", help="instead of --data: the document "
+                      "lengths of a corpus, as `hotjax data stats --json` saves them")
     plan.add_argument("--max-buckets", type=int, default=4,
                       help="at most this many buckets (default: %(default)s)")
     plan.add_argument("--compare", metavar="TABLE.toml", action="append", default=[],
                       help="also predict this table's step (repeatable)")
     plan.add_argument("--out", metavar="TABLE.toml", help="write the table here")
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
-    from hotjax.cli import add_process_options
-
     add_process_options(plan)  # --measure across processes, under `hotjax launch`
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from hotjax import start_jax, targets
-    from hotjax.cli import processes
+    from hotjax import targets
+    from hotjax.startup import start_jax
 
     for flag, value in (("--max-buckets", args.max_buckets), ("--devices", args.devices)):
         at_least(flag, value, 1)
     positive("--memory-gib", args.memory_gib)
+    if args.memory_gib and args.device_memory:
+        raise UserError("--device-memory and --memory-gib both given: pass one of them")
+    if args.lengths and args.data:
+        raise UserError("--lengths and --data both given: pass one of them")
     target = targets.prepare(args.target)  # before JAX starts: it runs on the CPU
     if target is not None and args.measure:
         raise UserError(f"--target {args.target} --measure: a target is compiled for, not "
                         f"measured: plan with --profile (or without, the target's own)")
-    # The run `hotjax train --strategies auto` makes with the same flags: planned alike.
-    memory = args.device_memory or (args.memory_gib * 1024 if args.memory_gib else None)
+    memory = args.device_memory or (round(args.memory_gib * 2**30) if args.memory_gib else None)
     if memory is None and target is not None:
         from hotjax.planning.profile import allocator_fraction
 
         # What JAX's allocator hands a hotjax process of the target's memory, as a profile's.
-        memory = target.memory * allocator_fraction("gpu") / 2**20
-    run = RunConfig(model=args.model, data=args.data, tokenizer=args.tokenizer,
-                    vocab_size=args.vocab_size, context=args.context,
-                    long_documents=args.long_documents, batch_tokens=args.batch_tokens,
-                    batch_sequences=args.batch_sequences, compute_dtype=args.compute_dtype,
-                    device_memory=memory)
+        memory = round(target.memory * allocator_fraction("gpu"))
+    run = run_config(args, devices=None, device_memory=memory)
     start_jax(None, processes(args))
     from rich.console import Console
 
@@ -109,8 +83,7 @@ def _plan(args: argparse.Namespace) -> None:
     from hotjax.planning import search as planning
     from hotjax.planning.measure import local_profile
     from hotjax.planning.profile import load_profile
-    from hotjax.run import model_config, plan_search
-    from models.llama import preset
+    from hotjax.run import model_config, named_model, plan_search
 
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise UserError(f"--out {args.out}: its directory does not exist: create it or choose "
@@ -121,7 +94,7 @@ def _plan(args: argparse.Namespace) -> None:
     profile = (load_profile(args.profile) if args.profile else _target_profile(target)
                if target is not None else local_profile(console, args.measure))
     devices = args.devices or profile.num_devices
-    model = preset(run.model)
+    model = named_model(run.model or DEFAULT_MODEL)
     config = model_config(run, model, vocab or model.vocab_size)
     with console.status("searching"):
         search, lengths = plan_search(run, config, devices, documents, console, profile)
@@ -135,7 +108,7 @@ def _plan(args: argparse.Namespace) -> None:
                 search, lengths, [(b.max_len, b.strategy) for b in table.buckets])
     budget = search.budget
     report = planning.report(found, compared, lengths, {
-        "model": run.model, "profile": profile.name, "devices": devices,
+        "model": run.model or DEFAULT_MODEL, "profile": profile.name, "devices": devices,
         "memory_gib": budget / 2**30, "context": run.context, "lengths": described,
         "batch_sequences": len(lengths), **run.batch,
         "long_documents": run.long_documents})
@@ -145,8 +118,8 @@ def _plan(args: argparse.Namespace) -> None:
     if not main:
         return
     if args.out:
-        header = (f"Planned by `hotjax plan` for {args.model} on {devices} devices of "
-                  f"{profile.name} ({budget / 2**30:.0f} GiB each), context {args.context}, "
+        header = (f"Planned by `hotjax plan` for {run.model or DEFAULT_MODEL} on {devices} "
+                  f"devices of {profile.name} ({shown_bytes(budget)} each), context {run.context}, "
                   f"{len(lengths)} sequences of {described} per step: predicted "
                   f"{found.seconds:.3f} s per step.")
         Path(args.out).write_text(found.table().toml(header))
@@ -158,7 +131,7 @@ def _plan(args: argparse.Namespace) -> None:
         if target is not None:
             out.print(f"fits, per XLA:GPU: each bucket's micro-step compiled for "
                       f"{report['target']['device']} on this machine without one; its peak "
-                      f"beside the home's state against {budget / 2**30:.1f} GiB",
+                      f"beside the home's state against {shown_bytes(budget)}",
                       markup=False, highlight=False)
         if args.out:
             out.print(f"table written to {args.out}", markup=False)

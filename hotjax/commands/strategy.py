@@ -11,20 +11,10 @@ import argparse
 import dataclasses
 import json
 
-from hotjax.config import RunConfig, at_least, at_most
-from models.bounds import MAX_SEQ_LEN
+from hotjax.commands.options import add_options, run_config
+from hotjax.config import DEFAULT_MODEL
 from models.errors import UserError
-from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
-
-
-def _table(text: str, context: int):
-    """A table file, or one strategy as the table of one bucket of `context` tokens."""
-    from sharding.strategy import Strategy
-    from sharding.table import StrategyTable, load_table
-
-    if text.endswith(".toml"):
-        return load_table(text)
-    return StrategyTable.single(Strategy.parse(text), context, text)
+from models.options import REMAT_POLICIES
 
 
 def _step_memory(config, bucket, rows: int, policies: list[str], target
@@ -60,33 +50,35 @@ def _show(args: argparse.Namespace) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from hotjax import start_jax, targets
+    from hotjax import targets
+    from hotjax.startup import start_jax
 
-    at_least("--context", args.context, 1)
-    at_most("--context", args.context, MAX_SEQ_LEN, "MAX_SEQ_LEN")
+    # Checked before JAX starts: a table file, or one strategy as the table of --context.
+    tabled = args.table.endswith(".toml")
+    run = run_config(args, **{"strategies" if tabled else "strategy": args.table})
     policies = _policies(args.policies)
     target = targets.prepare(args.target)  # before JAX starts: it runs on the CPU
     # Enough simulated devices for the widest mesh (a table's meshes are not known yet).
     start_jax(None)
-    from hotjax.planning.cost import most_sharded
-    from hotjax.run import model_config
-    from models.llama import preset
-    from sharding.report import describe, state_bytes
+    from hotjax.run import model_config, named_model, strategy_table
+    from models.optimizers import named
+    from sharding.report import describe, most_sharded, state_bytes
 
-    table = _table(args.table, args.context)
+    optimizer = named(run.optimizer)
+    table = strategy_table(run)
     buckets = list(table.buckets)
-    # As `hotjax train` builds it with these flags (the preset's own vocabulary).
-    model = preset(args.model)
-    config = model_config(RunConfig(model=args.model, attention=args.attention), model,
-                          model.vocab_size)
+    # As `hotjax train` builds it with these options (the model's own vocabulary).
+    name = run.model or DEFAULT_MODEL
+    model = named_model(name)
+    config = model_config(run, model, model.vocab_size)
     import jax
     import numpy as np
 
     from models.attention import ring_block_counts
 
     platform = jax.default_backend() if target is None else "gpu"
-    reports = [describe(b.strategy, config, platform) | {"micro_rows": b.micro_rows,
-                                                         "remat": b.remat} for b in buckets]
+    reports = [describe(b.strategy, config, platform, optimizer)
+               | {"micro_rows": b.micro_rows, "remat": b.remat} for b in buckets]
     for bucket, report in zip(buckets, reports, strict=True):
         attention = report["attention"]
         if attention["ring"] > 1:
@@ -94,8 +86,8 @@ def _show(args: argparse.Namespace) -> None:
             attention["ring_blocks"] = ring_block_counts(
                 np.ones((1, bucket.max_len), np.int32), np.arange(bucket.max_len)[None],
                 attention["ring"], attention["balanced"], attention["block"]).tolist()
-    home = table.home or most_sharded(table.strategies, config)
-    state = sum(state_bytes(home, config).values())
+    home = table.home or most_sharded(table.strategies, config, optimizer)
+    state = sum(state_bytes(home, config, optimizer).values())
     if args.memory:
         with Console(stderr=True).status("compiling each bucket's micro-step per remat policy"):
             for bucket, report in zip(buckets, reports, strict=True):
@@ -118,11 +110,11 @@ def _show(args: argparse.Namespace) -> None:
         return
     console = Console()
     why = "the table names it" if table.home else "the most sharded"
-    console.print(escape(f"home {home} ({why}): fp32 weights, gradient sum and Adam moments "
-                         f"stay there, {_mib(state)} per device"))
+    console.print(escape(f"home {home} ({why}): fp32 weights, gradient sum and "
+                         f"{optimizer.label}'s state stay there, {_mib(state)} per device"))
     for bucket, report in zip(buckets, reports, strict=True):
-        title = f"{report['strategy']} on {args.model}"
-        if args.table.endswith(".toml"):
+        title = f"{report['strategy']} on {name}"
+        if tabled:
             title = f"bucket <= {bucket.max_len} tokens: {title}"
         title = escape(title)  # "[rules]" is not rich markup
         params = Table(title=title, title_justify="left")
@@ -136,7 +128,7 @@ def _show(args: argparse.Namespace) -> None:
             console.print(escape(f"note: {note}"))
         b = report["bytes_per_device"]
         console.print(f"per device (fp32): params {_mib(b['params'])}, grads "
-                      f"{_mib(b['grads'])}, Adam moments {_mib(b['optimizer'])}")
+                      f"{_mib(b['grads'])}, {optimizer.label} state {_mib(b['optimizer'])}")
         shards, rows, pipeline = report["batch_shards"], report["micro_rows"], report["pipeline"]
         split = (f"{shards} way(s)" if not pipeline else
                  f"{shards} ways ({shards // pipeline['microbatches']} batch shard(s) x "
@@ -236,11 +228,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                               "and the activation layout of every strategy in a table")
     show.add_argument("table", metavar="TABLE.toml|STRATEGY",
                       help='a strategy table, or one strategy like "data=2,tensor=4"')
-    show.add_argument("--model", default="small", help="model preset (default: %(default)s)")
-    show.add_argument("--context", type=int, default=RunConfig().context,
-                      help="row length for a single strategy (a table sets its own)")
-    show.add_argument("--attention", choices=ATTENTION_BACKENDS, default="auto",
-                      help="attention kernel asked for (default: %(default)s)")
+    add_options(show, "model", "context", "compute_dtype", "attention", "attention_block",
+                "optimizer")
     show.add_argument("--memory", action="store_true", help="also compile each bucket's "
                       "micro-step under every remat policy and report XLA's activation memory "
                       "(takes a while)")

@@ -1,0 +1,132 @@
+"""What the test files share: a tiny model, a tiny run's flags, strategy tables as files, and one
+way to run hotjax (in this process or a new one) and read its metrics and one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from models.llama import PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLES = Path(__file__).resolve().parent / "tables"
+
+# The tiny preset (GQA: 8 query heads, 4 K/V) in fp32: sharded results equal one device's up to
+# the order of float sums.
+TINY = dataclasses.replace(PRESETS["tiny"], compute_dtype="float32")
+
+# `hotjax train` of TINY on byte tokens, logging every step. One set of flags for every test
+# that trains in this process: the compiled steps are cached per (config, strategy, shape), so
+# a test that trains as another did compiles nothing.
+TINY_RUN = ("train", "--model", "tiny", "--tokenizer", "bytes", "--context", "256",
+            "--batch-tokens", "2048", "--compute-dtype", "float32", "--log-every", "1")
+
+SUBPROCESS_TIMEOUT_S = 600  # a loaded 2-core machine; a hang fails the test instead
+
+
+def table(name: str) -> Path:
+    """tests/tables/NAME.toml: a strategy table several tests train under."""
+    path = TABLES / f"{name}.toml"
+    assert path.is_file(), f"no strategy table {path}"
+    return path
+
+
+def table_text(*buckets: Mapping[str, object], home: Mapping[str, object] | None = None) -> str:
+    """A strategy table's TOML from its buckets, each {"max_len": 64, "mesh": "data = 8",
+    "rules": "dp", ...}: a string value other than the mesh is quoted, the rest written as is."""
+    def value(key: str, v: object) -> str:
+        if key == "mesh":
+            return f"{{ {v} }}"
+        return json.dumps(v) if isinstance(v, str) else str(v)
+
+    lines = []
+    if home is not None:
+        lines.append("home = { " + ", ".join(f"{k} = {value(k, v)}" for k, v in home.items())
+                     + " }")
+    for bucket in buckets:
+        lines += ["[[bucket]]", *(f"{k} = {value(k, v)}" for k, v in bucket.items())]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(path: Path, *buckets: Mapping[str, object],
+                home: Mapping[str, object] | None = None) -> Path:
+    """`table_text(*buckets, home=home)` written to `path`; returns `path`."""
+    path.write_text(table_text(*buckets, home=home))
+    return path
+
+
+def records(source: Path | str) -> list[dict]:
+    """The JSON records of a metrics file (a path; none if it does not exist yet) or of a
+    command's stdout (a string): lines that are whole JSON objects."""
+    if isinstance(source, Path):
+        if not source.exists():
+            return []
+        source = source.read_text()
+    return [json.loads(line) for line in source.splitlines()
+            if line.startswith("{") and line.endswith("}")]
+
+
+def one_line(err: str) -> str:
+    """The one `hotjax: error:` line of stderr, its last line (a run's header may come
+    before), and no traceback."""
+    errors = [line for line in err.splitlines() if line.startswith("hotjax: error: ")]
+    assert len(errors) == 1 and err.rstrip().endswith(errors[0]), err
+    assert "Traceback" not in err, err
+    return errors[0]
+
+
+def error(argv: list[str], capsys) -> str:
+    """`hotjax argv` in this process: exits 2 with one error line, which is returned."""
+    from hotjax.cli import main
+
+    assert main(argv) == 2
+    return one_line(capsys.readouterr().err)
+
+
+def environment(devices: int = 8, **extra: str) -> dict[str, str]:
+    """This process's environment for a new one on `devices` simulated CPU devices, with wide
+    lines (rich would wrap long paths) and `extra` added."""
+    return {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu",
+            "COLUMNS": "400", **extra}
+
+
+def python(*args: str | Path, cwd: Path | None = None, devices: int = 8,
+           env: Mapping[str, str] | None = None, timeout: float = SUBPROCESS_TIMEOUT_S,
+           ok: bool = True) -> subprocess.CompletedProcess:
+    """`python args` (a script, `-m module` or `-c code`) in a new process on `devices`
+    simulated CPU devices: its exit code, stdout and stderr. With `ok`, asserts it exited 0."""
+    done = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env={**environment(devices), **(env or {})},
+                          timeout=timeout)
+    if ok:
+        assert done.returncode == 0, (f"{' '.join(map(str, args))[:300]} exited "
+                                      f"{done.returncode}:\n{done.stdout[-3000:]}\n"
+                                      f"{done.stderr[-3000:]}")
+    return done
+
+
+def hotjax(*args: str | Path, **how) -> subprocess.CompletedProcess:
+    """`hotjax args` in a new process: `python("-m", "hotjax.cli", *args, **how)`."""
+    return python("-m", "hotjax.cli", *args, **how)
+
+
+def hotjax_error(*args: str | Path, **how) -> str:
+    """`hotjax args` in a new process that exits 2 with one error line: that line."""
+    done = hotjax(*args, ok=False, **how)
+    assert done.returncode == 2, f"exited {done.returncode}:\n{done.stderr[-3000:]}"
+    return one_line(done.stderr)
+
+
+def start_hotjax(*args: str | Path, cwd: Path | None = None, devices: int = 8,
+                 env: Mapping[str, str] | None = None, stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT) -> subprocess.Popen:
+    """`hotjax args` started in a new process, as `hotjax` does, and left running: by default
+    its stdout and stderr together in one text pipe."""
+    return subprocess.Popen([sys.executable, "-m", "hotjax.cli", *map(str, args)],
+                            stdout=stdout, stderr=stderr, text=True, cwd=cwd or ROOT,
+                            env={**environment(devices), **(env or {})})

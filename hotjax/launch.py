@@ -48,6 +48,9 @@ STOP_GRACE_S = 10  # after SIGTERM, before SIGKILL
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
+LINK_ENV = "HOTJAX_LINK_BYTES_PER_S"  # set in each launched process under --link
+
+
 def register(commands: argparse._SubParsersAction) -> None:
     launch = commands.add_parser("launch", help="run `hotjax train` (or `hotjax plan "
                                  "--measure`) as several processes on this machine (JAX's "
@@ -137,6 +140,8 @@ def _run(program: list[str], processes: int, devices_per_process: int | None, ou
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * per:(i + 1) * per])
             else:
                 env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process or 4)
+            if link is not None:  # what the processes' network is, for their reports
+                env[LINK_ENV] = str(link)
             # `ip netns exec` execs the program in this same process: its pinning holds.
             argv = [*wrap, *program, "--coordinator", coordinator, "--num-processes",
                     str(processes), "--process-id", str(i)]

@@ -51,6 +51,7 @@ from sharding.table import StrategyTable, load_table
 DEFAULT_TABLE = Path(__file__).parent.parent / "sharding" / "tables" / "default.toml"
 DEFAULT_TABLE_DEVICES = 8
 AUTO = "auto"  # --strategies auto: a table planned by the cost model
+NOT_HELD = object()  # `Run(lock=...)` not given: the run takes its `ckpt_dir`'s lock itself
 
 
 def resumed_config(path: str | Path, **overrides) -> RunConfig:
@@ -196,7 +197,8 @@ class Run:
     restored from a checkpoint is laid out in this run's home strategy, whatever mesh wrote it.
     JAX must have been started first (`hotjax.start_jax`, which also gives the `devices`;
     default: all). A `ckpt_dir` is this run's alone until `close` (a second run there stops at
-    its start); `lock` is that hold when already taken (`from_config` takes it first)."""
+    its start); `lock` is that hold when already taken (`from_config` takes it first: None
+    in every process of a run but process 0)."""
 
     def __init__(self, model: LlamaConfig, table: StrategyTable,
                  optimizer: OptimConfig | optax.GradientTransformation,
@@ -208,8 +210,10 @@ class Run:
                  keep_last: int | None = 3, keep_every: int | None = None,
                  resume_from: str | Path | None = None, data: dict | None = None,
                  name: str = "of your own", console: Console | None = None,
-                 lock: ckpt_lock.Lock | None = None):
-        self._lock = lock or (ckpt_lock.hold(ckpt_dir) if ckpt_dir else None)
+                 lock: ckpt_lock.Lock | None | object = NOT_HELD):
+        # Process 0 alone holds a run's lock: another process's hold is None, already taken.
+        self._lock = (ckpt_lock.hold(ckpt_dir) if ckpt_dir else None) if lock is NOT_HELD \
+            else lock
         try:
             self.model, self.optimizer, self.batches = model, optimizer, batches
             self.tokenizer = tokenizer or getattr(batches, "tokenizer", None)

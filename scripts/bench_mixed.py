@@ -112,6 +112,16 @@ def budget(text: str) -> int | str:
     return WALL if text.strip().lower() == WALL else memory_size(text)
 
 
+def methods_list(text: str) -> tuple[str, ...]:
+    """`--methods`: known names, (a) among them (the others are measured against it)."""
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown method {unknown[0]!r}: choose from "
+                                         f"{', '.join(METHODS)}")
+    return tuple(dict.fromkeys(("a", *names)))
+
+
 def timed(fn: Callable, *args: Any) -> tuple[Any, float, float]:
     """`fn(*args)`, its wall seconds and this process's CPU seconds (on a shared machine the
     steadier measure: other processes' load lengthens the wall time only)."""
@@ -190,8 +200,10 @@ def run(args: argparse.Namespace, console: Console) -> dict:
 
     from hotjax.data import MiniBatches, load_tokenizer, open_corpus
     from hotjax.optim import OptimConfig
+    from hotjax.planning.measure import profile_toml
+    from hotjax.run import named_model
     from hotjax.startup import select_devices
-    from models.llama import as_trained, preset
+    from models.llama import as_trained
     from sharding.strategy import Strategy
     from sharding.table import Bucket, StrategyTable, load_table
 
@@ -204,7 +216,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     dtype = args.compute_dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16")
     corpus = open_corpus(args.data)
     tokenizer = load_tokenizer(args.tokenizer, corpus)
-    config = as_trained(preset(args.model), tokenizer.vocab_size, compute_dtype=dtype)
+    config = as_trained(named_model(args.model), tokenizer.vocab_size, compute_dtype=dtype)
     total = args.warmup + args.steps
     optim = OptimConfig(warmup_steps=1, total_steps=total + 1)
     wall = None
@@ -244,7 +256,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                                len(lengths[0]), console)
         data["auto"] = draw([b.max_len for b in auto.buckets])
         data["c"] = data["auto"]
-    methods = [m for m in METHODS if m in data]
+    methods = [m for m in METHODS if m in data and m in args.methods]
     for step in range(total):
         seen = {(data[m][step].sequences, data[m][step].real_tokens) for m in methods}
         if len(seen) > 1:
@@ -299,6 +311,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                       "peak_bytes": f.peak_bytes, "remat": f.remat, "accumulate": f.accumulate}
                      for f in wall.fits]},
         "profile": search.profile.name if search else None,
+        "profile_toml": profile_toml(search.profile) if search else None,
+        "auto_plan": None if auto is None else auto.toml(),
         **summarize(records, trainers, predicted, args.warmup),
     }
 
@@ -384,14 +398,15 @@ def summarize(records: dict[str, list[dict]], trainers: dict[str, Trainer],
     # The cost model's ratios of tokens/s: its step time's inverse ratios.
     inverse = {m: 1 / methods[m]["predicted_s"] for m in methods if methods[m]["predicted_s"]}
 
-    hot = methods["hot"]["losses"]
+    reference = methods["a"]["losses"]
     for m in methods:
         methods[m]["predicted_tokens_per_s"] = inverse.get(m)
     return {"methods": methods, "ratios": ratios("tokens_per_s"),
             "predicted_ratios": ratios("predicted_tokens_per_s"),
             "ratios_cpu": ratios("tokens_per_cpu_s"),
             "max_loss_difference": max(abs(x - y) for m in methods
-                                       for x, y in zip(methods[m]["losses"], hot, strict=True))}
+                                       for x, y in zip(methods[m]["losses"], reference,
+                                                       strict=True))}
 
 
 def print_report(report: dict, console: Console) -> None:
@@ -475,6 +490,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run --strategies auto and the cost model's predictions (default: "
                         "on; the profile is measured in the run, on the model)")
     parser.add_argument("--strategy", help="use this strategy for (a) instead of choosing")
+    parser.add_argument("--methods", type=methods_list, default=tuple(METHODS),
+                        help="the methods run, comma-separated (default: all of "
+                        + ", ".join(METHODS) + "; a always)")
     add_options(parser, "data", "tokenizer")  # as hotjax train's
     parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"),
                         help="default: float32 on CPU, bfloat16 on accelerators")

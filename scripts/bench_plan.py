@@ -108,6 +108,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     import jax
 
     from hotjax.planning.measure import measure_profile, profile_toml
+    from hotjax.run import named_model
     from models.llama import as_trained, preset
     from sharding.strategy import Strategy
 
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
         raise UserError(f"--memory-shape {args.memory_shape!r}: give ROWSxTOKENS, like 8x1024")
     if args.repeats < 1 or not strategies or not seq_lens:
         raise UserError("give at least one strategy, one row length and one repeat")
-    model = preset(args.model)
+    model = named_model(args.model)
     config = as_trained(model, compute_dtype=args.compute_dtype or model.compute_dtype)
     big = preset(args.memory_model)
     big = as_trained(big, n_layers=args.memory_layers or big.n_layers)

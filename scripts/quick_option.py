@@ -153,8 +153,12 @@ def machine(devices: Sequence[Any]) -> dict:
 
     import jax
 
+    from hotjax.launch import LINK_ENV
+
+    link = os.environ.get(LINK_ENV)
     return {"platform": devices[0].platform, "device_kind": devices[0].device_kind,
             "devices": len(devices), "cpus": os.cpu_count(),
+            "link_bytes_per_s": float(link) if link else None,
             "processor": platform.processor() or platform.machine(),
             "python": platform.python_version(), "jax": jax.__version__,
             "load_average": os.getloadavg()}
@@ -162,7 +166,10 @@ def machine(devices: Sequence[Any]) -> dict:
 
 def print_machine(m: dict, console: Console) -> None:
     """The `hardware:` line under a benchmark's table."""
+    link = (f", a link shaped to {m['link_bytes_per_s'] / 1e6:,.1f} MB/s"
+            if m.get("link_bytes_per_s") else "")
     console.print(f"hardware: {m['devices']} {m['platform']} device(s) ({m['device_kind']}), "
-                  f"{m['cpus']} CPUs, {m['processor']}, python {m['python']}, jax {m['jax']}, "
+                  f"{m['cpus']} CPUs{link}, {m['processor']}, python {m['python']}, "
+                  f"jax {m['jax']}, "
                   f"load average {' '.join(f'{x:.1f}' for x in m['load_average'])}",
                   markup=False, highlight=False)

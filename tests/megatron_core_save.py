@@ -155,4 +155,6 @@ if __name__ == "__main__":
     out, tp, dp, tied = sys.argv[1:5]
     bucket = int(sys.argv[5]) if len(sys.argv) > 5 else None
     world = int(tp) * int(dp)
-    mp.spawn(_run, args=(world, _free_port(), out, int(tp), tied == "tied", bucket), nprocs=world)
+    # Forked, the ranks share this process's imports (see tests/torch_llama.py).
+    mp.start_processes(_run, args=(world, _free_port(), out, int(tp), tied == "tied", bucket),
+                       nprocs=world, start_method="fork")

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY
+from helpers import TINY, hotjax
 
 from hotjax.checkpoint import convert, dirs, fingerprint, store
 from hotjax.checkpoint import meta as meta_lib
@@ -387,9 +387,7 @@ def test_each_format_of_the_table_is_a_command_running_its_modules_functions(fmt
 
 
 def test_ckpt_errors_exit_2_without_a_traceback_in_a_new_process(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "hotjax.cli", "ckpt", "inspect",
-                             str(tmp_path / "missing")], capture_output=True, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+    result = hotjax("ckpt", "inspect", tmp_path / "missing", ok=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == (f"hotjax: error: {tmp_path / 'missing'}: no such "
                                      f"checkpoint directory")

@@ -6,7 +6,6 @@ update; exported back with `hotjax ckpt export-dcp`, torch loads it into the sam
 
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from sharding.table import StrategyTable
 
 sys.path.insert(0, str(Path(__file__).parent))
 import torch_llama  # noqa: E402
+from helpers import python  # noqa: E402
 
 CONFIG = config_from_hf({**torch_llama.CONFIG, "model_type": "llama"})
 # torch's AdamW as the torch run has it: constant learning rate, no clipping, norms not decayed.
@@ -43,9 +43,7 @@ DATA = torch_llama.batches()
 
 
 def _torch(task: str, layout: str, directory: Path) -> None:
-    done = subprocess.run([sys.executable, torch_llama.__file__, task, layout, str(directory)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    python(torch_llama.__file__, task, layout, directory)
 
 
 def _minibatch(ids: np.ndarray) -> MiniBatch:

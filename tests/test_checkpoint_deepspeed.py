@@ -9,7 +9,6 @@ import dataclasses
 import hashlib
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from hotjax.cli import main
 sys.path.insert(0, str(Path(__file__).parent))
 import deepspeed_train  # noqa: E402
 import torch_llama  # noqa: E402
+from helpers import python  # noqa: E402
 from test_checkpoint_dcp import (  # noqa: E402
     CONFIG,
     _hf,
@@ -43,9 +43,7 @@ SOURCES = ("ds", "universal")  # the rank files, and ds_to_universal's output
 
 
 def _deepspeed(task: str, directory: Path) -> None:
-    done = subprocess.run([sys.executable, deepspeed_train.__file__, task, str(directory)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    python(deepspeed_train.__file__, task, directory)
 
 
 @pytest.fixture(scope="module")

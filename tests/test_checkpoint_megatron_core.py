@@ -7,7 +7,6 @@ nothing."""
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from models.llama import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 import megatron_core_save as run  # noqa: E402
+from helpers import python  # noqa: E402
 
 N, K, H, F, D = run.HEADS, run.GROUPS, run.D // run.HEADS, run.FFN, run.D
 RUNS = {"tp2": ("2", "1", "untied"), "dp2": ("1", "2", "tied", "20000")}
@@ -33,9 +33,7 @@ RUNS = {"tp2": ("2", "1", "untied"), "dp2": ("1", "2", "tied", "20000")}
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("megatron-core")
     for name, flags in RUNS.items():
-        done = subprocess.run([sys.executable, run.__file__, str(root / name), *flags],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
+        python(run.__file__, root / name, *flags)
     return root
 
 

@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import hotjax_error, write_table
+from helpers import error, hotjax_error, write_table
 
 from hotjax.cli import main
 from hotjax.config import memory_size
@@ -235,10 +235,17 @@ def _micro_rows_table(tmp_path) -> str:
 
 @pytest.mark.parametrize("case", ["mesh", "preset", "data path", "empty corpus", "tokenizer",
                                   "batch", "micro rows", "loss scale", "remat"])
-def test_bad_input_is_one_line_without_traceback(case, tmp_path):
+def test_bad_input_is_one_line_without_traceback(case, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
     flags, expected = _bad_inputs(tmp_path)[case]
-    line = hotjax_error("train", "--model", "tiny", *flags, cwd=tmp_path)  # a later flag wins
+    line = error(["train", "--model", "tiny", *flags], capsys)  # a later flag wins
     assert expected in line, line
+
+
+def test_bad_input_is_one_line_in_a_new_process_too(tmp_path):
+    """What a fresh process prints as JAX starts (its plugins' lines) comes before the one."""
+    flags, expected = _bad_inputs(tmp_path)["mesh"]
+    assert expected in hotjax_error("train", "--model", "tiny", *flags, cwd=tmp_path)
 
 
 @pytest.mark.parametrize("text, mib", [("1024", 1024), ("1GiB", 1024), ("80GiB", 81920),

@@ -17,11 +17,12 @@ from jax.sharding import SingleDeviceSharding
 from hotjax import targets
 from hotjax.data.buckets import cut
 from hotjax.planning import search
-from hotjax.planning.cost import micro_step_memory, resident_bytes
+from hotjax.planning.cost import micro_step_memory
 from hotjax.planning.profile import load_profile
 from hotjax.step import bucket_step, step_memory
 from models.attention import choose_backend
 from models.llama import abstract_params, param_axes, preset
+from sharding.report import resident_bytes
 from sharding.strategy import Layout, Strategy, fit_to_model
 from sharding.switch import ScheduledSwitch
 from sharding.transfers import Topology, schedule_transfers, sharding_switches

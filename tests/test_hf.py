@@ -2,8 +2,6 @@
 
 import dataclasses
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -11,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import python
 from safetensors.numpy import load_file, save_file
 
 from models.errors import UserError
@@ -231,4 +230,4 @@ def test_models_and_sharding_never_import_the_trainer():
     code = ("import sys, models.llama; assert 'models.hf' not in sys.modules; "
             "import models.hf, sharding.strategy, sharding.table, sharding.switch; "
             "assert not [m for m in sys.modules if m.split('.')[0] == 'hotjax'], sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+    python("-c", code)

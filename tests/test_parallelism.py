@@ -2,16 +2,12 @@
 XLA says each compiled piece (a bucket's micro-step, the home update) holds per device."""
 
 import dataclasses
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from helpers import TINY
+from helpers import TINY, python
 
 from hotjax.data import Batch, MiniBatch
 from hotjax.optim import OptimConfig
@@ -123,11 +119,7 @@ def test_strategies_compile_without_involuntary_rematerialization():
         "    trainer.prepare()  # the micro-step\n"
         "    t.compiled_update(trainer.home)\n"
         "    print('compiled', spec, flush=True)\n")
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu",
-           "JAX_ENABLE_COMPILATION_CACHE": "false"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            env=env, cwd=Path(__file__).parent.parent, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = python("-c", script, env={"JAX_ENABLE_COMPILATION_CACHE": "false"})
     assert result.stdout.splitlines() == [f"compiled {spec}" for spec, _ in STRATEGIES]
     assert "Involuntary full rematerialization" not in result.stderr
 

@@ -376,7 +376,7 @@ def test_plan_measures_the_devices_of_every_process_as_nodes(tmp_path):
                       env={"HOTJAX_CACHE": str(tmp_path / "cache")})
         return done.stdout + done.stderr
 
-    output = plan("--measure", "--out", str(tmp_path / "planned.toml"))
+    output = plan("--measure", "--quick-measure", "--out", str(tmp_path / "planned.toml"))
     profile = load_profile(tmp_path / "cache" / "profiles" /
                            f"cost-model-v{COST_MODEL_VERSION}" / "cpu-4x2.toml")
     assert (profile.name, profile.nodes, profile.devices_per_node) == ("measured-cpu-2x2", 2, 2)

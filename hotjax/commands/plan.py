@@ -32,6 +32,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                           "and cached)")
     profiles.add_argument("--measure", action="store_true", help="measure this machine's "
                           "devices now (matmuls, attention, collectives) and cache the profile")
+    plan.add_argument("--quick-measure", action="store_true", help="with --measure: small "
+                      "sizes and few repeats (seconds; a smoke test of the measurement, whose "
+                      "profile plans roughly)")
     plan.add_argument("--target", metavar="GPU|FILE", help="also compile each planned bucket's "
                       "micro-step for this GPU (h100, a100, a800, or an XLA target config file; "
                       "no GPU needed) and report whether it fits by XLA:GPU's memory analysis; "
@@ -66,6 +69,8 @@ def _plan(args: argparse.Namespace) -> None:
     if args.lengths and args.data:
         raise UserError("--lengths and --data both given: pass one of them")
     target = targets.prepare(args.target)  # before JAX starts: it runs on the CPU
+    if args.quick_measure and not args.measure:
+        raise UserError("--quick-measure: it sizes a measurement: add --measure")
     if target is not None and args.measure:
         raise UserError(f"--target {args.target} --measure: a target is compiled for, not "
                         f"measured: plan with --profile (or without, the target's own)")
@@ -92,7 +97,8 @@ def _plan(args: argparse.Namespace) -> None:
     console = Console(stderr=True, quiet=not main)
     documents, described, vocab = _document_lengths(args)  # checked before the measuring
     profile = (load_profile(args.profile) if args.profile else _target_profile(target)
-               if target is not None else local_profile(console, args.measure))
+               if target is not None else local_profile(console, args.measure,
+                                                         quick=args.quick_measure))
     devices = args.devices or profile.num_devices
     model = named_model(run.model or DEFAULT_MODEL)
     config = model_config(run, model, vocab or model.vocab_size)

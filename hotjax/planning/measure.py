@@ -475,9 +475,10 @@ def profile_path() -> Path:
             / f"{kind}-{len(devices)}x{jax.process_count()}.toml")
 
 
-def local_profile(console, measure: bool = False):
+def local_profile(console, measure: bool = False, quick: bool = False):
     """This machine's profile: measured once per kind and count of devices, then read from the
-    cache (`$HOTJAX_CACHE/profiles`); `measure` measures again. In a run of several processes,
+    cache (`$HOTJAX_CACHE/profiles`); `measure` measures again (`quick`: at small sizes, see
+    `measure_profile`). In a run of several processes,
     process 0's cache decides for all (their hosts' caches may differ), so that all measure
     together or all plan with process 0's profile."""
     devices = jax.devices()
@@ -493,7 +494,7 @@ def local_profile(console, measure: bool = False):
     console.print(f"measuring {len(devices)} {devices[0].device_kind} devices once "
                   f"(saved to {path})")
     with console.status("measuring") as status:
-        profile = measure_profile(devices, progress=status.update)
+        profile = measure_profile(devices, quick=quick, progress=status.update)
     if jax.process_index() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_suffix(".tmp")

@@ -414,6 +414,12 @@ def param_axes(config: LlamaConfig) -> Params:
     return nested
 
 
+def param_leaves(config: LlamaConfig) -> list[tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:
+    """Each parameter's logical axes and abstract array, in the trees' leaf order."""
+    axes = jax.tree.leaves(param_axes(config), is_leaf=lambda x: isinstance(x, tuple))
+    return list(zip(axes, jax.tree.leaves(abstract_params(config)), strict=True))
+
+
 def abstract_params(config: LlamaConfig) -> Params:
     """Each parameter as a `jax.ShapeDtypeStruct` (fp32 master weights)."""
     return nnx.to_pure_dict(_abstract(config)[1])

@@ -268,11 +268,6 @@ class Strategy:
         split = ways(self.activation_spec((None, "inner_seq")), self.axes)
         return split[1] if len(split) > 1 else 1
 
-    def seq_ways(self, axis: str) -> int:
-        """How many ways the residual sequence is split over one mesh axis."""
-        part = self.activation_spec((None, "seq"))
-        return self.axes[axis] if len(part) > 1 and axis in as_tuple(part[1]) else 1
-
     def param_spec(self, axes: Sequence[str | None]) -> PartitionSpec:
         return _spec(axes, self.rules.params, self.axes)
 

@@ -156,7 +156,7 @@ def test_attention_under_every_layout_equals_dense(devices, text, kv_heads):
     rows, seq_len = 4, 128
     segment_ids_BxT, positions_BxT = packed_rows(rows, seq_len, [5, 20, 50, 128], seed=3)
     q, k, v = qkv(rows, seq_len, config.n_heads, kv_heads)
-    order = (balanced_order(seq_len, strategy.seq_ways("context")) if strategy.balanced
+    order = (balanced_order(seq_len, strategy.ring) if strategy.balanced
              else np.arange(seq_len))
     back = np.argsort(order)
 

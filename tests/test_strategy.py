@@ -859,7 +859,7 @@ def test_a_bucket_entry_that_is_not_a_table_is_a_user_error(text, tmp_path):
 def test_balanced_chunk_order_is_a_context_parallel_option():
     strategy = Strategy.parse("fsdp=2,context=4,rules=context,balanced=true")
     assert strategy.balanced and str(strategy) == "fsdp2·context4 [context, balanced]"
-    assert strategy.seq_ways("context") == 4
+    assert strategy.ring == 4
     assert not Strategy.parse("fsdp=2,context=4,rules=context").balanced
     with pytest.raises(UserError, match="balanced chunk order needs the sequence split over a "
                                         "context axis"):

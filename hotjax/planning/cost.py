@@ -97,14 +97,13 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
 from hotjax.planning.profile import Profile
 from models.attention import block_edge
 from models.errors import UserError
-from models.llama import LlamaConfig, abstract_params, param_axes
+from models.llama import LlamaConfig, param_leaves
 from models.pipeline import in_flight
 from models.work import attention_kernel
 from sharding.strategy import MESH_AXES, Strategy, fit_to_model, partial_axes, ways
@@ -236,8 +235,7 @@ def _layout(config: LlamaConfig, strategy: Strategy) -> tuple[Strategy, dict[str
     count = dict.fromkeys(("weights", "grad_sum", "moments", "layer_weights", "layer_shards",
                            "layer_grad_sum", "other_weights", "other_shards"), 0)
     param_mesh_axes, compute_mesh_axes, grad_mesh_axes = set(), set(), set()
-    for axes, leaf in zip(jax.tree.leaves(param_axes(config), is_leaf=lambda x: isinstance(
-            x, tuple)), jax.tree.leaves(abstract_params(config)), strict=True):
+    for axes, leaf in param_leaves(config):
         n = math.prod(leaf.shape)
         layer = axes[0] == "layers"
         compute = act(axes[1:] if layer else axes)
@@ -541,8 +539,7 @@ def switch_seconds(config: LlamaConfig, source: Strategy, target: Strategy,
     devices = max(source.num_devices, target.num_devices)
     ids = list(range(devices))
     lacking = np.zeros(devices)
-    for axes, leaf in zip(jax.tree.leaves(param_axes(config), is_leaf=lambda x: isinstance(
-            x, tuple)), jax.tree.leaves(abstract_params(config)), strict=True):
+    for axes, leaf in param_leaves(config):
         before = boxes_from_strategy(source, ids, axes, leaf.shape)
         after = boxes_from_strategy(target, ids, axes, leaf.shape)
         for d in ids:

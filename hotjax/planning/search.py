@@ -50,7 +50,7 @@ from hotjax.planning.cost import (
 )
 from hotjax.planning.profile import Profile
 from models.errors import UserError
-from models.llama import LlamaConfig, abstract_params, param_axes
+from models.llama import LlamaConfig, param_leaves
 from models.optimizers import ADAMW, Optimizer
 from models.options import REMAT_POLICIES
 from models.work import attention_kernel, training_flops
@@ -179,7 +179,7 @@ def placement(strategy: Strategy, config: LlamaConfig) -> tuple:
 
     params = tuple((groups(strategy.param_spec(axes)), groups(strategy.grad_spec(axes)),
                     groups(strategy.optimizer_spec(axes)))
-                   for axes in jax_leaves(param_axes(config)))
+                   for axes, _ in param_leaves(config))
     activations = tuple(groups(strategy.activation_spec(axes)) for axes in ACTIVATIONS.values())
     return params, activations, strategy.balanced, strategy.microbatches
 
@@ -187,8 +187,7 @@ def placement(strategy: Strategy, config: LlamaConfig) -> tuple:
 def _splits_weights(strategy: Strategy, config: LlamaConfig) -> bool:
     """Whether every weight, its gradient and its optimizer state split evenly under
     `strategy` (a vocabulary of 259 rows does not split over tensor=2)."""
-    for names, leaf in zip(jax_leaves(param_axes(config)), jax_leaves(abstract_params(config)),
-                           strict=True):
+    for names, leaf in param_leaves(config):
         shape = leaf.shape
         for spec in (strategy.param_spec(names), strategy.grad_spec(names),
                      strategy.optimizer_spec(names)):
@@ -368,12 +367,6 @@ class Search:
         """A weight switch's time (`hotjax.planning.cost.switch_seconds`; the planner's exact
         plan goes in the report)."""
         return switch_seconds(self.config, source, target, self.profile)
-
-
-def jax_leaves(tree):
-    import jax
-
-    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def boundaries(lengths: np.ndarray, context: int) -> list[int]:

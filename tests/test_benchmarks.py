@@ -219,6 +219,19 @@ def test_bench_attention() -> None:
     assert causal["balanced_ratio"] <= 1.2
 
 
+def test_bench_gpu() -> None:
+    """Its check and kernel parts at toy sizes on CPU: the packed-attention kernel (Pallas'
+    interpreter) against the dense reference, and the tiles it computes."""
+    check = run_quick("bench_gpu", "check")
+    fp32, *bf16 = check["kernel"]
+    assert fp32["dtype"] == "float32" and max(fp32["max_abs_error"].values()) < 1e-5
+    assert all(max(c["max_abs_error"].values()) < 0.1 for c in bf16)
+    assert check["steps"]["max_rel_diff"] < 1e-6 and len(check["steps"]["cpu"]) == 3
+    (row,) = run_quick("bench_gpu", "kernels")["results"]
+    assert row["status"] == "ok" and 0 < row["blocks"] < row["total_blocks"]
+    assert positive(row["step_ms"])
+
+
 def test_simulate_hotspa() -> None:
     report = run_quick("simulate_hotspa")
     [row] = report["rows"]

@@ -1,0 +1,365 @@
+"""On one GPU: the packed-attention kernel checked and timed beside the others, a 1B-class
+LLaMA's MFU, and the machine's measured profile beside the shipped H100 one.
+
+    python scripts/bench_gpu.py PART [--json] [--quick]
+
+Parts, each its own process (a failure or a hang in one loses nothing of the others):
+
+- `check`: the packed-attention Pallas kernel (`models.packed_attention`) run for real, forward
+  and backward, against the dense reference (every score materialised, float32, highest matmul
+  precision) on packed rows with GQA, in float32 and bfloat16; and three training steps of the
+  `small` model (float32, packed rows, `--attention auto`, so the Pallas kernel) on the GPU
+  against the same steps on the host's CPU (the blockwise kernel).
+- `kernels`: forward + backward of one packed row of documents of about 256 and about 2,048
+  tokens at 8K and 32K, LLaMA-3-8B's attention shape (32 query heads, 8 K/V heads, 128 wide),
+  bfloat16: ours; JAX's Pallas `mha` with segment ids (K/V repeated to every query head: it has
+  no GQA; it skips only what lies above the causal diagonal); cuDNN's fused attention (plain
+  causal: no document mask, so the whole triangle, for scale); the blockwise XLA kernel; dense
+  at 8K. TFLOP/s counts the (query, key) pairs the documents need, as the cost model does.
+- `mfu`: a Llama-3.2-1B-shaped model (16 layers, 2048 wide, vocabulary 128,256, tied
+  embeddings) trained by hotjax's own `Trainer` on one GPU, bf16, 16,384 tokens a step of rows
+  of 2,048 and of 8,192 tokens (three documents a row): model FLOPs (`models.work`, recompute
+  not counted) per second over the GPU's dense bf16 peak.
+- `profile`: `hotjax plan --measure`'s measurement on this GPU, beside `h100-1x8.toml`.
+
+Hardware: whatever GPU JAX sees; every figure is reported with its device name. `--quick` runs
+each part at toy sizes on any platform (on CPU the Pallas kernel in its interpreter; no cuDNN
+or JAX `mha`), a smoke test of the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PARTS = ("check", "kernels", "mfu", "profile")
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16, per datasheet
+KERNEL_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128}
+ONE_B = {"vocab_size": 128256, "dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8,
+         "ffn_dim": 8192, "head_dim": 64, "tie_embeddings": True, "rope_theta": 500000.0}
+
+
+def _device():
+    import jax
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    return (gpus or jax.devices())[0]
+
+
+def _peak_tflops(device) -> float | None:
+    kind = getattr(device, "device_kind", "")
+    return next((v for k, v in PEAK_TFLOPS.items() if k in kind), None)
+
+
+def _timed(fn, inputs, repeats: int) -> tuple[float, float, object]:
+    """First call's seconds (compile), median of `repeats` later calls, and the result."""
+    import jax
+
+    started = time.perf_counter()
+    result = jax.block_until_ready(fn(*inputs))
+    first = time.perf_counter() - started
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        jax.block_until_ready(fn(*inputs))
+        times.append(time.perf_counter() - started)
+    return first, statistics.median(times), result
+
+
+def _qkv(B: int, T: int, N: int, K: int, H: int, dtype, seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(keys[0], (B, T, N, H), jnp.float32).astype(dtype),
+            jax.random.normal(keys[1], (B, T, K, H), jnp.float32).astype(dtype),
+            jax.random.normal(keys[2], (B, T, K, H), jnp.float32).astype(dtype),
+            jax.random.normal(keys[3], (B, T, N, H), jnp.float32).astype(dtype))
+
+
+def _grad_step(attend, cotangent):
+    import jax
+    import jax.numpy as jnp
+
+    def loss(q, k, v):
+        out = attend(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32)), out
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def check(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from bench_attention import make_row
+
+    from models.attention import dense_attention
+    from models.packed_attention import packed_attention
+
+    device = _device()
+    interpret = device.platform != "gpu"
+    T = 256 if args.quick else 2048
+    kernel_cases = []
+    for dtype, H in (("float32", 64), ("bfloat16", 64), ("bfloat16", 128)):
+        rows = [make_row("packed", T, doc, seed) for seed, doc in enumerate((T // 8, T // 3))]
+        seg = jnp.asarray(np.concatenate([r[0] for r in rows]))
+        pos = jnp.asarray(np.concatenate([r[1] for r in rows]))
+        q, k, v, ct = _qkv(2, T, 8, 2, H, jnp.dtype(dtype))
+        ours = _grad_step(lambda q, k, v, seg=seg: packed_attention(
+            q, k, v, seg, interpret=interpret), ct)
+        with jax.default_matmul_precision("highest"):
+            ref = _grad_step(lambda q, k, v, seg=seg, pos=pos: dense_attention(
+                q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), seg,
+                pos), ct)
+            (_, ref_out), ref_grads = jax.block_until_ready(ref(q, k, v))
+        (_, out), grads = jax.block_until_ready(ours(q, k, v))
+        errors = {name: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)))
+                  for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads),
+                                        (ref_out, *ref_grads), strict=True)}
+        scale = {name: float(jnp.max(jnp.abs(b))) for name, b in
+                 zip(("out", "dq", "dk", "dv"), (ref_out, *ref_grads), strict=True)}
+        kernel_cases.append({"dtype": dtype, "shape": [2, T, 8, 2, H], "max_abs_error": errors,
+                             "max_abs_reference": scale})
+        print(json.dumps(kernel_cases[-1]), file=sys.stderr, flush=True)
+    return {"device": device.device_kind, "kernel": kernel_cases, "steps": _steps_vs_cpu(args)}
+
+
+def _steps_vs_cpu(args) -> dict:
+    import jax
+    from bench_strategies import synthetic_batch
+
+    from hotjax.data import MiniBatch
+    from hotjax.optim import OptimConfig
+    from hotjax.train import Trainer
+    from models.llama import as_trained, preset
+    from sharding.strategy import Strategy
+    from sharding.table import Bucket, StrategyTable
+
+    model = preset("tiny" if args.quick else "small")
+    config = as_trained(model, compute_dtype="float32")
+    seq_len, rows = (128, 2) if args.quick else (512, 4)
+    batch = synthetic_batch(rows, seq_len, model.vocab_size)
+    table = StrategyTable((Bucket(seq_len, Strategy.parse("data=1"), rows),), "data=1")
+    optim = OptimConfig(warmup_steps=1, total_steps=5)
+    losses = {}
+    for name, device in (("gpu", _device()), ("cpu", jax.devices("cpu")[0])):
+        with jax.default_matmul_precision("highest"):
+            trainer = Trainer(config, optim, table, (device,))
+            state = trainer.init(seed=0)
+            losses[name] = []
+            for _ in range(3):
+                state, metrics, _ = trainer.step(state, MiniBatch((batch,)))
+                losses[name].append(float(metrics["loss"]))
+            losses[name + "_notes"] = list(trainer.notes)
+            print(name, losses[name], file=sys.stderr, flush=True)
+    losses["max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in
+                                 zip(losses["gpu"], losses["cpu"], strict=True))
+    return losses
+
+
+def kernels(args) -> dict:
+    import jax.numpy as jnp
+    import numpy as np
+    from bench_attention import make_row
+
+    from models.attention import _cudnn, dense_attention
+    from models.attention import attention as blockwise_or_auto
+    from models.packed_attention import computed_blocks, packed_attention
+    from models.work import ATTENTION_TRAINING
+
+    device = _device()
+    on_gpu = device.platform == "gpu"
+    N, K, H = ((4, 2, 64) if args.quick else
+               (KERNEL_SHAPE["heads"], KERNEL_SHAPE["kv_heads"], KERNEL_SHAPE["head_dim"]))
+    lengths = (512,) if args.quick else (8192, 32768)
+    docs = (64,) if args.quick else (256, 2048)
+    repeats = 2 if args.quick else 5
+    dtype = jnp.bfloat16
+    results = []
+
+    def attend_by(name: str, seg, pos):
+        if name == "packed":
+            return lambda q, k, v: packed_attention(q, k, v, seg, interpret=not on_gpu)
+        if name == "mha":
+            from jax.experimental.pallas.ops.gpu.attention import mha
+
+            def run(q, k, v):
+                G = q.shape[2] // k.shape[2]
+                return mha(q, jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2), seg,
+                           sm_scale=q.shape[-1] ** -0.5, causal=True)
+            return run
+        if name == "cudnn":
+            return _cudnn
+        if name == "blockwise":
+            return lambda q, k, v: blockwise_or_auto(q, k, v, seg, pos, backend="blockwise")
+        return lambda q, k, v: dense_attention(q, k, v, seg, pos)
+
+    for T in lengths:
+        q, k, v, ct = _qkv(1, T, N, K, H, dtype)
+        for doc in docs:
+            seg_np, pos_np = make_row("packed", T, doc)
+            seg, pos = jnp.asarray(seg_np), jnp.asarray(pos_np)
+            lens = np.bincount(seg_np[seg_np > 0])
+            pairs = int(np.sum(lens * (lens + 1) // 2))
+            names = ["packed"]
+            if on_gpu:
+                names += ["mha", "cudnn"] if doc == docs[0] else []
+                names += ["blockwise"] if T <= 8192 else []
+                names += ["dense"] if T <= 8192 and doc == docs[0] else []
+            for name in names:
+                entry = {"seq_len": T, "doc_len": doc, "kernel": name, "pairs": pairs,
+                         "causal_pairs": T * (T + 1) // 2}
+                if name == "packed":
+                    from models.packed_attention import block_for
+                    edge = block_for(dtype, H, T)
+                    entry["blocks"] = int(np.sum(computed_blocks(seg_np, edge)))
+                    entry["total_blocks"] = (T // edge) ** 2
+                try:
+                    first, median, _ = _timed(_grad_step(attend_by(name, seg, pos), ct),
+                                              (q, k, v), repeats)
+                    flops = ATTENTION_TRAINING * 4 * N * H * pairs
+                    entry |= {"status": "ok", "first_s": first, "step_ms": median * 1e3,
+                              "useful_tflops": flops / median / 1e12}
+                except Exception as e:  # noqa: BLE001  (a kernel that will not run is a result)
+                    entry |= {"status": "failed", "error": f"{type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:300] if str(e) else ''}"}
+                results.append(entry)
+                print(json.dumps(entry), file=sys.stderr, flush=True)
+    return {"device": device.device_kind, "shape": {"heads": N, "kv_heads": K, "head_dim": H,
+                                                    "dtype": "bfloat16"},
+            "repeats": repeats, "results": results}
+
+
+def mfu(args) -> dict:
+    import numpy as np
+    from bench_strategies import bench_one, synthetic_batch
+
+    from hotjax.optim import OptimConfig
+    from models.llama import LlamaConfig, as_trained, preset
+    from models.work import training_flops
+    from sharding.strategy import Strategy
+
+    device = _device()
+    model = preset("tiny") if args.quick else LlamaConfig(**ONE_B)
+    config = as_trained(model, compute_dtype="bfloat16" if device.platform == "gpu"
+                        else "float32")
+    per_token, per_pair = training_flops(config)
+    batch_tokens = 1024 if args.quick else args.batch_tokens
+    peak = _peak_tflops(device)
+    results = []
+    for seq_len in ((128, 512) if args.quick else (2048, 8192)):
+        batch = synthetic_batch(batch_tokens // seq_len, seq_len, model.vocab_size)
+        pairs = 0
+        for row in batch.segment_ids:
+            lens = np.bincount(row[row > 0])
+            pairs += int(np.sum(lens * (lens + 1) // 2))
+        entry = {"seq_len": seq_len, "rows": batch.tokens.shape[0],
+                 "real_tokens": batch.real_tokens, "pairs": pairs}
+        try:
+            entry |= bench_one(config, OptimConfig(warmup_steps=1, total_steps=8),
+                               Strategy.parse("data=1"), batch, (device,), 3, [])
+            flops = per_token * batch.real_tokens + per_pair * pairs
+            entry["model_tflops"] = flops / entry["step_s"] / 1e12
+            entry["mfu"] = entry["model_tflops"] / peak if peak else None
+        except Exception as e:  # noqa: BLE001
+            entry |= {"status": "failed", "error": f"{type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:300] if str(e) else ''}"}
+        results.append(entry)
+        print(json.dumps({k: v for k, v in entry.items() if k != "notes"}), file=sys.stderr,
+              flush=True)
+    return {"device": device.device_kind, "peak_tflops": peak,
+            "params": config.num_params(), "results": results}
+
+
+def profile(args) -> dict:
+    """The compute half of `hotjax plan --measure` (which also times collectives, so asks for
+    two devices) on this one device: its matmul and attention rates, and the matmul
+    efficiency and step overhead fitted on micro-steps of 4 of LLaMA2-7B's layers."""
+    import tomllib
+
+    from hotjax.planning import measure
+    from hotjax.planning.profile import parse_profile
+    from sharding.strategy import Strategy
+
+    device = _device()
+    kind = ("cpu" if device.platform == "cpu" else "accelerator", args.quick)
+    work = measure.WORKLOADS[kind]
+    model = measure.reference_model(*measure.REFERENCE_MODELS[kind])
+    devices, dtype = (device,), model.dtype
+    strategy = Strategy.parse("data=1,rules=dp")
+    attention_shape = (*work.attention, model.n_heads, model.n_kv_heads, model.head_dim)
+    shapes = [(rows * work.step[0], work.step[1]) for rows in (1, measure.FIT_ROWS)]
+    references = [measure.MicroStepRun(model, strategy, devices, shape) for shape in shapes]
+    (matmul_s,) = measure.timed_in_rounds([measure.matmul_runner(devices, dtype, work.matmul)],
+                                          work.repeats)
+    attention_s, *steps_s = measure.timed_in_rounds(
+        [measure.attention_runner(devices, dtype, attention_shape),
+         *(r.run for r in references)], work.repeats)
+    tokens, width, out = work.matmul
+    matmul = 2 * tokens * width * out / matmul_s
+    attention = measure.attention_flops(attention_shape, device.platform) / attention_s
+    peak = max(matmul, attention)
+    shipped = tomllib.loads((Path(__file__).resolve().parents[1] / "hotjax" / "planning"
+                             / "profiles" / "h100-1x8.toml").read_text())
+    base = shipped | {"device": shipped["device"] | {"peak_tflops": peak / 1e12},
+                      "efficiency": {"matmul": 1.0, "attention": attention / peak},
+                      "platform": device.platform}
+    fitted, overhead = measure.fitted_step(parse_profile(base, "bench_gpu"), model, strategy,
+                                           shapes, tuple(steps_s))
+    return {"device": device.device_kind, "dtype": dtype.name,
+            "model": f"{model.n_layers} layers x {model.dim}", "step_shapes": shapes,
+            "matmul_tflops": matmul / 1e12, "attention_tflops": attention / 1e12,
+            "fitted_matmul_tflops": fitted / 1e12, "step_overhead_ms": overhead * 1e3,
+            "steps_s": steps_s, "measured_efficiency": {
+                "matmul": fitted / peak, "attention": attention / peak},
+            "h100_shipped": {k: shipped[k] for k in ("device", "efficiency")}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=PARTS)
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--quick", action="store_true", help="toy sizes, any platform")
+    parser.add_argument("--batch-tokens", type=int, default=16384,
+                        help="mfu: tokens a step (default: %(default)s)")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    found = {"check": check, "kernels": kernels, "mfu": mfu, "profile": profile}[args.part](args)
+    found["seconds"] = time.perf_counter() - started
+    print(json.dumps(found, indent=1, default=str) if args.json else _table(args.part, found))
+    return 0
+
+
+def _table(part: str, found: dict) -> str:
+    lines = [f"{part} on {found['device']} ({found['seconds']:.0f} s)"]
+    if part == "kernels":
+        lines.append(f"{'T':>6} {'doc':>5} {'kernel':>9} {'ms':>9} {'TFLOP/s':>8}  blocks")
+        for r in found["results"]:
+            ms = f"{r['step_ms']:9.2f}" if r.get("status") == "ok" else f"{'failed':>9}"
+            tf = f"{r['useful_tflops']:8.1f}" if r.get("status") == "ok" else " " * 8
+            blocks = (f"{r['blocks']}/{r['total_blocks']}" if "blocks" in r else "")
+            lines.append(f"{r['seq_len']:>6} {r['doc_len']:>5} {r['kernel']:>9} {ms} {tf}  "
+                         f"{blocks}")
+    elif part == "mfu":
+        for r in found["results"]:
+            lines.append(f"T={r['seq_len']}: " + (
+                f"{r['step_s'] * 1e3:.0f} ms/step, {r['tokens_per_s']:,.0f} tok/s, "
+                f"{r['model_tflops']:.0f} TFLOP/s, MFU {r['mfu']:.1%}"
+                if r.get("status") == "ok" and r.get("mfu") is not None else
+                r.get("error", r.get("status", ""))))
+    else:
+        lines.append(json.dumps({k: v for k, v in found.items() if k != "measured_toml"},
+                                default=str)[:4000])
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,7 @@ against hand-computed figures, and the hardware profiles it reads."""
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ from hotjax.planning.profile import (
 from hotjax.step import Home, bucket_step, step_memory
 from models.attention import Tokens, block_edge, ring_block_counts, visible_blocks
 from models.errors import UserError
-from models.llama import preset
+from models.llama import as_trained, preset
 from models.pipeline import bubble
 from models.work import attention_kernel
 from sharding.report import resident_bytes
@@ -384,3 +385,35 @@ def test_a_profile_file_is_found_by_name_or_path(tmp_path):
     with pytest.raises(UserError, match=f"{bad}: not valid TOML"):
         load_profile(bad)
     assert math.isclose(load_profile(A800.source).peak_flops, 312e12)
+
+
+def _collectives(compiled_text: str) -> dict[str, set[str]]:
+    """Each collective op of an HLO module, with the element types of its operands' results."""
+    found: dict[str, set[str]] = {}
+    for line in compiled_text.splitlines():
+        for op in ("all-gather", "all-reduce", "reduce-scatter"):
+            if f" {op}(" in line or f" {op}-start(" in line:
+                found.setdefault(op, set()).update(
+                    re.findall(r"\b(bf16|f32)\[\d", line.split(f" {op}")[0]))
+    return found
+
+
+def test_xla_cpu_sends_sequence_parallel_activations_wide_and_as_all_reduces(devices):
+    """The HLO behind `WIDE_WIRE`: `tiny`'s bf16 Megatron-SP micro-step on two CPU devices
+    all-gathers and all-reduces fp32 and never reduce-scatters; compiled for H100s the same
+    step moves bf16 and reduce-scatters. The cost model prices each as compiled: on the same
+    links the CPU's tensor term is (1/2 x 4 + 1 x 4) / (1/2 x 2 + 1/2 x 2) = 3 times the GPU's."""
+    config = as_trained(preset("tiny"), compute_dtype="bfloat16")
+    strategy, shape = Strategy.parse("tensor=2,rules=megatron-sp"), (4, 256)
+    on_cpu = _collectives(bucket_step(config, strategy, tuple(devices[:2]))
+                          .compiled(shape).as_text())
+    assert "reduce-scatter" not in on_cpu and on_cpu["all-gather"] == {"f32"}
+    gpus = tuple(targets.devices(targets.prepare("h100"), 2))
+    on_gpu = _collectives(bucket_step(config, strategy, gpus).compiled(shape).as_text())
+    assert "bf16" in on_gpu["reduce-scatter"] and "bf16" in on_gpu["all-gather"]
+
+    def tensor_seconds(platform: str) -> float:
+        profile = parse_profile(_profile(("platform",), platform), "test.toml")
+        return micro_step_time(config, strategy, shape, profile).tensor
+
+    assert tensor_seconds("cpu") == pytest.approx(3 * tensor_seconds("gpu"))

@@ -125,6 +125,14 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
 # Bytes per element XLA holds matmul operands and activations in, where it widens the compute
 # dtype: XLA:CPU runs bf16 and fp16 dots in fp32. Elsewhere: the compute dtype's size.
 HELD_BYTES = {"cpu": 4}
+# Platforms whose compiled steps send activations at `HELD_BYTES` (what a collective next to a
+# widened dot carries) and reduce-scatter them as an all-reduce and a slice: XLA's SPMD
+# partitioner emits the latter, and the GPU pipeline fuses it back into a reduce-scatter
+# (checked in the HLO of `tiny`'s Megatron steps, bf16: for an H100 bf16 all-reduces,
+# all-gathers and reduce-scatters; on XLA:CPU only fp32 all-reduces and all-gathers). Priced
+# as a reduce-scatter, a sequence-parallel step on two processes over a 20 MB/s link came out
+# 65-71 % short of the measured one.
+WIDE_WIRE = frozenset({"cpu"})
 # Per token of one layer, the arrays of each width kept for the backward pass, by remat policy:
 # (residual stream D, MLP hidden F, query-wide N·H, K/V-wide K·H).
 SAVED = {"none": (6, 6, 3, 2), "dots": (2, 2, 1, 2), "full": (1, 0, 0, 0)}
@@ -428,11 +436,14 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
         return profile.collective_latency + BUS_FACTOR[name](n) * nbytes / profile.bandwidth(
             name, n, _crosses_nodes(fitted, axes, profile.devices_per_node))
 
-    activation = s.inner_tokens * D * compute
+    wide = profile.platform in WIDE_WIRE
+    wire = HELD_BYTES.get(profile.platform, compute) if wide else compute
+    activation = s.inner_tokens * D * wire
     per_layer = (forwards + 1) * 2  # two per forward, two per backward
     if s.sequence_parallel:
         per_collective = (collective("all-gather", activation, s.tensor_axes)
-                          + collective("reduce-scatter", activation, s.tensor_axes))
+                          + collective("all-reduce" if wide else "reduce-scatter", activation,
+                                       s.tensor_axes))
     else:
         per_collective = collective("all-reduce", activation, s.tensor_axes)
     layer_tensor = per_layer * s.layers * per_collective
@@ -440,7 +451,7 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
 
     chunk_kv = 2 * s.rows * shape[1] / context * K * H / s.kv_ways
     ring = ((attention_forwards + 1) * (context - 1) * collective(
-        "send", chunk_kv * compute, s.ring_axes) + context * collective(
+        "send", chunk_kv * wire, s.ring_axes) + context * collective(
         "send", chunk_kv * FP32, s.ring_axes))
 
     weights = (s.layer_weights + s.other_weights) * compute
@@ -453,7 +464,7 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     gradients = (collective("reduce-scatter", weights, scatter)
                  + collective("all-reduce", scattered, rest))
 
-    stage_send = collective("send", s.tokens / M * D * compute, ("stage",))
+    stage_send = collective("send", s.tokens / M * D * wire, ("stage",))
     head_sends = 2 * (config.pipeline_schedule == "1f1b")  # to the head's groups and back
     stages = (forwards + 1 + head_sends) * M * stage_send if S > 1 else 0.0
     per_iteration = (layer_matmuls + attention + layer_tensor + stages) / M

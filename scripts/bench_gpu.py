@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PARTS = ("check", "kernels", "mfu", "profile")
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16, per datasheet
+# The shipped profile whose dense bf16 peak a GPU shares (an H200 computes as an H100).
+PEAK_PROFILES = {"H100": "h100-1x8", "H200": "h100-1x8", "A100": "a800-4x8", "A800": "a800-4x8"}
 KERNEL_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128}
 ONE_B = {"vocab_size": 128256, "dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8,
          "ffn_dim": 8192, "head_dim": 64, "tie_embeddings": True, "rope_theta": 500000.0}
@@ -54,8 +55,19 @@ def _device():
 
 
 def _peak_tflops(device) -> float | None:
+    from hotjax.planning.profile import load_profile
+
     kind = getattr(device, "device_kind", "")
-    return next((v for k, v in PEAK_TFLOPS.items() if k in kind), None)
+    name = next((v for k, v in PEAK_PROFILES.items() if k in kind), None)
+    return load_profile(name).peak_flops / 1e12 if name else None
+
+
+def _document_pairs(segment_ids_BxT) -> int:
+    """(query, key) pairs the document-causal mask keeps: n(n+1)/2 per document (id > 0)."""
+    import numpy as np
+
+    return sum(int(np.sum(n * (n + 1) // 2)) for n in
+               (np.bincount(row[row > 0]) for row in segment_ids_BxT))
 
 
 def _timed(fn, inputs, repeats: int) -> tuple[float, float, object]:
@@ -172,7 +184,7 @@ def kernels(args) -> dict:
 
     from models.attention import _cudnn, dense_attention
     from models.attention import attention as blockwise_or_auto
-    from models.packed_attention import computed_blocks, packed_attention
+    from models.packed_attention import block_for, computed_blocks, packed_attention
     from models.work import ATTENTION_TRAINING
 
     device = _device()
@@ -207,8 +219,7 @@ def kernels(args) -> dict:
         for doc in docs:
             seg_np, pos_np = make_row("packed", T, doc)
             seg, pos = jnp.asarray(seg_np), jnp.asarray(pos_np)
-            lens = np.bincount(seg_np[seg_np > 0])
-            pairs = int(np.sum(lens * (lens + 1) // 2))
+            pairs = _document_pairs(seg_np)
             names = ["packed"]
             if on_gpu:
                 names += ["mha", "cudnn"] if doc == docs[0] else []
@@ -218,7 +229,6 @@ def kernels(args) -> dict:
                 entry = {"seq_len": T, "doc_len": doc, "kernel": name, "pairs": pairs,
                          "causal_pairs": T * (T + 1) // 2}
                 if name == "packed":
-                    from models.packed_attention import block_for
                     edge = block_for(dtype, H, T)
                     entry["blocks"] = int(np.sum(computed_blocks(seg_np, edge)))
                     entry["total_blocks"] = (T // edge) ** 2
@@ -239,7 +249,6 @@ def kernels(args) -> dict:
 
 
 def mfu(args) -> dict:
-    import numpy as np
     from bench_strategies import bench_one, synthetic_batch
 
     from hotjax.optim import OptimConfig
@@ -257,10 +266,7 @@ def mfu(args) -> dict:
     results = []
     for seq_len in ((128, 512) if args.quick else (2048, 8192)):
         batch = synthetic_batch(batch_tokens // seq_len, seq_len, model.vocab_size)
-        pairs = 0
-        for row in batch.segment_ids:
-            lens = np.bincount(row[row > 0])
-            pairs += int(np.sum(lens * (lens + 1) // 2))
+        pairs = _document_pairs(batch.segment_ids)
         entry = {"seq_len": seq_len, "rows": batch.tokens.shape[0],
                  "real_tokens": batch.real_tokens, "pairs": pairs}
         try:

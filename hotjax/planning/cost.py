@@ -29,13 +29,17 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
 - Each micro-step also costs the profile's fixed overhead (dispatch, small ops, waits).
 - Tensor parallelism (Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053, §3): per layer two
   all-reduces of the [rows, T, D] activations forward and two backward, plus one at the
-  embedding and one at the LM head; with sequence parallelism (Korthikanti et al. 2022,
-  arXiv:2205.05198, §4.2.2) each all-reduce becomes an all-gather and a reduce-scatter of the same
-  tensor. A rematerialised forward repeats its collectives.
-- Context parallelism (ring attention): each forward sends the local K/V chunk c-1 times round
-  the ring; the backward sends K/V c-1 times and their fp32 gradients c times. The kernel sends a
-  chunk before computing the one it holds, so the ring hides behind attention: only what
-  exceeds the attention time is exposed.
+  embedding and one (fp32) at the LM head; with sequence parallelism (Korthikanti et al. 2022,
+  arXiv:2205.05198, §4.2.2) each all-reduce becomes a reduce-scatter, and the activations are
+  all-gathered twice forward and four times backward. Counted as XLA compiles them
+  (`_tensor_collectives`): remat "full" repeats one reduction, and XLA:CPU reduces each
+  projection's input gradient apart.
+- Context parallelism (ring attention): per layer, the forward sends the local K/V chunk c-1
+  times round the ring; the backward sends K/V c-1 times and their fp32 gradients c times; a
+  recomputed forward sends nothing again (each checked against the HLO's collective bytes in
+  tests/test_cost.py). The kernel sends a chunk before computing the one it holds, so on GPU
+  the ring hides behind attention: only what exceeds the attention time is exposed. XLA:CPU
+  runs each send to completion (`SERIAL_RING`).
 - FSDP (ZeRO-3): the weights are all-gathered over the fsdp axes layer by layer in the forward
   pass, and again in the backward under remat (with remat "none" XLA keeps the gathered layers).
 - Gradient reduction (`hotjax.step.ACCUMULATE`): under `local` accumulation each data shard
@@ -133,6 +137,10 @@ HELD_BYTES = {"cpu": 4}
 # as a reduce-scatter, a sequence-parallel step on two processes over a 20 MB/s link came out
 # 65-71 % short of the measured one.
 WIDE_WIRE = frozenset({"cpu"})
+# Platforms whose ring attention does not overlap its sends with the attention it computes:
+# XLA:CPU runs a collective-permute to completion before the next op. On two processes over a
+# 20 MB/s link the ring's measured cost was the whole of its sends whatever the attention.
+SERIAL_RING = frozenset({"cpu"})
 # Per token of one layer, the arrays of each width kept for the backward pass, by remat policy:
 # (residual stream D, MLP hidden F, query-wide N·H, K/V-wide K·H).
 SAVED = {"none": (6, 6, 3, 2), "dots": (2, 2, 1, 2), "full": (1, 0, 0, 0)}
@@ -364,6 +372,7 @@ class MicroStepTime:
     stages: float  # pipeline stage transfers
     bubble: float
     ring: float = 0.0  # all the ring's K/V traffic, of which `context` is exposed (not summed)
+    ring_overlaps: bool = True  # the ring's sends run beside attention (`SERIAL_RING`)
     overhead: float = 0.0  # what every micro-step costs whatever its size (the profile's)
     # A 1F1B pipeline runs a bucket's micro-steps in one schedule: one bubble for all of them.
     one_schedule: bool = False
@@ -390,7 +399,7 @@ class MicroStepTime:
         packed documents' pairs over whole causal rows'): less attention hides less ring."""
         attention = self.attention * share
         return dataclasses.replace(self, attention=attention,
-                                   context=max(0.0, self.ring - attention))
+                                   context=_exposed(self.ring, attention, self.ring_overlaps))
 
 
 def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int],
@@ -439,20 +448,21 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     wide = profile.platform in WIDE_WIRE
     wire = HELD_BYTES.get(profile.platform, compute) if wide else compute
     activation = s.inner_tokens * D * wire
-    per_layer = (forwards + 1) * 2  # two per forward, two per backward
-    if s.sequence_parallel:
-        per_collective = (collective("all-gather", activation, s.tensor_axes)
-                          + collective("all-reduce" if wide else "reduce-scatter", activation,
-                                       s.tensor_axes))
-    else:
-        per_collective = collective("all-reduce", activation, s.tensor_axes)
-    layer_tensor = per_layer * s.layers * per_collective
-    tensor = layer_tensor + 2 * per_collective  # embedding and LM head
+    # Each layer's all-reduces (under sequence parallelism, reduce-scatters) and all-gathers.
+    reductions, gathers = _tensor_collectives(profile.platform, config.remat, staged)
+    reduce = "all-reduce" if wide or not s.sequence_parallel else "reduce-scatter"
+    reduction = collective(reduce, activation, s.tensor_axes)
+    gather = collective("all-gather", activation, s.tensor_axes) if s.sequence_parallel else 0.0
+    layer_tensor = s.layers * (reductions * reduction + gathers * gather)
+    # The embedding's reduction, the LM head's input gradient (fp32, from the fp32 logits), and
+    # under sequence parallelism three gathers about them.
+    tensor = layer_tensor + reduction + collective(
+        reduce, s.inner_tokens * D * FP32, s.tensor_axes) + 3 * gather
 
     chunk_kv = 2 * s.rows * shape[1] / context * K * H / s.kv_ways
-    ring = ((attention_forwards + 1) * (context - 1) * collective(
-        "send", chunk_kv * wire, s.ring_axes) + context * collective(
-        "send", chunk_kv * FP32, s.ring_axes))
+    ring = s.layers * (2 * (context - 1) * collective("send", chunk_kv * wire, s.ring_axes)
+                       + context * collective("send", chunk_kv * FP32, s.ring_axes))
+    overlaps = profile.platform not in SERIAL_RING
 
     weights = (s.layer_weights + s.other_weights) * compute
     gathers = 1 if config.remat == "none" else 2
@@ -470,8 +480,9 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     per_iteration = (layer_matmuls + attention + layer_tensor + stages) / M
     return MicroStepTime(
         matmuls=layer_matmuls + head_matmuls, attention=attention, tensor=tensor,
-        context=max(0.0, ring - attention), fsdp=fsdp, gradients=gradients, stages=stages,
-        bubble=(S - 1) * per_iteration if S > 1 else 0.0, ring=ring,
+        context=_exposed(ring, attention, overlaps), fsdp=fsdp, gradients=gradients,
+        stages=stages, bubble=(S - 1) * per_iteration if S > 1 else 0.0, ring=ring,
+        ring_overlaps=overlaps,
         overhead=profile.step_overhead, one_schedule=S > 1 and config.pipeline_schedule == "1f1b")
 
 
@@ -487,6 +498,23 @@ def bucket_reduction_seconds(config: LlamaConfig, strategy: Strategy, profile: P
     crosses = _crosses_nodes(fitted, s.partial_axes, profile.devices_per_node)
     return profile.collective_latency + 2 * (n - 1) / n * s.grad_sum * FP32 / profile.bandwidth(
         "all-reduce", n, crosses)
+
+
+def _tensor_collectives(platform: str, remat: str, staged: bool) -> tuple[int, int]:
+    """Per layer, the activation all-reduces (reduce-scatters under sequence parallelism) and
+    the all-gathers sequence parallelism adds, as XLA compiles a Megatron step (read off the HLO
+    for H100s and for CPUs): two reductions forward and two backward, one more where remat
+    "full" (or a pipeline stage's recompute) repeats the forward; the sequence-parallel backward
+    gathers its activations four times (XLA gathers them again rather than keep them gathered).
+    XLA:CPU (`WIDE_WIRE`) reduces each projection's input gradient apart: q, k and v, gate and
+    up, five reductions where XLA:GPU sums first and reduces two."""
+    reductions = 4 + (remat == "full") + staged + 3 * (platform in WIDE_WIRE)
+    return reductions, 6 + 2 * staged
+
+
+def _exposed(ring: float, attention: float, overlaps: bool) -> float:
+    """The ring's seconds not hidden behind attention."""
+    return max(0.0, ring - attention) if overlaps else ring
 
 
 def _head_share(s: Shares, schedule: str) -> int:

@@ -247,3 +247,36 @@ def test_simulate_hotspa() -> None:
     # fit beside replicated weights); the plan is at least as fast as either.
     for table in ("paper c1", "paper c2"):
         assert seconds[table] is not None and seconds[table] >= seconds["plan"] * (1 - 1e-3)
+
+
+def test_lognormal_corpus(tmp_path, capsys) -> None:
+    """`scripts/lognormal_corpus.py` cuts a corpus's joined text, in order and losing nothing
+    but the tail, into documents of log-normal lengths within the bounds, and --data reads
+    them back."""
+    import importlib.util
+
+    from hotjax.data import open_corpus
+
+    spec = importlib.util.spec_from_file_location("lognormal_corpus",
+                                                  ROOT / "scripts" / "lognormal_corpus.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    source = tmp_path / "src"
+    source.mkdir()
+    texts = [f"{i:03d} " + "".join(chr(97 + (i * j) % 26) for j in range(4000)) for i in range(30)]
+    for i, text in enumerate(texts):
+        (source / f"{i:03d}.txt").write_text(text)
+    out = tmp_path / "docs.jsonl"
+    assert script.main([str(out), "--data", str(source), "--median", "300", "--sigma", "0.8",
+                        "--min", "50", "--max", "2000", "--seed", "1"]) == 0
+    docs = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    joined = "".join(t + "\n" for t in texts)
+    assert joined.startswith("".join(docs)) and len(joined) - len("".join(docs)) <= 2000
+    lengths = np.asarray([len(d) for d in docs])
+    assert lengths.min() >= 50 and lengths.max() <= 2000
+    assert 300 * 0.8 < np.median(lengths) < 300 * 1.25  # about 400 draws of median 300
+    corpus = open_corpus(str(out))
+    assert [corpus.read(i) for i in range(corpus.num_documents)] == docs
+    capsys.readouterr()
+    assert script.main([str(tmp_path / "docs.txt"), "--data", str(source)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

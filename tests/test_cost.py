@@ -271,6 +271,12 @@ def test_fsdp_gathers_weights_and_reduce_scatters_gradients():
     full = micro_step_time(dataclasses.replace(LLAMA2_7B, remat="full"),
                            Strategy.parse("fsdp=8,rules=fsdp"), shape, H100)
     assert full.fsdp == pytest.approx(2 * none.fsdp)  # and again in the backward pass
+    # One all-gather per weight array, each paying the collective latency: the seven matrices
+    # of each of the 32 layers, the embedding and the head (norm weights are not split; so
+    # XLA compiles `tiny`'s fsdp=2 step: seven all-gathers in the layer loop, two outside).
+    slow = dataclasses.replace(H100, collective_latency=1e-3)
+    latent = micro_step_time(LLAMA2_7B, Strategy.parse("fsdp=8,rules=fsdp"), shape, slow)
+    assert latent.fsdp - none.fsdp == pytest.approx((7 * 32 + 2) * 1e-3)
 
 
 def test_groups_spanning_nodes_take_the_inter_node_bandwidth():

@@ -41,7 +41,8 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   the ring hides behind attention: only what exceeds the attention time is exposed. XLA:CPU
   runs each send to completion (`SERIAL_RING`).
 - FSDP (ZeRO-3): the weights are all-gathered over the fsdp axes layer by layer in the forward
-  pass, and again in the backward under remat (with remat "none" XLA keeps the gathered layers).
+  pass, and again in the backward under remat (with remat "none" XLA keeps the gathered layers),
+  one all-gather per weight array, each paying the profile's latency.
 - Gradient reduction (`hotjax.step.ACCUMULATE`): under `local` accumulation each data shard
   keeps its own fp32 partial sum over the leading data axes no gradient is split on
   (`sharding.strategy.partial_axes`), and the bucket reduces them once at its end
@@ -211,6 +212,7 @@ class Shares:
     scatter_axes: tuple[str, ...]  # those the gradient layout is split on (reduce-scattered)
     partial_axes: tuple[str, ...]  # data axes a `local` bucket keeps its partial sums apart on
     gather_axes: tuple[str, ...]  # mesh axes the weights are gathered over (FSDP)
+    gathered_arrays: int  # weight arrays gathered apart, one all-gather each (a layer's per layer)
     tensor_axes: tuple[str, ...]  # mesh axes splitting heads or the MLP (tensor parallelism)
     ring_axes: tuple[str, ...]  # mesh axes splitting attention's sequence (a context ring)
     sequence_parallel: bool  # the residual stream split over tensor axes too
@@ -251,6 +253,7 @@ def _layout(config: LlamaConfig, strategy: Strategy) -> tuple[Strategy, dict[str
     count = dict.fromkeys(("weights", "grad_sum", "moments", "layer_weights", "layer_shards",
                            "layer_grad_sum", "other_weights", "other_shards"), 0)
     param_mesh_axes, compute_mesh_axes, grad_mesh_axes = set(), set(), set()
+    gathered_arrays = 0
     for axes, leaf in param_leaves(config):
         n = math.prod(leaf.shape)
         layer = axes[0] == "layers"
@@ -265,6 +268,8 @@ def _layout(config: LlamaConfig, strategy: Strategy) -> tuple[Strategy, dict[str
         count[f"{prefix}_shards"] += n // math.prod(ways(placed["weights"], sizes))
         if layer:
             count["layer_grad_sum"] += n // math.prod(ways(placed["grad_sum"], sizes))
+        if _mesh_axes(placed["weights"]) - _mesh_axes(compute) - {"stage"}:
+            gathered_arrays += config.n_layers // strategy.stages if layer else 1
         param_mesh_axes |= _mesh_axes(placed["weights"])
         grad_mesh_axes |= _mesh_axes(placed["grad_sum"])
         compute_mesh_axes |= _mesh_axes(compute)
@@ -274,6 +279,7 @@ def _layout(config: LlamaConfig, strategy: Strategy) -> tuple[Strategy, dict[str
         "token_axes": _ordered(token_axes),
         "scatter_axes": _ordered(token_axes & grad_mesh_axes),
         "gather_axes": _ordered(param_mesh_axes - compute_mesh_axes - {"stage"}),
+        "gathered_arrays": gathered_arrays,
         "tensor_axes": _ordered(tensor_axes),
         "ring_axes": _ordered(_mesh_axes(act(("inner_seq",)))),
         "sequence_parallel": bool(_mesh_axes(act(("seq",))) & tensor_axes)}
@@ -438,12 +444,14 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     attention = ((attention_forwards + 2.5) * 4 * H * N / s.head_ways * pairs * s.layers
                  / (profile.peak_flops * profile.attention_efficiency))
 
-    def collective(name: str, nbytes: float, axes: tuple[str, ...]) -> float:
+    def collective(name: str, nbytes: float, axes: tuple[str, ...], count: int = 1) -> float:
+        """`count` collectives moving `nbytes` in all over the devices of `axes`."""
         n = math.prod(fitted.axes[a] for a in axes)
         if n == 1:
             return 0.0
-        return profile.collective_latency + BUS_FACTOR[name](n) * nbytes / profile.bandwidth(
-            name, n, _crosses_nodes(fitted, axes, profile.devices_per_node))
+        bandwidth = profile.bandwidth(name, n, _crosses_nodes(fitted, axes,
+                                                              profile.devices_per_node))
+        return count * profile.collective_latency + BUS_FACTOR[name](n) * nbytes / bandwidth
 
     wide = profile.platform in WIDE_WIRE
     wire = HELD_BYTES.get(profile.platform, compute) if wide else compute
@@ -466,7 +474,7 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
 
     weights = (s.layer_weights + s.other_weights) * compute
     gathers = 1 if config.remat == "none" else 2
-    fsdp = gathers * collective("all-gather", weights, s.gather_axes)
+    fsdp = gathers * collective("all-gather", weights, s.gather_axes, s.gathered_arrays)
     kept_apart = s.partial_axes if accumulate == "local" else ()
     scatter = s.scatter_axes + (s.partial_axes if accumulate == "sharded" else ())
     rest = tuple(a for a in s.token_axes if a not in scatter and a not in kept_apart)

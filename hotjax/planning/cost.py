@@ -457,11 +457,11 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     wire = HELD_BYTES.get(profile.platform, compute) if wide else compute
     activation = s.inner_tokens * D * wire
     # Each layer's all-reduces (under sequence parallelism, reduce-scatters) and all-gathers.
-    reductions, gathers = _tensor_collectives(profile.platform, config.remat, staged)
+    reductions, all_gathers = _tensor_collectives(profile.platform, config.remat, staged)
     reduce = "all-reduce" if wide or not s.sequence_parallel else "reduce-scatter"
     reduction = collective(reduce, activation, s.tensor_axes)
     gather = collective("all-gather", activation, s.tensor_axes) if s.sequence_parallel else 0.0
-    layer_tensor = s.layers * (reductions * reduction + gathers * gather)
+    layer_tensor = s.layers * (reductions * reduction + all_gathers * gather)
     # The embedding's reduction, the LM head's input gradient (fp32, from the fp32 logits), and
     # under sequence parallelism three gathers about them.
     tensor = layer_tensor + reduction + collective(

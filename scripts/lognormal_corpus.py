@@ -29,13 +29,14 @@ def pieces(texts: Iterator[str], rng: np.random.Generator, median: float, sigma:
            lo: int, hi: int) -> Iterator[str]:
     """The joined `texts` cut into consecutive pieces of log-normal lengths (the last piece,
     shorter than its draw, is dropped)."""
-    buffer = ""
+    buffer, start = "", 0  # what is not yet cut: buffer[start:]
     want = _draw(rng, median, sigma, lo, hi)
     for text in texts:
-        buffer += text + "\n"
-        while len(buffer) >= want:
-            yield buffer[:want]
-            buffer = buffer[want:]
+        buffer = buffer[start:] + text + "\n"  # one copy a document, not one a piece
+        start = 0
+        while len(buffer) - start >= want:
+            yield buffer[start:start + want]
+            start += want
             want = _draw(rng, median, sigma, lo, hi)
 
 

@@ -349,9 +349,9 @@ def planned(config: LlamaConfig, devices: list, args: argparse.Namespace, length
 
 
 def predict(search: Any, trainer: Trainer, method: str, lengths: list[np.ndarray]
-            ) -> float | None:
-    """The cost model's mean step of `trainer`'s table over these mini-batches' documents
-    (None where a bucket does not fit its memory model)."""
+            ) -> list[float] | None:
+    """The cost model's step of `trainer`'s table on each mini-batch's documents (None where a
+    bucket does not fit its memory model)."""
     from hotjax.planning import search as plan_lib
 
     table = [(b.max_len, s.layout.strategy) for b, s in zip(trainer.table.buckets,
@@ -359,16 +359,20 @@ def predict(search: Any, trainer: Trainer, method: str, lengths: list[np.ndarray
     plans = [plan_lib.fixed_table(search, docs, table, padded=method == "b") for docs in lengths]
     if any(p is None for p in plans):
         return None
-    return statistics.mean(p.seconds for p in plans)
+    return [p.seconds for p in plans]
 
 
 def summarize(records: dict[str, list[dict]], trainers: dict[str, Trainer],
-              predicted: dict[str, float | None], warmup: int) -> dict:
-    """Per method: medians over the timed steps, padding and losses over all of them."""
+              predicted: dict[str, list[float] | None], warmup: int) -> dict:
+    """Per method: medians over the timed steps (the cost model's too, each step predicted on
+    its own documents), padding and losses over all of them."""
     median = statistics.median
     methods = {}
     for m, steps in records.items():
+        for step, seconds in zip(steps, predicted.get(m) or (), strict=False):
+            step["predicted_s"] = seconds
         timed_steps, trainer = steps[warmup:], trainers[m]
+        forecast = all("predicted_s" in r for r in timed_steps)
         methods[m] = {
             "description": METHODS[m], "home": str(trainer.home.layout.strategy),
             "buckets": [{"max_len": b.max_len, "strategy": str(s.layout.strategy),
@@ -380,7 +384,9 @@ def summarize(records: dict[str, list[dict]], trainers: dict[str, Trainer],
             "cpu_s": median(r["cpu_s"] for r in timed_steps),
             "tokens_per_s": median(r["tokens"] / r["seconds"] for r in timed_steps),
             "tokens_per_cpu_s": median(r["tokens"] / r["cpu_s"] for r in timed_steps),
-            "predicted_s": predicted.get(m),
+            "predicted_s": median(r["predicted_s"] for r in timed_steps) if forecast else None,
+            "predicted_tokens_per_s": median(r["tokens"] / r["predicted_s"] for r in timed_steps)
+            if forecast else None,
             "imbalance_before": median(r["imbalance_before"] for r in steps),
             "imbalance": median(r["imbalance"] for r in steps),
             "switched_bytes": median(r["switched_bytes"] for r in timed_steps),
@@ -395,12 +401,7 @@ def summarize(records: dict[str, list[dict]], trainers: dict[str, Trainer],
         return {p: v[p.split("/")[0]] / v[p.split("/")[1]] for p in pairs
                 if all(v.get(m) for m in p.split("/"))}
 
-    # The cost model's ratios of tokens/s: its step time's inverse ratios.
-    inverse = {m: 1 / methods[m]["predicted_s"] for m in methods if methods[m]["predicted_s"]}
-
     reference = methods["a"]["losses"]
-    for m in methods:
-        methods[m]["predicted_tokens_per_s"] = inverse.get(m)
     return {"methods": methods, "ratios": ratios("tokens_per_s"),
             "predicted_ratios": ratios("predicted_tokens_per_s"),
             "ratios_cpu": ratios("tokens_per_cpu_s"),

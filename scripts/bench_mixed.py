@@ -30,7 +30,8 @@ strategy that keeps them whole, with every remat policy (`hotjax.planning.wall`)
 Each is a `Trainer` with `device_memory`: a bucket's micro-steps hold the most rows that fit
 the budget by XLA's memory analysis; a method any part of which does not fit is an error.
 Reported per method: median wall and CPU seconds per step, the cost model's predicted step
-(`hotjax.plan.fixed_table` on the mini-batch's documents), real tokens/s, the padding share of
+(`hotjax.planning.search.fixed_table` on each step's own documents, its median over the same
+timed steps), real tokens/s, the padding share of
 the token slots computed, the data shards' imbalance (busiest over mean estimated work), bytes
 switched, each step's loss (the same for every method up to float rounding), and the ratios
 hot/a, auto/a, hot/b, hot/c, c/a and a/a0 of real tokens/s. `--quick`: the

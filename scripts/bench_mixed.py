@@ -141,7 +141,8 @@ def build(table: StrategyTable, data: list[MiniBatch], args: argparse.Namespace,
     typical = [sum(m.buckets[b].tokens.shape[0] for m in data) / len(data)
                for b in range(len(table.buckets))]
     trainer = Trainer(config, optim, table, devices, device_memory=args.device_memory,
-                      typical_rows=typical, switch_method=args.switch_method, balance=balance)
+                      typical_rows=typical, switch_method=args.switch_method, balance=balance,
+                      timings=args.bucket_timings)
     trainer.check_memory(args.device_memory)  # as `hotjax train --device-memory` checks it
     trainer.prepare()
     return trainer
@@ -350,28 +351,36 @@ def planned(config: LlamaConfig, devices: list, args: argparse.Namespace, length
 
 
 def predict(search: Any, trainer: Trainer, method: str, lengths: list[np.ndarray]
-            ) -> list[float] | None:
-    """The cost model's step of `trainer`'s table on each mini-batch's documents (None where a
+            ) -> list[dict] | None:
+    """The cost model's step of `trainer`'s table on each mini-batch's documents, its micro-steps
+    as the trainer runs them: seconds, of which switching, and each bucket's (None where a
     bucket does not fit its memory model)."""
     from hotjax.planning import search as plan_lib
 
     table = [(b.max_len, s.layout.strategy) for b, s in zip(trainer.table.buckets,
                                                            trainer.buckets, strict=True)]
-    plans = [plan_lib.fixed_table(search, docs, table, padded=method == "b") for docs in lengths]
+    run = [plan_lib.RunAs(rows, s.config.remat, s.accumulate)
+           for s, rows in zip(trainer.buckets, trainer.micro_rows, strict=True)]
+    plans = [plan_lib.fixed_table(search, docs, table, padded=method == "b", run=run)
+             for docs in lengths]
     if any(p is None for p in plans):
         return None
-    return [p.seconds for p in plans]
+    return [{"seconds": p.seconds, "switch_s": p.switch_seconds,
+             "buckets": {b.max_len: b.seconds for b in p.buckets}} for p in plans]
 
 
 def summarize(records: dict[str, list[dict]], trainers: dict[str, Trainer],
-              predicted: dict[str, list[float] | None], warmup: int) -> dict:
+              predicted: dict[str, list[dict] | None], warmup: int) -> dict:
     """Per method: medians over the timed steps (the cost model's too, each step predicted on
     its own documents), padding and losses over all of them."""
     median = statistics.median
     methods = {}
     for m, steps in records.items():
-        for step, seconds in zip(steps, predicted.get(m) or (), strict=False):
-            step["predicted_s"] = seconds
+        for step, plan in zip(steps, predicted.get(m) or (), strict=False):
+            step["predicted_s"] = plan["seconds"]
+            step["predicted_switch_s"] = plan["switch_s"]
+            for bucket in step["buckets"]:
+                bucket["predicted_s"] = plan["buckets"][bucket["max_len"]]
         timed_steps, trainer = steps[warmup:], trainers[m]
         forecast = all("predicted_s" in r for r in timed_steps)
         methods[m] = {
@@ -409,6 +418,31 @@ def summarize(records: dict[str, list[dict]], trainers: dict[str, Trainer],
             "max_loss_difference": max(abs(x - y) for m in methods
                                        for x, y in zip(methods[m]["losses"], reference,
                                                        strict=True))}
+
+
+def print_bucket_timings(report: dict, console: Console) -> None:
+    """With `--bucket-timings`: each timed step's buckets, measured against predicted."""
+    from rich.table import Table
+
+    table = Table(title="buckets of the timed steps: measured (compute + switching) and "
+                        "predicted seconds", title_justify="left")
+    for column in ("method", "step", "bucket", "rows", "micro-steps", "remat", "compute s",
+                   "switch s", "predicted s", "measured / predicted"):  # predicted: micro-steps and reduction
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for name, r in report["methods"].items():
+        for number, step in enumerate(r["steps"][report["warmup"]:], report["warmup"] + 1):
+            for b in step["buckets"]:
+                if b.get("compute_s") is None:
+                    continue
+                measured = b["compute_s"] + b["switch_s"]
+                guess = b.get("predicted_s")
+                table.add_row(name, str(number), str(b["max_len"]), str(b["rows"]),
+                              str(b["micro_steps"]), b["remat"], f"{b['compute_s']:.2f}",
+                              f"{b['switch_s']:.2f}",
+                              "-" if guess is None else f"{guess:.2f}",
+                              "-" if not guess else f"{measured / guess:.2f}")
+    if table.row_count:
+        console.print(table)
 
 
 def print_report(report: dict, console: Console) -> None:
@@ -452,6 +486,7 @@ def print_report(report: dict, console: Console) -> None:
                   f"{report['profile']}. switched MiB: weights "
                   f"into buckets and gradients home, summed over devices (switch method "
                   f"{report['switch_method']}).", markup=False, highlight=False)
+    print_bucket_timings(report, console)
     print_machine(m, console)
     if m["platform"] == "cpu" and report["processes"] > 1:
         console.print(f"[green]pinned processes:[/] {report['processes']} processes of one CPU "
@@ -501,6 +536,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--switch-method", default="auto",
                         choices=("auto", "scheduled", "device_put"))
     parser.add_argument("--seed", type=int, default=0, help="document order")
+    parser.add_argument("--bucket-timings", action="store_true",
+                        help="time each bucket's compute and switching (a host synchronisation "
+                             "per bucket), beside the cost model's prediction of each")
     add_processes_option(parser)
     args = parse_args(parser, argv, QUICK)
     return report("bench_mixed", args, run, print_report, devices=8, width=150)

@@ -93,6 +93,15 @@ class Choice:
 
 
 @dataclasses.dataclass(frozen=True)
+class RunAs:
+    """How a bucket's micro-steps run: rows each, remat policy, gradient accumulation."""
+
+    micro_rows: int
+    remat: str
+    accumulate: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     buckets: tuple[Choice, ...]
     home: Strategy
@@ -268,6 +277,18 @@ class Search:
                     best = found
         return best
 
+    def micro_step_as_run(self, strategy: Strategy, max_len: int, run: RunAs, rows: int
+                          ) -> _MicroStep | None:
+        """`rows` rows of `max_len` in micro-steps of `run.micro_rows` rows, whatever the
+        budget (None where the rows cannot split as `strategy` needs)."""
+        line = self._memory_line(strategy, max_len, run.remat, run.accumulate)
+        if line is None:
+            return None
+        shards, first, per_shard = line
+        units = max(run.micro_rows // shards, 1)
+        return self._micro_step_of(strategy, max_len, run.remat, run.accumulate,
+                                   run.micro_rows, first + (units - 1) * per_shard, rows)
+
     def _micro_step_of(self, strategy: Strategy, max_len: int, remat: str, accumulate: str,
                        micro_rows: int, peak_bytes: int, rows: int) -> _MicroStep:
         key = (strategy, max_len, remat, accumulate, micro_rows)
@@ -310,9 +331,12 @@ class Search:
         self._lines.clear()
 
     def bucket(self, lengths: np.ndarray, rows: list[list[int]], low: int, max_len: int,
-               strategy: Strategy, home_bytes: int, masked: bool = True) -> Choice | None:
-        """The bucket (`low`, `max_len`] of the typical batch under `strategy`."""
-        micro = self.micro_step(strategy, max_len, home_bytes, len(rows))
+               strategy: Strategy, home_bytes: int, masked: bool = True,
+               run: RunAs | None = None) -> Choice | None:
+        """The bucket (`low`, `max_len`] of the typical batch under `strategy`: its quickest
+        micro-steps, or those of `run` (the micro-steps a trainer has compiled)."""
+        micro = (self.micro_step(strategy, max_len, home_bytes, len(rows)) if run is None
+                 else self.micro_step_as_run(strategy, max_len, run, len(rows)))
         if micro is None:
             return None
         shares, imbalance = self._attention_shares(lengths, rows, max_len, strategy, micro.rows,
@@ -469,14 +493,17 @@ def _as_plan(search: Search, chosen: Sequence[Choice]) -> Plan:
 
 
 def fixed_table(search: Search, lengths: np.ndarray, table: Sequence[tuple[int, Strategy]],
-                masked: bool = True, packed: bool = True, padded: bool = False) -> Plan | None:
+                masked: bool = True, packed: bool = True, padded: bool = False,
+                run: Sequence[RunAs] | None = None) -> Plan | None:
     """A given table's predicted step (None if a bucket does not fit): (max_len, strategy)
     pairs by increasing length. Rows are packed first-fit-decreasing, or with `packed=False`
     filled end to end (sequences concatenated and cut at the row length), or with `padded`
-    one sequence per row. Its strategies need not be among the search's candidates."""
+    one sequence per row. Its strategies need not be among the search's candidates. `run`,
+    one per bucket: price the micro-steps a trainer has compiled instead of the quickest
+    that fit."""
     home_bytes = min(resident_bytes(search.config, s, search.optimizer) for _, s in table)
     choices, low = [], 0
-    for high, strategy in table:
+    for i, (high, strategy) in enumerate(table):
         members = [n for n in range(len(lengths)) if low < lengths[n] <= high]
         if padded:
             rows = [[n] for n in members]
@@ -486,7 +513,8 @@ def fixed_table(search: Search, lengths: np.ndarray, table: Sequence[tuple[int, 
         else:
             tokens = sum(int(lengths[n]) for n in members)
             rows = [[] for _ in range(math.ceil(tokens / high))]
-        choice = search.bucket(lengths, rows, low, high, strategy, home_bytes, masked)
+        choice = search.bucket(lengths, rows, low, high, strategy, home_bytes, masked,
+                               None if run is None else run[i])
         if choice is None:
             return None
         choices.append(choice)

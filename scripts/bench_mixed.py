@@ -425,9 +425,10 @@ def print_bucket_timings(report: dict, console: Console) -> None:
     from rich.table import Table
 
     table = Table(title="buckets of the timed steps: measured (compute + switching) and "
-                        "predicted seconds", title_justify="left")
+                        "predicted seconds (its micro-steps and gradient reduction)",
+                  title_justify="left")
     for column in ("method", "step", "bucket", "rows", "micro-steps", "remat", "compute s",
-                   "switch s", "predicted s", "measured / predicted"):  # predicted: micro-steps and reduction
+                   "switch s", "predicted s", "measured / predicted"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for name, r in report["methods"].items():
         for number, step in enumerate(r["steps"][report["warmup"]:], report["warmup"] + 1):

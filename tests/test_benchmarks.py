@@ -89,7 +89,7 @@ def test_bench_ckpt() -> None:
 
 
 def test_bench_mixed() -> None:
-    report = run_quick("bench_mixed")
+    report = run_quick("bench_mixed", "--bucket-timings")
     methods = report["methods"]
     assert set(methods) == {"hot", "auto", "a", "a0", "b", "c"}
     steps = report["warmup"] + report["steps"]
@@ -114,6 +114,13 @@ def test_bench_mixed() -> None:
     for m in methods.values():
         assert all(1 <= s["imbalance"] <= s["imbalance_before"] for s in m["steps"])
         assert positive(m["predicted_s"])
+        # Each step's prediction is its buckets' (those it ran: an empty one costs nothing)
+        # and its switches; every bucket that ran was timed.
+        for s in m["steps"]:
+            assert s["predicted_s"] == pytest.approx(
+                sum(b["predicted_s"] for b in s["buckets"]) + s["predicted_switch_s"])
+            assert all(positive(b["compute_s"]) and b["switch_s"] >= 0
+                       and positive(b["predicted_s"]) for b in s["buckets"])
     assert all(s["imbalance"] == s["imbalance_before"] for s in methods["a0"]["steps"])
     np.testing.assert_allclose(methods["a0"]["losses"], methods["a"]["losses"], rtol=0,
                                atol=1e-5)

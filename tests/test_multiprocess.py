@@ -414,3 +414,21 @@ def test_processes_of_a_launcher_killed_outright_are_stopped_by_the_kernel(tmp_p
     while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(Path(f"/proc/{pid}").exists() for pid in children)
+
+
+def test_an_uncaught_error_in_a_process_of_a_run_exits_at_once():
+    """A process of several that fails exits with code 1 right after its traceback, without
+    JAX's shutdown barrier (here an exit handler that would wait a minute), so that the launcher
+    sees it and stops the peer waiting for it in a collective."""
+    script = ("import atexit, sys, time\n"
+              "from hotjax.distributed import exit_at_once\n"
+              "atexit.register(time.sleep, 60)\n"
+              "sys.excepthook = exit_at_once(sys.excepthook)\n"
+              "print('started', flush=True)\n"
+              "raise RuntimeError('Gloo context initialization failed')\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=50)
+    assert time.monotonic() - started < 30
+    assert done.returncode == 1 and done.stdout == "started\n"
+    assert done.stderr.rstrip().endswith("RuntimeError: Gloo context initialization failed")

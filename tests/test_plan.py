@@ -263,3 +263,26 @@ def test_a_declared_memory_wall_refuses_whole_rows_and_admits_a_ring(devices):
     assert trainer(ring).check_memory(wall.budget_bytes)
     with pytest.raises(plan.UserError, match="needs .* per device"):
         trainer(whole).check_memory(wall.budget_bytes)
+
+
+def test_a_table_is_priced_at_the_micro_steps_a_trainer_runs(search, lengths):
+    """Given the micro-steps the search itself would choose, `run` prices the table as the
+    search does; micro-steps of more rows than the bucket holds compute the empty ones too, and
+    a policy that recomputes pays for its second forward pass."""
+    strategy = search.strategies[0]
+    table = [(CONTEXT, strategy)]
+    (own,) = plan.fixed_table(search, lengths, table).buckets
+    micro = search.micro_step(strategy, CONTEXT, search.resident[strategy], own.rows)
+    chosen = plan.RunAs(micro.rows, micro.remat, micro.accumulate)
+    (same,) = plan.fixed_table(search, lengths, table, run=[chosen]).buckets
+    assert same == own
+
+    def priced(run: plan.RunAs) -> plan.Choice:
+        (bucket,) = plan.fixed_table(search, lengths, table, run=[run]).buckets
+        assert (bucket.micro_rows, bucket.remat) == (run.micro_rows, run.remat)
+        return bucket
+
+    wide = priced(dataclasses.replace(chosen, micro_rows=4 * own.rows * strategy.batch_shards))
+    assert wide.micro_steps == 1 and wide.seconds > own.seconds
+    full, kept = (priced(dataclasses.replace(chosen, remat=r)) for r in ("full", "none"))
+    assert full.seconds > kept.seconds

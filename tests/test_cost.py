@@ -4,7 +4,6 @@ against hand-computed figures, and the hardware profiles it reads."""
 import dataclasses
 import math
 import re
-import tomllib
 
 import numpy as np
 import pytest
@@ -21,7 +20,6 @@ from hotjax.planning.cost import (
     step_seconds,
     visible_pairs,
 )
-from hotjax.planning.measure import profile_toml
 from hotjax.planning.profile import (
     ALLOCATOR_FRACTION,
     allocator_fraction,
@@ -135,21 +133,6 @@ def test_data_parallel_time_is_six_flops_per_weight_and_token_plus_causal_attent
     sharded = micro_step_time(LLAMA2_7B, Strategy.parse("data=8"), (8, 4096), H100, "sharded")
     assert sharded.gradients == pytest.approx(7 / 8 * LLAMA2_7B.num_params() * 2 / (450 * GB))
     assert bucket_reduction_seconds(LLAMA2_7B, Strategy.parse("data=8"), H100, "sharded") == 0
-
-
-def test_a_recomputed_attention_forward_costs_what_the_profile_measured():
-    """Remat "full" runs attention's forward again: one forward of the 3.5 the kernel's forward
-    and backward count, at the profile's measured `attention_recompute` (read from its TOML)."""
-    text = profile_toml(H100).replace("[efficiency]", "[efficiency]\nattention_recompute = 0.8")
-    measured = parse_profile(tomllib.loads(text), "measured")
-    assert measured.attention_recompute == 0.8 and H100.attention_recompute == 1
-    assert parse_profile(tomllib.loads(profile_toml(measured)), "measured") == measured
-    full = dataclasses.replace(LLAMA2_7B, remat="full")
-    shape, strategy = (8, 4096), Strategy.parse("data=8")
-    kept = micro_step_time(LLAMA2_7B, strategy, shape, measured).attention
-    assert micro_step_time(full, strategy, shape, H100).attention == pytest.approx(kept * 4.5 / 3.5)
-    assert micro_step_time(full, strategy, shape, measured).attention == pytest.approx(
-        kept * 4.3 / 3.5)
 
 
 def test_doubling_tensor_ways_halves_compute_and_adds_the_megatron_all_reduces():

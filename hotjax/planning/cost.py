@@ -10,9 +10,7 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   checkpoint under remat "full") adds 2 more. The layers' work divides by S; after a pipeline
   each stage group takes 1/S of the rows through the LM head.
 - Attention: 4·N·H FLOPs per visible (query, key) pair forward, 2.5x that backward
-  (FlashAttention-2's five matmuls against two: Dao 2023, arXiv:2307.08691); a rematerialised
-  forward at the profile's `attention_recompute` forwards (measured on CPU, the blockwise
-  kernel's forward alone costs 0.85-0.92 of a forward so counted), counted over the
+  (FlashAttention-2's five matmuls against two: Dao 2023, arXiv:2307.08691), counted over the
   blocks the kernel that runs computes (`models.work.attention_kernel`): on GPU a packed row
   runs the packed-attention Pallas kernel (tiles of `models.packed_attention.block_for`), on CPU and
   round every context ring the blockwise kernel; both skip the blocks above the causal diagonal
@@ -122,9 +120,8 @@ from sharding.transfers import TransferSchedule, boxes_from_strategy
 # measured again (`hotjax.planning.measure.profile_path`). 2: one gradient reduction per bucket,
 # pipelines without whole-stage recompute, the LM head shared by stage groups. 3: 1F1B's one
 # schedule per bucket, the embedding inside it. 4: the matmul rate fitted on micro-steps of
-# trained size, the attention recompute measured.
+# trained size.
 COST_MODEL_VERSION = 4
-ATTENTION_PASSES = 3.5  # forward and backward, in attention forwards
 FP32, INT32 = 4, 4
 BATCH_ARRAYS = 4  # tokens, segment ids, positions, targets
 # Of each collective's tensor, the bytes moved per device over a group of n (the bus-bandwidth
@@ -458,8 +455,7 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     context = _size(fitted, s.ring_axes)
     block, _ = attention_kernel(config, profile.platform, shape[1], context)
     pairs = s.rows * visible_pairs(shape[1], context, fitted.balanced, block)
-    passes = ATTENTION_PASSES + (attention_forwards - 1) * profile.attention_recompute
-    attention = (passes * 4 * H * N / s.head_ways * pairs * s.layers
+    attention = ((attention_forwards + 2.5) * 4 * H * N / s.head_ways * pairs * s.layers
                  / (profile.peak_flops * profile.attention_efficiency))
 
     def collective(name: str, nbytes: float, axes: tuple[str, ...], count: int = 1) -> float:

@@ -56,13 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hotjax import distributed
 from hotjax.config import cache_root
 from hotjax.data import Batch
-from hotjax.planning.cost import (
-    ATTENTION_PASSES,
-    BUS_FACTOR,
-    COST_MODEL_VERSION,
-    micro_step_time,
-    visible_pairs,
-)
+from hotjax.planning.cost import BUS_FACTOR, COST_MODEL_VERSION, micro_step_time, visible_pairs
 from hotjax.planning.profile import COLLECTIVES, GIGA, TERA, GiB, Profile, parse_profile
 from hotjax.step import bucket_step, micro_step_inputs
 from models.attention import DEFAULT_BLOCK, AttentionSharding, attention
@@ -146,15 +140,13 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     # Attention is timed on its own: interleaved with the larger step (8,192 tokens per device
     # on CPU) the kernel ran 2.3 times slower on two pinned processes than it runs in training
     # steps, and the fit below prices the steps' attention at its rate.
-    matmul_s, attention_s, forward_s = timed_in_rounds(
+    matmul_s, attention_s = timed_in_rounds(
         [matmul_runner(devices, dtype, work.matmul),
-         attention_runner(devices, dtype, attention_shape),
-         attention_runner(devices, dtype, attention_shape, backward=False)], work.repeats)
+         attention_runner(devices, dtype, attention_shape)], work.repeats)
     steps_s = timed_in_rounds([r.run for r in references], work.repeats)
     tokens, width, out = work.matmul
     figures = {"matmul": 2 * tokens * width * out / matmul_s,
                "attention": attention_flops(attention_shape, platform) / attention_s,
-               "attention recompute": ATTENTION_PASSES * forward_s / attention_s,
                "memory": device_memory_bytes(devices)}
     announce(f"latency: {CHAIN} all-reduces of {LATENCY_BYTES} bytes in a row")
     latency = collective_latency(devices, work.repeats)
@@ -199,8 +191,7 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
                        "memory_gib": _rounded(figures["memory"] / GiB), "allocator_fraction": 1,
                        **_if_positive("step_overhead_ms", overhead * 1e3)},
             "efficiency": {"matmul": _rounded(matmul_flops / peak),
-                           "attention": _rounded(figures["attention"] / peak),
-                           "attention_recompute": _rounded(figures["attention recompute"])},
+                           "attention": _rounded(figures["attention"] / peak)},
             # The links as the transfer scheduler sees them: what a device sends while every
             # device of the largest group sends too.
             "links": {"intra_node_gbps": send["intra"][str(max(intra_sizes or inter_sizes))],
@@ -301,10 +292,9 @@ def matmul_runner(devices: Sequence[jax.Device], dtype: jnp.dtype,
 
 
 def attention_runner(devices: Sequence[jax.Device], dtype: jnp.dtype,
-                     shape: tuple[int, int, int, int, int], backward: bool = True
-                     ) -> Callable[[], None]:
-    """The model's attention kernel, forward and backward (or forward alone, as remat
-    recomputes it), on `shape`'s causal rows per device, every device at once."""
+                     shape: tuple[int, int, int, int, int]) -> Callable[[], None]:
+    """The model's attention kernel, forward and backward, on `shape`'s causal rows per device,
+    every device at once."""
     rows, tokens, heads, kv_heads, head_dim = shape
     count = len(devices)
     mesh = Mesh(np.asarray(devices, dtype=object), ("devices",))
@@ -324,8 +314,8 @@ def attention_runner(devices: Sequence[jax.Device], dtype: jnp.dtype,
         out = attention(q, k, v, segment_ids, positions, sharding=layout)
         return jnp.sum((out * cotangent).astype(jnp.float32))
 
-    run = jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if backward else loss)
-    return lambda: jax.block_until_ready(run(q, k, v, cotangent, segment_ids, positions))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return lambda: jax.block_until_ready(grads(q, k, v, cotangent, segment_ids, positions))
 
 
 def attention_flops(shape: tuple[int, int, int, int, int], platform: str) -> float:
@@ -334,7 +324,7 @@ def attention_flops(shape: tuple[int, int, int, int, int], platform: str) -> flo
     blocks."""
     rows, tokens, heads, _, head_dim = shape
     block = DEFAULT_BLOCK.get(platform, DEFAULT_BLOCK["gpu"])
-    return ATTENTION_PASSES * 4 * head_dim * heads * rows * visible_pairs(tokens, 1, False, block)
+    return 3.5 * 4 * head_dim * heads * rows * visible_pairs(tokens, 1, False, block)
 
 
 def collective_latency(devices: Sequence[jax.Device], repeats: int) -> float:
@@ -414,8 +404,6 @@ def profile_toml(profile: Profile) -> str:
                if profile.step_overhead else []), "",
              "[efficiency]", f"matmul = {_in_units(profile.matmul_efficiency, 1)}",
              f"attention = {_in_units(profile.attention_efficiency, 1)}",
-             *([f"attention_recompute = {_in_units(profile.attention_recompute, 1)}"]
-               if profile.attention_recompute != 1 else []),
              *([f"matmul_by_size = {table(profile.matmul_by_size, 1)}"] if profile.matmul_by_size
                else []), "",
              "[links]", f"intra_node_gbps = {_in_units(profile.intra_node_bandwidth, GIGA)}",

@@ -128,10 +128,6 @@ class Profile:
     # Measured where they show (`hotjax.planning.measure`); 0 in the shipped GPU profiles, whose
     # micro-steps are long beside them.
     step_overhead: float = 0.0  # seconds every micro-step costs whatever its size
-    # What a rematerialised attention forward costs, in the forward passes the cost model counts
-    # (of 3.5 forward and backward): measured, the kernel's forward alone over both, times 3.5;
-    # 1 where not measured.
-    attention_recompute: float = 1.0
     collective_latency: float = 0.0  # seconds every collective costs besides its bytes
 
     @property
@@ -177,7 +173,7 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
     device = _table(data, "device", source, ("peak_tflops", "memory_gib"),
                     ("allocator_fraction", "step_overhead_ms"))
     efficiency = _table(data, "efficiency", source, ("matmul", "attention"),
-                        ("matmul_by_size", "attention_recompute"))
+                        ("matmul_by_size",))
     links = _table(data, "links", source, ("intra_node_gbps", "inter_node_gbps"),
                    ("latency_us",))
     by_size = _efficiencies(data["efficiency"].get("matmul_by_size", {}),
@@ -210,8 +206,7 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
         inter_node_bandwidth=links["inter_node_gbps"] * GIGA,
         collectives=tuple((name, _bandwidths(collectives, name, source)) for name in COLLECTIVES),
         source=source, step_overhead=device.get("step_overhead_ms", 0.0) * 1e-3,
-        collective_latency=links.get("latency_us", 0.0) * 1e-6,
-        attention_recompute=efficiency.get("attention_recompute", 1.0))
+        collective_latency=links.get("latency_us", 0.0) * 1e-6)
 
 
 def _bandwidths(collectives: Mapping[str, Any], name: str, source: str) -> Bandwidths:

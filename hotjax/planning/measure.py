@@ -12,9 +12,9 @@ node and across nodes (a node is one process: its devices share a host, or an NV
   proportion to its tokens (norms, the loss, the accumulator, XLA's copies) is folded into the
   matmul rate. Fitted on one step, the overhead would be too: on two pinned processes (tens of
   milliseconds a step) that made the `tiny` model's matmuls look 20 times slower than they are.
-  The two micro-batches hold as many tokens per device as trained micro-steps do (on CPU 2,048
-  and 8,192, in rows of 128 that leave attention little): per token, a step is slower when its
-  activations leave the caches. Fitted on 128 and 512 tokens per device, `small`'s widths in
+  The two micro-batches hold as many tokens per process as trained micro-steps do (on CPU
+  2,048 and 8,192, in rows of 128 that leave attention little, split over its devices): per
+  token, a step is slower when its activations leave the caches. Fitted on 128 and 512 tokens per device, `small`'s widths in
   fp32 on two pinned processes ran 17-21 % slower than predicted at 8,192 tokens per device
   under data, FSDP and context parallelism (29 % under tensor parallelism).
 - Attention efficiency: the model's attention kernel, forward and backward, on causal rows of
@@ -74,7 +74,8 @@ LATENCY_BYTES = 4096  # each one's tensor
 class Workload:
     """What is timed, per device: a matmul [tokens, width] x [width, out]; attention forward
     and backward over causal rows of (rows, tokens) of the model's heads; a
-    data-parallel micro-step on (rows, tokens) of the model and on `FIT_ROWS` times the rows;
+    data-parallel micro-step on (rows, tokens) of the model per process (its devices split the
+    rows) and on `FIT_ROWS` times the rows;
     each collective on a tensor of `message_bytes`; `repeats` timed runs of each."""
 
     matmul: tuple[int, int, int]
@@ -135,7 +136,10 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
          f"{model.dim} on {len(devices)} devices")
     strategy = Strategy.parse(f"data={len(devices)},rules=dp")
     attention_shape = (*work.attention, model.n_heads, model.n_kv_heads, model.head_dim)
-    shapes = [(rows * work.step[0] * len(devices), work.step[1]) for rows in (1, FIT_ROWS)]
+    # The step's rows are per process: its devices share the host's caches (8 simulated devices
+    # each given 8,192 tokens of `small` held 16 GiB of logits in one process).
+    step_rows = max(1, work.step[0] // per_node)
+    shapes = [(rows * step_rows * len(devices), work.step[1]) for rows in (1, FIT_ROWS)]
     references = [MicroStepRun(model, strategy, tuple(devices), shape) for shape in shapes]
     # Attention is timed on its own: interleaved with the larger step (8,192 tokens per device
     # on CPU) the kernel ran 2.3 times slower on two pinned processes than it runs in training
@@ -174,7 +178,7 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     source = (f"measured on {len(devices)} {platform} devices ({devices[0].device_kind}) in "
               f"{nodes} process(es), {dtype.name}, jax {jax.__version__}"
               + (", quick" if quick else "") + f"; matmul efficiency and step overhead fitted "
-              f"on data-parallel micro-steps of {work.step[0]} and {FIT_ROWS * work.step[0]} x "
+              f"on data-parallel micro-steps of {step_rows} and {FIT_ROWS * step_rows} x "
               f"{work.step[1]} tokens per device of a {model.n_layers}-layer, {model.dim}-wide "
               f"model")
 

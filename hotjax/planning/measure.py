@@ -14,9 +14,10 @@ node and across nodes (a node is one process: its devices share a host, or an NV
   milliseconds a step) that made the `tiny` model's matmuls look 20 times slower than they are.
   The two micro-batches hold as many tokens per process as trained micro-steps do (on CPU
   2,048 and 8,192, in rows of 128 that leave attention little, split over its devices): per
-  token, a step is slower when its activations leave the caches. Fitted on 128 and 512 tokens per device, `small`'s widths in
-  fp32 on two pinned processes ran 17-21 % slower than predicted at 8,192 tokens per device
-  under data, FSDP and context parallelism (29 % under tensor parallelism).
+  token, a step is slower when its activations leave the caches. Fitted on 128 and 512 tokens
+  per device, `small`'s widths in fp32 on two pinned processes ran 17-21 % slower than
+  predicted at 8,192 tokens per device under data, FSDP and context parallelism (29 % under
+  tensor parallelism).
 - Attention efficiency: the model's attention kernel, forward and backward, on causal rows of
   its heads (on CPU the rate per pair hardly depends on the head width: with the `tiny` model's
   8-wide heads, rows timed with 32-wide ones made attention look 3 times faster than it runs),

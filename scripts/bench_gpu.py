@@ -21,6 +21,14 @@ Parts, each its own process (a failure or a hang in one loses nothing of the oth
   of 2,048 and of 8,192 tokens (three documents a row): model FLOPs (`models.work`, recompute
   not counted) per second over the GPU's dense bf16 peak.
 - `profile`: `hotjax plan --measure`'s measurement on this GPU, beside `h100-1x8.toml`.
+- `calibrate`: the cost model against this GPU. The profile is measured as `profile` does; then
+  the 1B model's gradient micro-step (the bucket step the trainer runs, no optimizer) at 16,384
+  tokens in rows of 2,048 and 8,192, and one row of 32,768, each under every remat policy, each
+  in a process of its own (so the allocator's peak is that step's): its median seconds, XLA's
+  memory plan and the bytes the allocator really held at the peak, beside the cost model's
+  time (under the shipped profile and under the one just measured) and memory
+  (`hotjax.planning.cost.micro_step_memory`). Rows are whole causal documents, as the cost
+  model's worst case.
 
 Hardware: whatever GPU JAX sees; every figure is reported with its device name. `--quick` runs
 each part at toy sizes on any platform (on CPU the Pallas kernel in its interpreter; no cuDNN
@@ -39,7 +47,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PARTS = ("check", "kernels", "mfu", "profile")
+PARTS = ("check", "kernels", "mfu", "profile", "calibrate")
+# calibrate: (rows, tokens) of the micro-steps timed, full size and --quick.
+CALIBRATE_SHAPES = {False: ((8, 2048), (2, 8192), (1, 32768)),
+                    True: ((4, 128),)}
 # The shipped profile whose dense bf16 peak a GPU shares (an H200 computes as an H100).
 PEAK_PROFILES = {"H100": "h100-1x8", "H200": "h100-1x8", "A100": "a800-4x8", "A800": "a800-4x8"}
 KERNEL_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128}
@@ -54,10 +65,10 @@ def _device():
     return (gpus or jax.devices())[0]
 
 
-def _peak_tflops(device) -> float | None:
+def _peak_tflops(kind: str) -> float | None:
+    """The dense bf16 peak of a GPU named `kind` (`device_kind`), from the shipped profiles."""
     from hotjax.planning.profile import load_profile
 
-    kind = getattr(device, "device_kind", "")
     name = next((v for k, v in PEAK_PROFILES.items() if k in kind), None)
     return load_profile(name).peak_flops / 1e12 if name else None
 
@@ -262,7 +273,7 @@ def mfu(args) -> dict:
                         else "float32")
     per_token, per_pair = training_flops(config)
     batch_tokens = 1024 if args.quick else args.batch_tokens
-    peak = _peak_tflops(device)
+    peak = _peak_tflops(device.device_kind)
     results = []
     for seq_len in ((128, 512) if args.quick else (2048, 8192)):
         batch = synthetic_batch(batch_tokens // seq_len, seq_len, model.vocab_size)
@@ -289,14 +300,18 @@ def profile(args) -> dict:
     """The compute half of `hotjax plan --measure` (which also times collectives, so asks for
     two devices) on this one device: its matmul and attention rates, and the matmul
     efficiency and step overhead fitted on micro-steps of 4 of LLaMA2-7B's layers."""
-    import tomllib
+    return _measured_profile(_device(), args.quick)
+
+
+def _measured_profile(device, quick: bool) -> dict:
+    """`profile`'s report: the matmul and attention rates, and the matmul rate and step overhead
+    fitted on the reference model's micro-steps, of `device`."""
 
     from hotjax.planning import measure
     from hotjax.planning.profile import parse_profile
     from sharding.strategy import Strategy
 
-    device = _device()
-    kind = ("cpu" if device.platform == "cpu" else "accelerator", args.quick)
+    kind = ("cpu" if device.platform == "cpu" else "accelerator", quick)
     work = measure.WORKLOADS[kind]
     model = measure.reference_model(*measure.REFERENCE_MODELS[kind])
     devices, dtype = (device,), model.dtype
@@ -313,20 +328,135 @@ def profile(args) -> dict:
     matmul = 2 * tokens * width * out / matmul_s
     attention = measure.attention_flops(attention_shape, device.platform) / attention_s
     peak = max(matmul, attention)
-    shipped = tomllib.loads((Path(__file__).resolve().parents[1] / "hotjax" / "planning"
-                             / "profiles" / "h100-1x8.toml").read_text())
+    shipped = _shipped_h100()
     base = shipped | {"device": shipped["device"] | {"peak_tflops": peak / 1e12},
                       "efficiency": {"matmul": 1.0, "attention": attention / peak},
                       "platform": device.platform}
     fitted, overhead = measure.fitted_step(parse_profile(base, "bench_gpu"), model, strategy,
                                            shapes, tuple(steps_s))
-    return {"device": device.device_kind, "dtype": dtype.name,
+    return {"device": device.device_kind, "platform": device.platform, "dtype": dtype.name,
             "model": f"{model.n_layers} layers x {model.dim}", "step_shapes": shapes,
             "matmul_tflops": matmul / 1e12, "attention_tflops": attention / 1e12,
             "fitted_matmul_tflops": fitted / 1e12, "step_overhead_ms": overhead * 1e3,
             "steps_s": steps_s, "measured_efficiency": {
                 "matmul": fitted / peak, "attention": attention / peak},
             "h100_shipped": {k: shipped[k] for k in ("device", "efficiency")}}
+
+
+def _shipped_h100() -> dict:
+    import tomllib
+
+    return tomllib.loads((Path(__file__).resolve().parents[1] / "hotjax" / "planning"
+                          / "profiles" / "h100-1x8.toml").read_text())
+
+
+def _profile_from(found: dict):
+    """The profile `found` (`profile`'s report) measured: the shipped H100 one's links and
+    memory with the fitted matmul rate, attention rate and step overhead, as shares of the
+    shipped peak the device shares (or of the fastest rate measured, elsewhere)."""
+    from hotjax.planning.profile import parse_profile
+
+    shipped = _shipped_h100()
+    rates = (found["fitted_matmul_tflops"], found["matmul_tflops"], found["attention_tflops"])
+    peak = _peak_tflops(found["device"]) or max(rates)
+    overhead = found["step_overhead_ms"]
+    return parse_profile(shipped | {
+        "name": f"measured on {found['device']}", "platform": found["platform"],
+        "device": shipped["device"] | {"peak_tflops": peak} | (
+            {"step_overhead_ms": overhead} if overhead > 0 else {}),
+        "efficiency": {"matmul": found["fitted_matmul_tflops"] / peak,
+                       "attention": found["attention_tflops"] / peak}}, "bench_gpu")
+
+
+def _calibration_model(quick: bool, remat: str, platform: str):
+    from models.llama import LlamaConfig, as_trained, preset
+
+    model = preset("tiny") if quick else LlamaConfig(**ONE_B)
+    return as_trained(model, remat=remat,
+                      compute_dtype="bfloat16" if platform == "gpu" else "float32")
+
+
+def calibrate(args) -> dict:
+    """The profile (measured, or `--profile`'s report), then each (shape, remat policy) timed,
+    each in a process of its own: this one never opens the device, whose allocator would keep
+    what it took from the others."""
+    from hotjax.planning.cost import micro_step_memory, micro_step_time
+    from hotjax.planning.profile import load_profile
+    from models.options import REMAT_POLICIES
+    from models.work import training_flops
+    from sharding.strategy import Strategy
+
+    found = (json.loads(Path(args.profile).read_text()) if args.profile
+             else _child(args, "profile"))
+    if "error" in found:
+        raise SystemExit(f"bench_gpu: measuring the profile failed: {found['error']}")
+    measured, shipped = _profile_from(found), load_profile("h100-1x8")
+    kind, platform = found["device"], found["platform"]
+    peak = _peak_tflops(kind)
+    strategy = Strategy.parse("data=1,rules=dp")
+    rows = []
+    for shape in CALIBRATE_SHAPES[args.quick]:
+        for remat in REMAT_POLICIES:
+            row = _child(args, f"{shape[0]},{shape[1]},{remat}")
+            config = _calibration_model(args.quick, remat, platform)
+            if row.get("status") == "ok":
+                per_token, per_pair = training_flops(config)
+                flops = per_token * shape[0] * shape[1] + per_pair * shape[0] * (
+                    shape[1] * (shape[1] + 1) // 2)
+                row |= {"model_tflops": flops / row["step_s"] / 1e12,
+                        "mfu": flops / row["step_s"] / 1e12 / peak if peak else None}
+            row |= {"rows": shape[0], "seq_len": shape[1], "remat": remat,
+                    "predicted_bytes": micro_step_memory(config, strategy, shape,
+                                                         platform).peak,
+                    "predicted_s": {
+                        name: micro_step_time(config, strategy, shape, p).seconds
+                        for name, p in (("shipped", shipped), ("measured", measured))}}
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    config = _calibration_model(args.quick, "none", platform)
+    return {"device": kind, "profile": found, "params": config.num_params(),
+            "peak_tflops": peak, "dtype": config.dtype.name, "results": rows}
+
+
+def _child(args, one: str) -> dict:
+    """`calibrate --one ONE` in a process of its own: its JSON line, or what it died of."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, __file__, "calibrate", "--one", one,
+                           *(["--quick"] if args.quick else [])],
+                          capture_output=True, text=True, timeout=300, check=False)
+    try:
+        return json.loads(done.stdout.splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"status": "failed", "error": f"exit {done.returncode}: "
+                f"{(done.stderr.strip().splitlines() or [''])[-1][:300]}"}
+
+
+def _calibrate_one(args) -> dict:
+    """`--one profile`: the profile's measurement. `--one ROWS,TOKENS,REMAT`: one micro-step
+    timed, and the allocator's peak after it."""
+    from hotjax.planning import measure
+    from hotjax.planning.profile import set_allocator_fraction
+    from hotjax.step import step_memory
+    from sharding.strategy import Strategy
+
+    set_allocator_fraction()  # as `hotjax train` gives JAX's allocator the GPU
+    device = _device()
+    if args.one == "profile":
+        return _measured_profile(device, args.quick)
+    rows, tokens, remat = args.one.split(",")
+    shape = (int(rows), int(tokens))
+    config = _calibration_model(args.quick, remat, device.platform)
+    try:
+        run = measure.MicroStepRun(config, Strategy.parse("data=1,rules=dp"), (device,), shape)
+        (seconds,) = measure.timed_in_rounds([run.run], 2 if args.quick else 5)
+    except Exception as e:  # noqa: BLE001  (a step that will not fit is a result)
+        return {"status": "failed", "error": f"{type(e).__name__}: "
+                f"{str(e).splitlines()[0][:300] if str(e) else ''}"}
+    stats = device.memory_stats() or {}
+    return {"status": "ok", "step_s": seconds, "xla_bytes": step_memory(run.compiled),
+            "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+            "bytes_limit": stats.get("bytes_limit"), "notes": list(run.notes)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,9 +466,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="toy sizes, any platform")
     parser.add_argument("--batch-tokens", type=int, default=16384,
                         help="mfu: tokens a step (default: %(default)s)")
+    parser.add_argument("--profile", help="calibrate: a `profile --json` report to predict "
+                        "with, instead of measuring one")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # calibrate's child: ROWS,TOKENS,REMAT
     args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(_calibrate_one(args), default=str))
+        return 0
     started = time.perf_counter()
-    found = {"check": check, "kernels": kernels, "mfu": mfu, "profile": profile}[args.part](args)
+    found = {"check": check, "kernels": kernels, "mfu": mfu, "profile": profile,
+             "calibrate": calibrate}[args.part](args)
     found["seconds"] = time.perf_counter() - started
     print(json.dumps(found, indent=1, default=str) if args.json else _table(args.part, found))
     return 0
@@ -361,6 +498,28 @@ def _table(part: str, found: dict) -> str:
                 f"{r['model_tflops']:.0f} TFLOP/s, MFU {r['mfu']:.1%}"
                 if r.get("status") == "ok" and r.get("mfu") is not None else
                 r.get("error", r.get("status", ""))))
+    elif part == "calibrate":
+        GB = 1e9
+        lines.append(f"{'rows x T':>10} {'remat':>5} {'ms':>8} {'pred ms':>15} {'ratio':>11}"
+                     f" {'held GB':>8} {'XLA GB':>7} {'model GB':>8} {'model/held':>10} {'MFU':>6}")
+        for r in found["results"]:
+            shape = f"{r['rows']} x {r['seq_len']}"
+            pred = r["predicted_s"]
+            pred_ms = f"{pred['measured'] * 1e3:7.1f}/{pred['shipped'] * 1e3:7.1f}"
+            if r.get("status") != "ok":
+                lines.append(f"{shape:>10} {r['remat']:>5} {'failed':>8} {pred_ms:>15} "
+                             f"{'':>11} {'':>8} {'':>7} {r['predicted_bytes'] / GB:8.1f}  "
+                             f"{r.get('error', '')[:60]}")
+                continue
+            ratio = f"{r['step_s'] / pred['measured']:.2f}/{r['step_s'] / pred['shipped']:.2f}"
+            held = r.get("peak_bytes_in_use")
+            lines.append(
+                f"{shape:>10} {r['remat']:>5} {r['step_s'] * 1e3:8.1f} {pred_ms:>15} "
+                f"{ratio:>11} {held / GB if held else float('nan'):8.1f} "
+                f"{r['xla_bytes']['peak'] / GB:7.1f} {r['predicted_bytes'] / GB:8.1f} "
+                f"{r['predicted_bytes'] / held if held else float('nan'):10.2f} "
+                f"{r['mfu'] if r.get('mfu') is not None else float('nan'):6.1%}")
+        lines.append("pred ms and ratio: under the profile measured here / the shipped h100-1x8")
     else:
         lines.append(json.dumps({k: v for k, v in found.items() if k != "measured_toml"},
                                 default=str)[:4000])

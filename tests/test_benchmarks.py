@@ -239,6 +239,22 @@ def test_bench_gpu() -> None:
     assert positive(row["step_ms"])
 
 
+def test_bench_gpu_calibrate() -> None:
+    """The calibration at toy sizes on CPU: each remat policy's micro-step timed in a process
+    of its own, beside the cost model's seconds (under the profile just measured, within a
+    factor of two here) and bytes; XLA's plan shrinks as the policy saves less."""
+    report = run_quick("bench_gpu", "calibrate")
+    assert report["profile"]["platform"] == "cpu" and positive(report["profile"]["matmul_tflops"])
+    rows = {r["remat"]: r for r in report["results"]}
+    assert set(rows) == {"none", "dots", "full"}
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert 0.5 < r["step_s"] / r["predicted_s"]["measured"] < 2, r
+        assert positive(r["predicted_bytes"]) and r["peak_bytes_in_use"] is None  # CPU: none
+    peaks = [rows[p]["xla_bytes"]["peak"] for p in ("none", "dots", "full")]
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]
+
+
 def test_simulate_hotspa() -> None:
     report = run_quick("simulate_hotspa")
     [row] = report["rows"]

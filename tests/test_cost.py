@@ -1,6 +1,7 @@
 """The cost model: per-device memory against XLA's plan of compiled micro-steps, micro-step time
 against hand-computed figures, and the hardware profiles it reads."""
 
+import collections
 import dataclasses
 import math
 import re
@@ -121,7 +122,7 @@ def test_data_parallel_time_is_six_flops_per_weight_and_token_plus_causal_attent
     # On GPU a packed row runs JAX's Pallas kernel, in tiles of 128: 32 along the row, 528 on
     # or below the diagonal; 4·H FLOPs per pair and head forward, 2.5 times that backward.
     pairs = 528 * 128 * 128
-    assert time.attention == pytest.approx(3.5 * 4 * 128 * 32 * pairs * L / (989e12 * 0.35))
+    assert time.attention == pytest.approx(3.5 * 4 * 128 * 32 * pairs * L / (989e12 * 0.17))
     # Each data shard keeps its own partial sum: no gradient moves within a micro-step, and
     # the bucket all-reduces the fp32 sums over 8 devices at 450 GB/s once.
     assert time.gradients == time.tensor == time.context == time.fsdp == time.stages == \
@@ -178,8 +179,32 @@ def test_a_context_ring_waits_for_its_busiest_rank_unless_balanced():
     ring = (6 * kv * 2 + 4 * kv * 4) / (450 * GB)
     assert time.context == max(0.0, ring - time.attention) == 0.0
     assert time.attention == pytest.approx(3.5 * 4 * 4096 * visible_pairs(8192, 4, False, 512)
-                                           * 32 / (989e12 * 0.35))
+                                           * 32 / (989e12 * 0.17))
 
+
+def test_a_recompute_runs_every_layer_matmul_but_the_down_projection(devices):
+    """Under remat full the backward recomputes q, k, v, o, gate and up, and attention, but not
+    the down projection, whose output only joins the residual stream (JAX drops what no
+    gradient reads): the HLO's extra dots, and the cost model's extra matmul time."""
+    config = as_trained(preset("tiny"), n_layers=1)
+    D, F, kv = config.dim, config.ffn_dim, config.n_kv_heads * config.head_dim
+    assert len({D, F, kv}) == 3 and config.n_heads * config.head_dim == D
+    shape = (1, 128)
+
+    def dot_widths(remat: str) -> collections.Counter:
+        step = bucket_step(dataclasses.replace(config, remat=remat),
+                           Strategy.parse("data=1,rules=dp"), tuple(devices[:1]))
+        return collections.Counter(
+            int(n) for n in re.findall(rf"= f32\[{shape[1]},(\d+)\]\S* dot\(",
+                                       step.compiled(shape).as_text()))
+
+    assert dot_widths("full") - dot_widths("none") == {D: 2, kv: 2, F: 2}  # q, o; k, v; gate, up
+    profile = dataclasses.replace(H100, matmul_by_size=())
+    none, full = (micro_step_time(dataclasses.replace(config, remat=remat),
+                                  Strategy.parse("data=1"), shape, profile).matmuls
+                  for remat in ("none", "full"))
+    recomputed = 2 * shape[1] * (2 * D * D + 2 * D * kv + 2 * D * F)
+    assert full - none == pytest.approx(recomputed / (989e12 * 0.52))
 
 def test_the_kernel_that_runs_decides_which_masked_blocks_are_skipped():
     # The packed-attention Pallas kernel: tiles of 128 in bf16, of 64 in fp32 (shared memory).

@@ -9,6 +9,7 @@ over gloo.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -18,6 +19,8 @@ import numpy as np
 from models.errors import UserError
 
 HEARTBEAT_TIMEOUT_S = 30  # a process silent this long ends the run (JAX's default waits 100)
+TOGETHER_TIMEOUT_S = 1800  # how long `together` waits for the slowest process
+_meetings = itertools.count()
 
 
 def _cluster_processes() -> int:
@@ -63,6 +66,22 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
     # thread's own failure is the one reported, as one line (`lost_peer`).
     logging.getLogger("absl").addFilter(_without_lost_peers)
     sys.excepthook = exit_at_once(sys.excepthook)
+
+
+def together(what: str) -> None:
+    """Waits until every process of the run gets here (nothing in one process), at JAX's
+    coordination service rather than in a collective. Call it where the processes may have
+    drifted apart, before their first collectives: when a group of devices first communicates,
+    gloo gives each process 30 s to meet its peers, and a process compiling under load can fall
+    further behind (`GetKeyValue() timed out`). Every process must call it in the same order."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from orbax.checkpoint import multihost
+
+    multihost.get_barrier_sync_fn()(key=f"hotjax-{next(_meetings)}-{what}",
+                                    timeout_ms=TOGETHER_TIMEOUT_S * 1000)
 
 
 def exit_at_once(hook):

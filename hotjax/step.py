@@ -233,6 +233,10 @@ class BucketStep:
         drain per bucket) rather than one each."""
         return self.layout.pipeline is not None and self.config.pipeline_schedule == "1f1b"
 
+    def is_compiled(self, shape: tuple[int, int], chain: int = 1) -> bool:
+        """Whether `compiled(shape, chain)` would return at once."""
+        return (*shape, chain) in self._compiled
+
     def compiled(self, shape: tuple[int, int], chain: int = 1) -> jax.stages.Compiled:
         """The micro-step for micro-steps of `shape` (rows, length), or under a 1F1B pipeline
         for `chain` of them in one schedule (`chain_inputs` lays them out); the accumulator

@@ -28,6 +28,7 @@ import optax
 from hotjax.balance import Placement, place, row_work
 from hotjax.config import shown_bytes
 from hotjax.data import Batch, MiniBatch
+from hotjax.distributed import together
 from hotjax.optim import OptimConfig
 from hotjax.step import (
     ACCUMULATE,
@@ -218,6 +219,7 @@ class Trainer:
         with concurrent.futures.ThreadPoolExecutor(len(self.buckets)) as pool:
             list(pool.map(lambda bs: bs[0].compiled(bs[1]), zip(self.buckets, shapes,
                                                                   strict=True)))
+        together("compiled the buckets")
 
     def memory(self) -> dict[str, int]:
         """Per-device bytes, by XLA: the home state, and while each bucket runs, the home state,
@@ -279,7 +281,11 @@ class Trainer:
             acc, bucket_scale = bucket.zeros(), bucket.place_scale(scale)
             # Placed while the previous call computes; a 1F1B pipeline's in one schedule.
             for chain, arrays in bucket.calls(micro):
-                step = bucket.compiled((rows, batch.tokens.shape[1]), chain)
+                shape = (rows, batch.tokens.shape[1])
+                fresh = not bucket.is_compiled(shape, chain)
+                step = bucket.compiled(shape, chain)
+                if fresh:
+                    together(f"compiled {shape} x {chain}")
                 acc = step(compute, acc, bucket.place(arrays), bucket_scale)
             computed = self._wait(acc)
             if bucket.acc_shardings.grads != bucket.grad_shardings:

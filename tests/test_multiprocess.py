@@ -8,6 +8,7 @@ stopped."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -432,3 +433,26 @@ def test_an_uncaught_error_in_a_process_of_a_run_exits_at_once():
     assert time.monotonic() - started < 30
     assert done.returncode == 1 and done.stdout == "started\n"
     assert done.stderr.rstrip().endswith("RuntimeError: Gloo context initialization failed")
+
+
+def test_processes_wait_for_each_other_at_the_coordination_service():
+    """`together` holds every process until the slowest arrives (process 1, 3 s late here), with
+    no collective: what each process does after compiling, before gloo's 30 s rendezvous."""
+    script = ("import sys, time\n"
+              "from hotjax.distributed import initialize, together\n"
+              "initialize(sys.argv[1], 2, int(sys.argv[2]))\n"
+              "time.sleep(3 * int(sys.argv[2]))\n"
+              "arrived = time.time()\n"
+              "together('test')\n"
+              "print(arrived, time.time(), flush=True)\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    env = os.environ | {"JAX_NUM_CPU_DEVICES": "1"}
+    processes = [subprocess.Popen([sys.executable, "-c", script, coordinator, str(i)], cwd=ROOT,
+                                  env=env, stdout=subprocess.PIPE, text=True) for i in (0, 1)]
+    (arrived_0, left_0), (arrived_1, left_1) = (
+        map(float, p.communicate(timeout=120)[0].split()) for p in processes)
+    assert [p.returncode for p in processes] == [0, 0]
+    assert left_0 >= arrived_1 and left_0 - arrived_0 > 2  # process 0 waited for process 1
+    assert left_1 - arrived_1 < 2

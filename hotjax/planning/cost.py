@@ -7,7 +7,9 @@ micro-batches. Each row is one causal document (a bucket's worst case); counts a
 Time (seconds per micro-step; `MicroStepTime` keeps each term):
 - Matmuls: 2 FLOPs per weight per token forward, 4 backward (Kaplan et al. 2020, "Scaling laws",
   §2.1: C = 6N per token); a rematerialised forward (remat "full", and a pipeline stage's
-  checkpoint under remat "full") adds 2 more. The layers' work divides by S; after a pipeline
+  checkpoint under remat "full") adds 2 more, less the down projection in a layer's recompute
+  (its output only joins the residual stream, and JAX drops what no gradient reads: checked
+  in the HLO by tests/test_cost.py). The layers' work divides by S; after a pipeline
   each stage group takes 1/S of the rows through the LM head.
 - Attention: 4·N·H FLOPs per visible (query, key) pair forward, 2.5x that backward
   (FlashAttention-2's five matmuls against two: Dao 2023, arXiv:2307.08691), counted over the

@@ -206,6 +206,7 @@ def test_a_recompute_runs_every_layer_matmul_but_the_down_projection(devices):
     recomputed = 2 * shape[1] * (2 * D * D + 2 * D * kv + 2 * D * F)
     assert full - none == pytest.approx(recomputed / (989e12 * 0.52))
 
+
 def test_the_kernel_that_runs_decides_which_masked_blocks_are_skipped():
     # The packed-attention Pallas kernel: tiles of 128 in bf16, of 64 in fp32 (shared memory).
     assert attention_kernel(LLAMA2_7B, "gpu", 8192, 1) == (128, True)

@@ -306,7 +306,6 @@ def profile(args) -> dict:
 def _measured_profile(device, quick: bool) -> dict:
     """`profile`'s report: the matmul and attention rates, and the matmul rate and step overhead
     fitted on the reference model's micro-steps, of `device`."""
-
     from hotjax.planning import measure
     from hotjax.planning.profile import parse_profile
     from sharding.strategy import Strategy
@@ -344,10 +343,12 @@ def _measured_profile(device, quick: bool) -> dict:
 
 
 def _shipped_h100() -> dict:
+    """The shipped H100 profile's TOML, as a dict to change."""
     import tomllib
 
-    return tomllib.loads((Path(__file__).resolve().parents[1] / "hotjax" / "planning"
-                          / "profiles" / "h100-1x8.toml").read_text())
+    from hotjax.planning.profile import PROFILES
+
+    return tomllib.loads((PROFILES / "h100-1x8.toml").read_text())
 
 
 def _profile_from(found: dict):

@@ -383,16 +383,21 @@ def calibrate(args) -> dict:
     what it took from the others."""
     from hotjax.planning.cost import micro_step_memory, micro_step_time
     from hotjax.planning.profile import load_profile
+    from models.errors import UserError
     from models.options import REMAT_POLICIES
     from models.work import training_flops
     from sharding.strategy import Strategy
 
-    found = (json.loads(Path(args.profile).read_text()) if args.profile
-             else _child(args, "profile"))
-    if "error" in found:
+    found = _child(args, "profile") if not args.profile else None
+    if found is not None and "error" in found:
         raise SystemExit(f"bench_gpu: measuring the profile failed: {found['error']}")
-    measured, shipped = _profile_from(found), load_profile("h100-1x8")
-    kind, platform = found["device"], found["platform"]
+    try:
+        found = found or json.loads(Path(args.profile).read_text())
+        measured, kind, platform = _profile_from(found), found["device"], found["platform"]
+    except (OSError, ValueError, KeyError, TypeError, UserError) as e:
+        raise SystemExit(f"bench_gpu: --profile {args.profile}: {type(e).__name__}: {e}: give "
+                         f"a `bench_gpu.py profile --json` report") from None
+    shipped = load_profile("h100-1x8")
     peak = _peak_tflops(kind)
     strategy = Strategy.parse("data=1,rules=dp")
     rows = []

@@ -255,6 +255,18 @@ def test_bench_gpu_calibrate() -> None:
     assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]
 
 
+def test_bench_gpu_calibrate_refuses_a_profile_that_is_no_report(tmp_path) -> None:
+    """A `--profile` file missing, or not a `profile --json` report: one line, exit 1."""
+    bad = tmp_path / "profile.json"
+    bad.write_text(json.dumps({"device": "x", "platform": "gpu"}))
+    for given, cause in ((tmp_path / "none.json", "FileNotFoundError"), (bad, "KeyError")):
+        done = python("scripts/bench_gpu.py", "calibrate", "--quick", "--profile", given,
+                      ok=False)
+        assert done.returncode == 1 and "Traceback" not in done.stderr
+        (line,) = [x for x in done.stderr.splitlines() if x.startswith("bench_gpu:")]
+        assert f"--profile {given}: {cause}" in line and line.endswith("--json` report")
+
+
 def test_simulate_hotspa() -> None:
     report = run_quick("simulate_hotspa")
     [row] = report["rows"]

@@ -405,7 +405,7 @@ def _abstract(config: LlamaConfig) -> tuple[nnx.GraphDef, nnx.State]:
 def param_axes(config: LlamaConfig) -> Params:
     """Each parameter's logical axis names, e.g. `('layers', 'embed', 'mlp')`."""
     nested: Params = {}
-    for path, var in _abstract(config)[1].flat_state():
+    for path, var in nnx.to_flat_state(_abstract(config)[1]):
         *outer, name = path
         node = nested
         for key in outer:
@@ -416,8 +416,14 @@ def param_axes(config: LlamaConfig) -> Params:
 
 def param_leaves(config: LlamaConfig) -> list[tuple[tuple[str, ...], jax.ShapeDtypeStruct]]:
     """Each parameter's logical axes and abstract array, in the trees' leaf order."""
+    return list(_leaves(config))
+
+
+@functools.cache
+def _leaves(config: LlamaConfig) -> tuple[tuple[tuple[str, ...], jax.ShapeDtypeStruct], ...]:
+    """`param_leaves`, built once per config: the planner asks for them in its inner loops."""
     axes = jax.tree.leaves(param_axes(config), is_leaf=lambda x: isinstance(x, tuple))
-    return list(zip(axes, jax.tree.leaves(abstract_params(config)), strict=True))
+    return tuple(zip(axes, jax.tree.leaves(abstract_params(config)), strict=True))
 
 
 def abstract_params(config: LlamaConfig) -> Params:

@@ -401,7 +401,13 @@ class MicroStepTime:
 
     @property
     def seconds(self) -> float:
-        return sum(self.terms().values())
+        return self._seconds(self.attention, self.context)
+
+    def _seconds(self, attention: float, context: float) -> float:
+        """The terms' sum, in `terms`' order, with `attention` and exposed ring `context` in
+        place of the micro-step's own (the planner sums millions: no copies)."""
+        return (self.matmuls + attention + self.tensor + context + self.fsdp + self.gradients
+                + self.stages + self.bubble + self.overhead)
 
     def terms(self) -> dict[str, float]:
         """The seconds that add up to `seconds`, by name (`ring` and `one_schedule` are not)."""
@@ -412,7 +418,9 @@ class MicroStepTime:
     def bucket_seconds(self, shares: Sequence[float]) -> float:
         """A bucket's micro-steps, one per entry of `shares` (the busiest device's attention
         share of each: `with_attention`); under one schedule the bubble is paid once."""
-        seconds = sum(self.with_attention(share).seconds for share in shares)
+        attention, ring, overlaps = self.attention, self.ring, self.ring_overlaps
+        seconds = sum(self._seconds(attention * share, _exposed(ring, attention * share, overlaps))
+                      for share in shares)
         return seconds - self.bubble * (len(shares) - 1) if self.one_schedule and len(shares) \
             else seconds
 

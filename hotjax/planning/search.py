@@ -249,6 +249,7 @@ class Search:
         # (`plan_checked`), by (strategy, bucket length, remat policy).
         self.corrections: dict[tuple[Strategy, int, str], float] = {}
         self._time: dict[tuple[Strategy, int, str, int], MicroStepTime] = {}
+        self._reductions: dict[tuple[Strategy, str], float] = {}
         self._pairs: dict[tuple, np.ndarray] = {}
         self._placed: dict[tuple, tuple[np.ndarray, float]] = {}
 
@@ -296,10 +297,12 @@ class Search:
             config = dataclasses.replace(self.config, remat=remat)
             self._time[key] = micro_step_time(config, strategy, (micro_rows, max_len),
                                               self.profile, accumulate)
+        reduction = (strategy, accumulate)
+        if reduction not in self._reductions:
+            self._reductions[reduction] = bucket_reduction_seconds(self.config, strategy,
+                                                                   self.profile, accumulate)
         return _MicroStep(micro_rows, remat, accumulate, self._time[key],
-                          bucket_reduction_seconds(self.config, strategy, self.profile,
-                                                   accumulate),
-                          peak_bytes, math.ceil(rows / micro_rows))
+                          self._reductions[reduction], peak_bytes, math.ceil(rows / micro_rows))
 
     def _memory_line(self, strategy: Strategy, max_len: int, remat: str, accumulate: str
                      ) -> tuple[int, int, int] | None:

@@ -465,7 +465,7 @@ def _apply(state: TrainState, acc: Accumulator, *, tx: optax.GradientTransformat
     grads = jax.tree.map(lambda g: g / count, acc.grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
-    metrics = {"loss": acc.loss_sum / count, "grad_norm": optax.global_norm(grads),
+    metrics = {"loss": acc.loss_sum / count, "grad_norm": optax.tree.norm(grads),
                "targets": acc.targets}
     skipped = skipped_steps(opt_state)
     if skipped is not None:

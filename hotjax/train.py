@@ -18,6 +18,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import math
 import time
 from collections.abc import Mapping, Sequence
 
@@ -418,6 +419,18 @@ class StepMetrics(Mapping):
                     [b.imbalance_before for b in buckets], weights=weights)),
                 "imbalance": float(np.average([b.imbalance for b in buckets], weights=weights)),
                 "buckets": [dataclasses.asdict(b) for b in buckets]}
+
+
+def check_finite(metrics: Mapping, step: int) -> None:
+    """Ends training at a step (its `metrics` read) whose loss or gradient norm is not a finite
+    number, unless loss scaling skipped its update (an fp16 overflow, retried at a lower
+    scale): its state is worth neither another step nor a checkpoint."""
+    loss, norm = metrics["loss"], metrics["grad_norm"]
+    if metrics.get("skipped") or (math.isfinite(loss) and math.isfinite(norm)):
+        return
+    raise UserError(f"step {step}: the loss is {loss:g} and the gradient norm {norm:g}: training "
+                    f"diverged, and nothing of this step was saved: lower --lr (or raise "
+                    f"--warmup-steps) and resume from the last checkpoint")
 
 
 def best_order(costs: dict[tuple[int, int], float], n: int, home: int = -1) -> list[int]:

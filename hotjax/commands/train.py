@@ -170,6 +170,7 @@ def _loop(assembled: Run, run: RunConfig, state, start: int, save, stop
     )
 
     from hotjax import distributed
+    from hotjax.train import check_finite
 
     history: list[dict] = []
     sink = (open(run.metrics_jsonl, "w")  # noqa: SIM115
@@ -187,6 +188,7 @@ def _loop(assembled: Run, run: RunConfig, state, start: int, save, stop
                 started = time.perf_counter()
                 state, metrics = assembled.step(state, batch)
                 metrics = metrics.fetch()  # printed every step: wait for it
+                check_finite(metrics, step)  # before this step is saved or built on
                 seconds = time.perf_counter() - started
                 record = {"step": step, **metrics, "seconds": seconds,
                           "tokens_per_s": metrics["tokens"] / seconds}

@@ -4,10 +4,13 @@ every `--log-every` steps, checkpoints, stop signals and a summary."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
+import os
+import stat
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from hotjax.commands.options import (
     OPTIONS,
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from hotjax.checkpoint.store import Checkpoints
     from hotjax.run import Run
 
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for want of space
 UNEVEN = 1.05  # data shards' imbalance (busiest over mean work) worth a word in the summary
 CHECKPOINTS = ("ckpt_dir", "save_every", "resume_from", "weights_only", "keep_last",
                "keep_every")
@@ -72,10 +76,11 @@ def train(run: RunConfig, console: Console | None = None, stop: StopSignals | No
     from hotjax import distributed
     from hotjax.run import Run
 
-    if run.metrics_jsonl and not Path(run.metrics_jsonl).parent.is_dir():
-        raise UserError(f"--metrics-jsonl {run.metrics_jsonl}: its directory does not exist: "
-                        f"create it or choose another path")
-    with Run.from_config(run, console, devices) as assembled:
+    sink = _metrics_file(run.metrics_jsonl) if distributed.is_main() else None
+    with contextlib.ExitStack() as closing:
+        if sink is not None:
+            closing.callback(_close, sink)
+        assembled = closing.enter_context(Run.from_config(run, console, devices))
         checkpoints, console = assembled.checkpoints, assembled.console
         _header(assembled, run)
         if stop is not None and checkpoints:
@@ -94,7 +99,7 @@ def train(run: RunConfig, console: Console | None = None, stop: StopSignals | No
         if run.device_memory is not None:
             _check_memory(assembled, run.device_memory)
         history, state, stopped = _loop(assembled, run, state, start,
-                                        assembled.save if checkpoints else None, stop)
+                                        assembled.save if checkpoints else None, stop, sink)
         if checkpoints and stopped and stopped not in checkpoints.steps():
             assembled.save(stopped, state)
     if history:
@@ -157,10 +162,45 @@ def _check_memory(assembled: Run, budget: int) -> None:
         f"{part} {shown_bytes(used)}" for part, used in report.items())))
 
 
-def _loop(assembled: Run, run: RunConfig, state, start: int, save, stop
-          ) -> tuple[list[dict], object, int | None]:
-    """Runs the steps after `start`: each step's metrics, the last state, and the step after
-    which a stop signal ended the loop (None: it ran to the end)."""
+def _metrics_file(path: str | None) -> TextIO | None:
+    """The --metrics-jsonl file, opened before anything slow starts (to append: nothing in it
+    is lost until the first step replaces it), so that a path it cannot be written at is one
+    line at the start, not a traceback after compiling."""
+    if path is None:
+        return None
+    try:
+        return open(path, "a")  # noqa: SIM115 - closed when the run ends
+    except OSError as e:
+        fix = ("create its directory or choose another path" if e.errno == errno.ENOENT
+               else "choose a writable path")
+        raise UserError(f"--metrics-jsonl {path}: cannot write there ({e.strerror}): "
+                        f"{fix}") from None
+
+
+def _write(sink: TextIO, record: dict) -> None:
+    """One step's metrics as a line of the --metrics-jsonl file; a write the file system
+    refuses (a full disk) ends the run in one line."""
+    try:
+        sink.write(json.dumps(record) + "\n")
+        sink.flush()
+    except OSError as e:
+        fix = ("free space or choose another --metrics-jsonl" if e.errno in _FULL
+               else "choose a writable --metrics-jsonl")
+        raise UserError(f"--metrics-jsonl {sink.name}: writing step {record['step']}'s metrics "
+                        f"failed ({e.strerror}): {fix}") from None
+
+
+def _close(sink: TextIO) -> None:
+    # Every line was flushed as written: what a failed write left in the buffer is lost.
+    with contextlib.suppress(OSError):
+        sink.close()
+
+
+def _loop(assembled: Run, run: RunConfig, state, start: int, save, stop,
+          sink: TextIO | None) -> tuple[list[dict], object, int | None]:
+    """Runs the steps after `start`, each step's metrics written to `sink`: each step's
+    metrics, the last state, and the step after which a stop signal ended the loop (None: it
+    ran to the end)."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -169,43 +209,37 @@ def _loop(assembled: Run, run: RunConfig, state, start: int, save, stop
         TimeRemainingColumn,
     )
 
-    from hotjax import distributed
     from hotjax.train import check_finite
 
     history: list[dict] = []
-    sink = (open(run.metrics_jsonl, "w")  # noqa: SIM115
-            if run.metrics_jsonl and distributed.is_main() else None)
+    if sink is not None and stat.S_ISREG(os.fstat(sink.fileno()).st_mode):
+        sink.truncate(0)  # this run's steps replace what the file held (not a pipe's)
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
                         console=assembled.console)
-    try:
-        with progress:
-            task = progress.add_task("train", total=run.steps, completed=start, status="")
-            for step in range(start + 1, run.steps + 1):
-                if stop is not None and stop.agreed():
-                    return history, state, step - 1
-                batch = assembled.next_batch()
-                started = time.perf_counter()
-                state, metrics = assembled.step(state, batch)
-                metrics = metrics.fetch()  # printed every step: wait for it
-                check_finite(metrics, step)  # before this step is saved or built on
-                seconds = time.perf_counter() - started
-                record = {"step": step, **metrics, "seconds": seconds,
-                          "tokens_per_s": metrics["tokens"] / seconds}
-                if save and (step % (run.save_every or run.steps) == 0 or step == run.steps):
-                    # The data position is taken after this step's batch, before the next one's.
-                    record["save_seconds"] = save(step, state)
-                history.append(record)
-                if sink:
-                    sink.write(json.dumps(record) + "\n")
-                    sink.flush()
-                status = _status(metrics, record["tokens_per_s"])
-                progress.update(task, advance=1, status=status)
-                if step % run.log_every == 0 or step == run.steps:
-                    progress.console.print(f"step {step:>5}  {status}")
-    finally:
-        if sink:
-            sink.close()
+    with progress:
+        task = progress.add_task("train", total=run.steps, completed=start, status="")
+        for step in range(start + 1, run.steps + 1):
+            if stop is not None and stop.agreed():
+                return history, state, step - 1
+            batch = assembled.next_batch()
+            started = time.perf_counter()
+            state, metrics = assembled.step(state, batch)
+            metrics = metrics.fetch()  # printed every step: wait for it
+            check_finite(metrics, step)  # before this step is saved or built on
+            seconds = time.perf_counter() - started
+            record = {"step": step, **metrics, "seconds": seconds,
+                      "tokens_per_s": metrics["tokens"] / seconds}
+            if save and (step % (run.save_every or run.steps) == 0 or step == run.steps):
+                # The data position is taken after this step's batch, before the next one's.
+                record["save_seconds"] = save(step, state)
+            history.append(record)
+            if sink is not None:
+                _write(sink, record)
+            status = _status(metrics, record["tokens_per_s"])
+            progress.update(task, advance=1, status=status)
+            if step % run.log_every == 0 or step == run.steps:
+                progress.console.print(f"step {step:>5}  {status}")
     return history, state, None
 
 

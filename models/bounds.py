@@ -1,5 +1,6 @@
 """Bounds on values read from files a stranger may have written, checked before they cost memory:
-JSON's size and depth, numbers' types and ranges, a LLaMA config's fields. Free of JAX imports."""
+JSON's size and depth, numbers' types and ranges, a LLaMA config's fields, tensors' values.
+Free of JAX imports."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from models.errors import UserError
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
@@ -97,6 +100,34 @@ def real(value: Any, name: str, where: str, fix: str, *, low: float = 0.0,
         raise UserError(f"{where}: {name} is {show(value)}, not a finite number"
                         f"{' ' + within if within else ''}: {fix}")
     return number
+
+
+def finite(x: np.ndarray, what: str, fix: str, source: np.ndarray | None = None) -> None:
+    """Refuses the array `x` (a tensor as training holds it) unless every element is a finite
+    number; `source`, the array it was cast from, tells values the cast overflowed. One pass
+    of float64 sums (which no float32 overflows), no copy of `x`."""
+    if math.isfinite(float(np.sum(x, dtype=np.float64))):
+        return
+    nan, infinite = _non_finite(x)
+    kinds = [f"{n:,} {kind}" for n, kind in ((nan, "NaN"), (infinite, "infinite")) if n]
+    if source is not None and source.dtype != x.dtype:
+        past = nan + infinite - sum(_non_finite(source))
+        if past:
+            kinds.append(f"{past:,} of them finite in {source.dtype} but past {x.dtype}'s "
+                         f"range")
+    raise UserError(f"{what}: {nan + infinite:,} of its {x.size:,} values not finite "
+                    f"({', '.join(kinds)}): {fix}")
+
+
+def _non_finite(x: np.ndarray, chunk: int = 2**22) -> tuple[int, int]:
+    """(NaN, infinite) element counts of `x`, a chunk at a time."""
+    flat = x.reshape(-1)
+    nan = infinite = 0
+    for start in range(0, flat.size, chunk):
+        part = flat[start:start + chunk]
+        nan += int(np.count_nonzero(np.isnan(part)))
+        infinite += int(np.count_nonzero(np.isinf(part)))
+    return nan, infinite
 
 
 def text(value: Any, name: str, where: str, fix: str, *, choices: tuple[str, ...] = (),

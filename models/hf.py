@@ -51,6 +51,9 @@ _HF_NAMES = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_
              "rope_scaling": "rope_scaling", "norm_eps": "rms_norm_eps",
              "tie_embeddings": "tie_word_embeddings", "max_seq_len": "max_position_embeddings"}
 _FIX = "fix the model's config.json"
+# What to do about a checkpoint whose weights or moments are not all finite numbers.
+NOT_FINITE = ("the checkpoint is damaged or was saved after its run diverged: import one saved "
+              "before (nothing was written)")
 
 
 def config_from_hf(hf_config: Any, compute_dtype: str = "float32") -> LlamaConfig:
@@ -231,11 +234,13 @@ class LazyTensors(Mapping[str, np.ndarray]):
         return len(self.shapes)
 
 
-def hf_param_makers(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig) -> dict[str, Any]:
+def hf_param_makers(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig, *,
+                    where: str = "tensor") -> dict[str, Any]:
     """The hotjax params tree, each leaf a function that reads and converts its HF tensors
     (fp32 numpy; a stacked layer parameter filled layer by layer): names and shapes are
     checked against `cfg` at once (a `LazyTensors` without reading any), tensors read when a
-    leaf is made, so that a whole tree is never held."""
+    leaf is made, so that a whole tree is never held; a tensor with a value that is not a
+    finite fp32 number is refused as `{where} {name}` (`where`: the checkpoint and field)."""
     expected = [name for _, _, name, _ in _layout(cfg)]
     missing = [name for name in expected if name not in tensors]
     if missing:
@@ -264,7 +269,9 @@ def hf_param_makers(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig) -> dict
         for i, (name, fan_in) in enumerate(parts[key]):
             target = out[i] if stacked else out
             x = tensors[name]
-            target[...] = x.T.reshape(target.shape) if fan_in else x
+            with np.errstate(over="ignore"):  # an overflowing cast is refused just below
+                target[...] = x.T.reshape(target.shape) if fan_in else x
+            bounds.finite(target, f"{where} {name}", NOT_FINITE, x)
             del x
         return out
 
@@ -273,9 +280,10 @@ def hf_param_makers(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig) -> dict
             "layers": {k[7:]: m for k, m in makers.items() if k.startswith("layers/")}}
 
 
-def hf_state_to_params(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig) -> dict[str, Any]:
+def hf_state_to_params(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig, *,
+                       where: str = "tensor") -> dict[str, Any]:
     """The hotjax params tree (fp32 numpy) of HF LLaMA tensors, checked against `cfg`."""
-    return jax.tree.map(lambda make: make(), hf_param_makers(tensors, cfg))
+    return jax.tree.map(lambda make: make(), hf_param_makers(tensors, cfg, where=where))
 
 
 def _some(names: list[str], limit: int = 4) -> str:
@@ -311,7 +319,10 @@ def read_json(file: Path) -> Any:
 def hf_tensors_of(path: Path) -> LazyTensors:
     """The tensors of the Hugging Face directory `path`, read when accessed."""
     single, index = path / WEIGHTS_FILE, path / INDEX_FILE
+    # A Hugging Face cache links a snapshot's files to its repository's blobs/.
+    hub = path.parent.parent if path.parent.name == "snapshots" else path
     if single.is_file():
+        inside(path, WEIGHTS_FILE, single, within=hub)  # a link may lead out
         try:
             with safe_open(single, framework="numpy") as f:
                 return _tensor_files(dict.fromkeys(f.keys(), single))
@@ -322,8 +333,6 @@ def hf_tensors_of(path: Path) -> LazyTensors:
         weight_map = found.get("weight_map") if isinstance(found, dict) else None
         if not isinstance(weight_map, dict):
             raise UserError(f"{index}: lacks a weight_map")
-        # A Hugging Face cache links a snapshot's files to its repository's blobs/.
-        hub = path.parent.parent if path.parent.name == "snapshots" else path
         files = {name: inside(path, file, index, within=hub) for name, file in weight_map.items()}
         absent = sorted({f.name for f in files.values() if not f.is_file()})
         if absent:
@@ -339,7 +348,7 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32") -> Llama
     if not path.is_dir():
         raise UserError(f"{path}: no such checkpoint directory")
     cfg = config_from_hf(read_json(path / CONFIG_FILE), compute_dtype=dtype)
-    params = hf_state_to_params(hf_tensors_of(path), cfg)
+    params = hf_state_to_params(hf_tensors_of(path), cfg, where=f"{path}: tensor")
     return bind(cfg, jax.tree.map(jnp.asarray, params))  # no random init of what we overwrite
 
 

@@ -2,7 +2,10 @@
 saved objects, Megatron-Core's `common.pt`, DeepSpeed's and Megatron's `.pt` files) is read as
 data, and a crafted one is refused in one line naming the file and what it refers to. The file
 names a checkpoint records (DeepSpeed's `latest`, a safetensors index, DCP's rank files,
-Megatron's tracker) stay inside its directory, symbolic links followed.
+Megatron's tracker), and the one file a Hugging Face directory holds, stay inside its directory,
+symbolic links followed. What a checkpoint holds is read as it is: a weight or moment that is not
+a finite number (or becomes none as fp32), a tensor at a shape not the model's, a
+hyperparameter that is not a number, each is one line naming it, and nothing is written.
 """
 
 import io
@@ -18,7 +21,7 @@ import torch.distributed.checkpoint as torch_dcp
 from safetensors.numpy import save_file
 
 from hotjax.cli import main
-from models.hf import INDEX_FILE, config_to_hf, hf_tensor_shapes, hf_tensors_of
+from models.hf import INDEX_FILE, WEIGHTS_FILE, config_to_hf, hf_tensor_shapes, hf_tensors_of
 from models.llama import preset
 
 TINY = preset("tiny")
@@ -48,6 +51,28 @@ def _refused(argv: list[str], capsys) -> str:
 def _weights() -> dict[str, torch.Tensor]:
     """The tiny model's tensors (zeros), by Hugging Face name."""
     return {name: torch.zeros(shape) for name, shape in hf_tensor_shapes(TINY).items()}
+
+
+def _hf(directory: Path, weights: dict[str, np.ndarray]) -> Path:
+    """A Hugging Face directory of the tiny model holding `weights` in one safetensors file."""
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config_to_hf(TINY, "float32")))
+    save_file(weights, directory / WEIGHTS_FILE)
+    return directory
+
+
+def _universal(directory: Path) -> Path:
+    """A universal DeepSpeed directory of the tiny model: zero weights and AdamW moments at
+    step 3, and its optimizer's param groups."""
+    zero = directory / "zero"
+    for name, shape in hf_tensor_shapes(TINY).items():
+        (zero / name).mkdir(parents=True)
+        for field in ("fp32", "exp_avg", "exp_avg_sq"):
+            torch.save({"cat_dim": 0, "param": torch.zeros(shape)}, zero / name / f"{field}.pt")
+        torch.save(torch.tensor(3.0), zero / name / "step.pt")
+    torch.save({"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8}]},
+               zero / "optimizer_state.pt")
+    return directory
 
 
 def _save_dcp(directory: Path, state: dict) -> Path:
@@ -153,8 +178,8 @@ def _dcp_in_another_place(tmp_path: Path, link: bool) -> tuple[Path, str]:
 
 
 @pytest.mark.parametrize("case", ["deepspeed latest", "deepspeed latest absolute",
-                                  "safetensors index", "dcp rank file", "dcp rank file link",
-                                  "megatron-core iteration link"])
+                                  "safetensors index", "safetensors file link", "dcp rank file",
+                                  "dcp rank file link", "megatron-core iteration link"])
 def test_a_file_name_read_from_a_checkpoint_never_leads_outside_it(case, tmp_path, capsys):
     out = str(tmp_path / "out")
     if case.startswith("deepspeed"):
@@ -175,6 +200,12 @@ def test_a_file_name_read_from_a_checkpoint_never_leads_outside_it(case, tmp_pat
         (source / INDEX_FILE).write_text(json.dumps(
             {"weight_map": dict.fromkeys(hf_tensor_shapes(TINY), name)}))
         argv, where = ["import-hf", str(source), out], source / INDEX_FILE
+    elif case == "safetensors file link":  # the file linked to, if read, would import
+        source = _hf(tmp_path / "hf", {n: t.numpy() for n, t in _weights().items()})
+        (source / WEIGHTS_FILE).rename(tmp_path / "x.safetensors")
+        (source / WEIGHTS_FILE).symlink_to(tmp_path / "x.safetensors")
+        name = WEIGHTS_FILE
+        argv, where = ["import-hf", str(source), out], source / WEIGHTS_FILE
     elif case.startswith("dcp"):  # the rank file, if read, would import
         source, name = _dcp_in_another_place(tmp_path, link=case.endswith("link"))
         argv, where = ["import-dcp", str(source), out, "--model", "tiny"], source / ".metadata"
@@ -242,3 +273,83 @@ def test_a_deepspeed_adam_step_that_is_no_step_count_is_one_line(step, tmp_path)
                                         r"number from 0 to 2,147,483,647: the checkpoint is"):
         _step_number(step, tmp_path / "rank0.pt", 0)
     assert _step_number(torch.tensor(7.0), tmp_path / "rank0.pt", 0) == 7.0
+
+
+NOT_FINITE = ("the checkpoint is damaged or was saved after its run diverged: import one saved "
+              "before (nothing was written)")
+UP = "model.layers.1.mlp.up_proj.weight"  # 176 x 64
+
+
+@pytest.mark.parametrize("case", ["safetensors nan", "safetensors float64 past fp32",
+                                  "universal moment inf", "dcp nan"])
+def test_a_weight_or_moment_that_is_not_a_finite_number_is_one_line_naming_it(
+        case, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    weights = {n: t.numpy() for n, t in _weights().items()}
+    if case.startswith("safetensors"):
+        if case.endswith("nan"):
+            weights[UP][3, 5] = np.nan
+            weights[UP][7, 1] = np.nan
+            expect = "2 of its 11,264 values not finite (2 NaN)"
+        else:  # finite in the file, infinite as the fp32 a hotjax parameter is
+            weights[UP] = weights[UP].astype(np.float64)
+            weights[UP][0, 0] = 1e300
+            expect = ("1 of its 11,264 values not finite (1 infinite, 1 of them "
+                      "finite in float64 but past float32's range)")
+        source = _hf(tmp_path / "hf", weights)
+        argv, what = ["import-hf", str(source), out], f"tensor {UP}"
+    elif case.startswith("universal"):
+        source = _universal(tmp_path / "ds")
+        moment = torch.zeros(64)
+        moment[9] = torch.inf
+        torch.save({"cat_dim": 0, "param": moment},
+                   source / "zero" / "model.norm.weight" / "exp_avg_sq.pt")
+        argv = ["import-deepspeed", str(source), out, "--model", "tiny"]
+        what = "exp_avg_sq of model.norm.weight"
+        expect = "1 of its 64 values not finite (1 infinite)"
+    else:
+        tensors = _weights()
+        tensors[UP][0, :] = torch.nan
+        source = _save_dcp(tmp_path / "ck", {"model": tensors})
+        argv = ["import-dcp", str(source), out, "--model", "tiny"]
+        what, expect = f"tensor {UP}", "64 of its 11,264 values not finite (64 NaN)"
+    err = _refused(["ckpt", *argv], capsys)
+    assert f"{source}: {what}: {expect}" in err and err.endswith(NOT_FINITE), err
+
+
+def test_a_moment_saved_at_another_shape_is_refused_not_reshaped(tmp_path, capsys):
+    """A transposed moment holds the weight's element count: reshaped, it would import."""
+    source = _universal(tmp_path / "ds")
+    file = source / "zero" / "model.layers.0.mlp.down_proj.weight" / "exp_avg.pt"
+    torch.save({"cat_dim": 0, "param": torch.zeros(176, 64)}, file)
+    err = _refused(["ckpt", "import-deepspeed", str(source), str(tmp_path / "out"), "--model",
+                    "tiny"], capsys)
+    assert err.endswith(f"{file}: holds a tensor of shape [176, 64], but "
+                        f"model.layers.0.mlp.down_proj.weight has shape [64, 176]: the universal "
+                        f"directory is damaged: rerun ds_to_universal"), err
+
+
+@pytest.mark.parametrize("groups, expect", [
+    ([{"lr": 1e-3, "betas": ("0.9", "0.95")}], "betas is '0.9', not a number"),
+    ([{"lr": 1e-3, "betas": 0.9}], "betas is 0.9, not a pair of numbers"),
+    ([{"lr": "fast"}], "lr is 'fast', not a number"),
+    ([{"lr": 1e-3, "eps": float("nan")}], "eps is nan, not a finite number"),
+])
+def test_an_optimizer_hyperparameter_that_is_not_a_number_is_one_line(groups, expect, tmp_path,
+                                                                       capsys):
+    source = _universal(tmp_path / "ds")
+    optimizer = source / "zero" / "optimizer_state.pt"
+    torch.save({"param_groups": groups}, optimizer)
+    err = _refused(["ckpt", "import-deepspeed", str(source), str(tmp_path / "out"), "--model",
+                    "tiny"], capsys)
+    assert err.endswith(f"{optimizer}: {expect}: the checkpoint is damaged"), err
+
+
+def test_a_dcp_runs_hyperparameters_are_checked_as_numbers(tmp_path, capsys):
+    group = {"lr": 1e-3, "betas": (0.9, "b"), "weight_decay": 0.0,
+             "params": list(hf_tensor_shapes(TINY))}
+    source = _save_dcp(tmp_path / "ck", {"model": _weights(), "optim": {"param_groups": [group]}})
+    err = _refused(["ckpt", "import-dcp", str(source), str(tmp_path / "out"), "--model",
+                    "tiny"], capsys)
+    assert err.endswith(f"{source / '.metadata'}: betas is 'b', not a number: the checkpoint is "
+                        f"damaged"), err

@@ -34,8 +34,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, tokenizer: Any = None) -> 
     if not hf_dir.is_dir():
         raise UserError(f"{hf_dir}: no such checkpoint directory")
     config = config_from_hf(read_json(hf_dir / CONFIG_FILE))
-    params = store.pending(hf_param_makers(hf_tensors_of(hf_dir), config),
-                           abstract_params(config))
+    params = store.pending(hf_param_makers(hf_tensors_of(hf_dir), config,
+                                           where=f"{hf_dir}: tensor"), abstract_params(config))
     if tokenizer is None and (hf_dir / "tokenizer.json").is_file():
         tokenizer = load_tokenizer(str(hf_dir / "tokenizer.json"), None)
     record = meta_lib.record(

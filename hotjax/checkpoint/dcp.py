@@ -209,7 +209,7 @@ def read_dcp(directory: str | Path, config: LlamaConfig, naming: str | None = No
                                low=-1.0, high=bounds.MAX_STEP + 1.0))
     return TorchState(naming, weights, moments, step,
                       hyperparameters({g: state[k] for k, g in groups.items()},
-                                       _inverse(config, naming)))
+                                      _inverse(config, naming), directory / ".metadata"))
 
 
 def _entries(tensors: dict[str, Any], parts: dict[str, list[str]], config: LlamaConfig,

@@ -129,6 +129,7 @@ class DeepSpeedCheckpoint:
     dp: int  # the data-parallel size that wrote it (0: a universal directory has none)
     _pieces: dict[str, list[_Piece]] = dataclasses.field(default_factory=dict)
     _files: list[Path] = dataclasses.field(default_factory=list)  # per rank: its optimizer file
+    _flat: frozenset[str] = frozenset()  # universal parameters saved flat (ZeRO-3's converter)
 
     def tensor(self, name: str, field: str) -> np.ndarray:
         """Parameter `name`'s `field` (fp32, exp_avg, exp_avg_sq), whole, fp32."""
@@ -137,9 +138,12 @@ class DeepSpeedCheckpoint:
             file = self.path / "zero" / name / f"{field}.pt"
             loaded = load_pt(file)
             x = loaded.get("param") if isinstance(loaded, dict) else loaded
-            if x is None or not hasattr(x, "numel") or x.numel() != math.prod(shape):
+            # Read as saved, never reshaped by its element count: a transposed moment would be.
+            saved = (math.prod(shape),) if name in self._flat else shape
+            if not hasattr(x, "shape") or tuple(x.shape) != saved:
                 raise UserError(f"{file}: holds {_describe(x)}, but {name} has shape "
-                                f"{list(shape)}: the universal directory is damaged")
+                                f"{list(saved)}{' (flat)' if name in self._flat else ''}: the "
+                                f"universal directory is damaged: rerun ds_to_universal")
             return _host(x).reshape(shape)
         # The rank files this parameter lies in, opened (memory-mapped) for it alone: pages
         # of a file kept open would stay in the process's memory once read.
@@ -157,11 +161,13 @@ class DeepSpeedCheckpoint:
 
 
 def _describe(x: Any) -> str:
-    return f"{x.numel()} elements" if hasattr(x, "numel") else f"a {type(x).__name__}"
+    return f"a tensor of shape {list(x.shape)}" if hasattr(x, "shape") else (
+        f"a {type(x).__name__}")
 
 
 def _base_state(state: dict[str, Any]) -> dict[str, Any]:
-    return state.get("base_optimizer_state") or state.get("optimizer_state_dict") or {}
+    base = state.get("base_optimizer_state") or state.get("optimizer_state_dict") or {}
+    return base if isinstance(base, dict) else {}
 
 
 def step_directory(directory: Path) -> Path:
@@ -220,7 +226,8 @@ def read_deepspeed(directory: str | Path) -> DeepSpeedCheckpoint:
                         f"{first.name}: the files come from different runs")
     pieces = (_zero3_pieces if zero3 else _zero12_pieces)(groups, states, files, dp, first)
     return DeepSpeedCheckpoint(directory, f"ZeRO-{stage}", shapes, _step(states, files),
-                               _hyperparameters(states[0], groups), dp, pieces, files)
+                               _hyperparameters(states[0], groups, files[0]), dp, pieces,
+                               files)
 
 
 def _refuse_unsupported(directory: Path) -> None:
@@ -371,25 +378,26 @@ def _step_number(value: Any, file: Path, group: Any) -> float:
     return step
 
 
-def _hyperparameters(state: dict[str, Any], groups: list[dict]) -> dict[str, Any]:
+def _hyperparameters(state: dict[str, Any], groups: list[dict], where: Path) -> dict[str, Any]:
     """lr, betas, eps and the clipping norm; and, where the groups' parameters are known
-    (group g holds param_shapes' group g), the weight decay of matrices and of norm scales."""
+    (group g holds param_shapes' group g), the weight decay of matrices and of norm scales;
+    checked as read from `where` (`torch_state.checked_hyperparameters`)."""
     values: dict[tuple[str, str], Any] = {}
-    param_groups = _base_state(state).get("param_groups") or state.get("param_groups") or []
+    found = _base_state(state).get("param_groups") or state.get("param_groups") or []
+    param_groups = [g if isinstance(g, dict) else {} for g in found] if isinstance(
+        found, list | tuple) else []
     for g, group in enumerate(param_groups):
         for field in ("lr", "betas", "eps", "weight_decay"):
             if field in group:
                 values[str(g), field] = group[field]
         values[str(g), "params"] = list(groups[g]) if g < len(groups) else []
-    out = torch_state.hyperparameters(values, {n: n for g in groups for n in g})
+    out = torch_state.hyperparameters(values, {n: n for g in groups for n in g}, where)
     if not groups and param_groups:  # a universal directory's groups name no parameters
-        first = param_groups[0]
-        out.update({f: first[f] for f in ("lr", "eps") if f in first})
-        if "betas" in first:
-            out["betas"] = [float(b) for b in first["betas"]]
+        out.update({f: param_groups[0][f] for f in ("lr", "eps", "betas")
+                    if f in param_groups[0]})
     if state.get("clip_grad"):
-        out["clip_norm"] = float(state["clip_grad"])
-    return out
+        out["clip_norm"] = state["clip_grad"]
+    return torch_state.checked_hyperparameters(out, where)
 
 
 def _read_universal(directory: Path) -> DeepSpeedCheckpoint:
@@ -415,7 +423,7 @@ def _read_universal(directory: Path) -> DeepSpeedCheckpoint:
     if model_file is not None:
         groups = load_pt(model_file).get("param_shapes") or []
         recorded = {n: tuple(int(d) for d in s) for g in groups for n, s in g.items()}
-    shapes = {}
+    shapes, flat = {}, set()
     for name in names:
         x = load_pt(zero / name / "fp32.pt")
         x = x.get("param") if isinstance(x, dict) else x
@@ -424,12 +432,18 @@ def _read_universal(directory: Path) -> DeepSpeedCheckpoint:
                             f"the universal directory is damaged")
         shape = tuple(x.shape)
         shapes[name] = recorded.get(name, shape) if len(shape) == 1 else shape
+        if shapes[name] != shape:
+            flat.add(name)
     optimizer = {}
     if (zero / "optimizer_state.pt").is_file():
         optimizer = load_pt(zero / "optimizer_state.pt")
+        if not isinstance(optimizer, dict):
+            raise UserError(f"{zero / 'optimizer_state.pt'}: holds {_describe(optimizer)}, not "
+                            f"DeepSpeed's optimizer state: the universal directory is damaged")
     step = _universal_step(zero, names, optimizer) if with_state else None
     return DeepSpeedCheckpoint(directory, "universal", shapes, step,
-                               _hyperparameters(optimizer, []), 0)
+                               _hyperparameters(optimizer, [], zero / "optimizer_state.pt"), 0,
+                               _flat=frozenset(flat))
 
 
 def _universal_step(zero: Path, names: list[str], optimizer: dict[str, Any]) -> int:

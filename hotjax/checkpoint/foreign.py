@@ -498,5 +498,6 @@ def import_manifest(manifest: Manifest, out: str | Path, workers: int | None, *,
     with Converted(tasks, workers or min(os.cpu_count() or 1, 8, len(tasks)),
                    hf_read_order(config)) as converted:
         tensors = LazyTensors(shapes, converted.read)
-        params = store.pending(hf_param_makers(tensors, config), abstract_params(config))
+        params = store.pending(hf_param_makers(tensors, config, where=f"{manifest.path}: tensor"),
+                               abstract_params(config))
         return store.save_weights(out, params, record)

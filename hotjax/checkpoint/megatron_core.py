@@ -46,6 +46,7 @@ from hotjax.checkpoint.megatron_dist import (
 )
 from models import bounds
 from models.errors import UserError
+from models.hf import NOT_FINITE
 from models.llama import LlamaConfig, abstract_params
 from models.optimizers import ADAMW
 
@@ -281,10 +282,11 @@ def _hyperparameters(common: dict[str, Any], where: Path) -> dict[str, Any]:
 class _Unfused:
     """hotjax parameters made one at a time from the Megatron tensors they come from: a tensor
     is read (fp32) when the first of its parameters is made, and dropped once the last one is,
-    so that host memory holds a few tensors at a time, never the checkpoint."""
+    so that host memory holds a few tensors at a time, never the checkpoint. A tensor with a
+    value that is not a finite number is refused, named with `where`."""
 
-    def __init__(self, config: LlamaConfig, expected: dict[str, tuple]):
-        self.config, self.expected = config, expected
+    def __init__(self, config: LlamaConfig, expected: dict[str, tuple], where: Path):
+        self.config, self.expected, self.where = config, expected, where
         self._read: dict[tuple, dict[tuple, np.ndarray]] = {}  # source -> its parameters left
 
     def pending(self, field: str, reads: dict[str, Any]) -> Any:
@@ -306,7 +308,11 @@ class _Unfused:
 
     def _take(self, source: tuple[str, str], read: Any, path: tuple) -> np.ndarray:
         if source not in self._read:
-            self._read[source] = dict(_unfuse(source[1], read(), self.config))
+            x = read()
+            field, key = source
+            bounds.finite(x, f"{self.where}: {'tensor' if field == 'weight' else field + ' of'} "
+                          f"{key}", NOT_FINITE)
+            self._read[source] = dict(_unfuse(key, x, self.config))
         parts = self._read[source]
         value = np.ascontiguousarray(parts.pop(path))
         if not parts:
@@ -396,7 +402,7 @@ def import_megatron_core(directory: str | Path, out: str | Path, *,
                     for k, read in found.items()}
         return found
 
-    unfused = _Unfused(config, expected)
+    unfused = _Unfused(config, expected, iteration)
     trees = {field: unfused.pending(field, reads(field)) for field in ("weight", *moment_fields)}
     iteration_number = common.get("iteration")
     if iteration_number is not None:

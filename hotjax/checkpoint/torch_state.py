@@ -24,6 +24,7 @@ The contract a format keeps:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -37,6 +38,7 @@ from hotjax.checkpoint import dirs, model, store
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.optim import OptimConfig, make_optimizer
 from models import bounds
+from models.errors import UserError
 from models.hf import hf_param_makers, hf_tensor_shapes, param_keys
 from models.llama import LlamaConfig, abstract_params, param_axes
 from models.optimizers import ADAMW, DEFAULT, Optimizer
@@ -106,10 +108,12 @@ def resolve(parts: list[str], names: dict[str, str],
     return None
 
 
-def hyperparameters(values: dict[tuple[str, str], Any], names: dict[str, str]) -> dict[str, Any]:
+def hyperparameters(values: dict[tuple[str, str], Any], names: dict[str, str],
+                    where: str | Path) -> dict[str, Any]:
     """lr, betas, eps, and weight decay of matrices and of norm scales, as the torch run's
     param_groups give them (`values`: (group, or parameter's name, field) -> value; groups
-    nested or flattened per parameter)."""
+    nested or flattened per parameter), checked (`checked_hyperparameters`) as read from
+    `where`."""
     per_param: dict[str, dict[str, Any]] = {}
     nested: dict[str, dict[str, Any]] = {}
     for (owner, field), value in values.items():
@@ -131,9 +135,36 @@ def hyperparameters(values: dict[tuple[str, str], Any], names: dict[str, str]) -
                 out.setdefault(field, group[field])
         if "weight_decay" in group:
             out.setdefault(f"weight_decay_{kind}", group["weight_decay"])
-    if "betas" in out:
-        out["betas"] = [float(b) for b in out["betas"]]
+    return checked_hyperparameters(out, where)
+
+
+def checked_hyperparameters(found: dict[str, Any], where: str | Path) -> dict[str, Any]:
+    """A torch run's hyperparameters as a checkpoint records them (and a resumed run's
+    optimizer is built from them): lr, eps and the weight decays finite numbers, betas a pair
+    of them, the clipping norm one above 0; a one-element tensor counts as its number."""
+    damaged = "the checkpoint is damaged"
+    out: dict[str, Any] = {}
+    for field, value in found.items():
+        value = _number(value)
+        if field != "betas":
+            out[field] = bounds.real(value, field, str(where), damaged,
+                                     low=0.0 if field == "clip_norm" else -math.inf)
+            continue
+        if not (isinstance(value, list | tuple) and len(value) == 2):
+            raise UserError(f"{where}: betas is {bounds.show(value)}, not a pair of numbers: "
+                            f"{damaged}")
+        out[field] = [bounds.real(_number(b), "betas", str(where), damaged, low=-math.inf)
+                      for b in value]
     return out
+
+
+def _number(value: Any) -> Any:
+    """A one-element tensor or numpy scalar as a Python number (torch keeps lr a tensor under
+    some schedulers); anything else as it is."""
+    if isinstance(value, np.generic) or (hasattr(value, "numel") and hasattr(value, "item")
+                                         and value.numel() == 1):
+        return value.item()
+    return value
 
 
 # ---------------------------------------------------------------------------- import
@@ -176,12 +207,15 @@ def save_torch_state(out: str | Path, torch_state: TorchState, config: LlamaConf
                      source: str, foreign: dict[str, Any], tokenizer: Any = None) -> Path:
     """A hotjax checkpoint of a PyTorch run's state: weights, and its optimizer state and step
     if it has them; the run's hyperparameters are recorded."""
-    def tree(tensors: Mapping[str, np.ndarray]) -> Any:
-        return store.pending(hf_param_makers(tensors, config), abstract_params(config))
+    checkpoint = foreign.get("checkpoint") or source
+
+    def tree(tensors: Mapping[str, np.ndarray], field: str) -> Any:
+        return store.pending(hf_param_makers(tensors, config, where=f"{checkpoint}: {field}"),
+                             abstract_params(config))
 
     moments = None if torch_state.moments is None else {
-        f: tree(m) for f, m in torch_state.moments.items()}
-    return save_trees(out, config, tree(torch_state.weights), moments,
+        f: tree(m, f"{f} of") for f, m in torch_state.moments.items()}
+    return save_trees(out, config, tree(torch_state.weights, "tensor"), moments,
                       torch_state.step, torch_state.hyperparameters, source=source,
                       foreign=foreign, tokenizer=tokenizer, optimizer=torch_state.optimizer)
 

@@ -17,10 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from helpers import error, one_line
 
-from hotjax.checkpoint import megatron, megatron_core
+from hotjax.checkpoint import deepspeed, megatron, megatron_core
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.data import ByteTokenizer, MiniBatches, open_corpus
 from hotjax.data.corpus import check_batch
@@ -435,4 +436,26 @@ def test_fuzzed_metadata_and_configs_end_clean_or_in_one_line_within_bounded_mem
         args = _megatron_args(**{rng.choice(list(vars(_megatron_args()))): hostile})
         _expect_clean_or_one_line(lambda a=args: megatron.config_from_args(a, common, 259),
                                   f"config_from_args {shown}")
+        # A torch run's param groups (a DeepSpeed universal directory's: no parameters named),
+        # whose values may also be arrays.
+        value = rng.choice([hostile, np.zeros(3), np.float32(2.0)])
+        group = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+        field = rng.choice([*group, "betas.0", "clip_grad"])
+        if field == "betas.0":
+            group["betas"] = [value, 0.95]
+        elif field != "clip_grad":
+            group[field] = value
+        state = {"param_groups": [group], "clip_grad": value if field == "clip_grad" else 1.0}
+        _expect_clean_or_one_line(
+            lambda s=state: deepspeed._hyperparameters(s, [], tmp_path / "optimizer_state.pt"),
+            f"param group {field} {bounds.show(value)}")
+    # Tensors as an import casts them to fp32: NaN, infinities and float64 past fp32's range.
+    for dtype in (np.float64, np.float32, np.float16):
+        for value in (0.0, math.nan, math.inf, -math.inf, 1e300, -1e39, 7e4):
+            source = np.full((3, 5), 0.5, dtype)
+            with np.errstate(over="ignore"):
+                source[rng.randrange(3), rng.randrange(5)] = value
+                x = source.astype(np.float32)
+            _expect_clean_or_one_line(lambda x=x, s=source: bounds.finite(x, "fuzz", "fix", s),
+                                      f"finite {dtype.__name__} {value}")
     assert _peak_mib() - before < FUZZ_GROWTH_MIB

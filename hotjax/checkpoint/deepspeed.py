@@ -395,8 +395,9 @@ def _hyperparameters(state: dict[str, Any], groups: list[dict], where: Path) -> 
     if not groups and param_groups:  # a universal directory's groups name no parameters
         out.update({f: param_groups[0][f] for f in ("lr", "eps", "betas")
                     if f in param_groups[0]})
-    if state.get("clip_grad"):
-        out["clip_norm"] = state["clip_grad"]
+    clip = state.get("clip_grad")
+    if clip is not None and not (isinstance(clip, int | float) and clip == 0):  # 0: no clipping
+        out["clip_norm"] = clip
     return torch_state.checked_hyperparameters(out, where)
 
 

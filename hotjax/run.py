@@ -141,9 +141,18 @@ def plan_search(run: RunConfig, config: LlamaConfig, num_devices: int, lengths: 
 
 def model_config(run: RunConfig, model: LlamaConfig, vocab_size: int) -> LlamaConfig:
     """The model as `run` trains it: its vocabulary the tokenizer's (padded), its compute dtype
-    and attention kernel the run's."""
-    return as_trained(model, vocab_size, compute_dtype=run.compute_dtype,
-                      attention=run.attention, attention_block=run.attention_block)
+    and attention kernel the run's. A tokenizer that grows the embedding past this host's
+    memory (its ids reaching far) is refused before anything is built."""
+    config = as_trained(model, vocab_size, compute_dtype=run.compute_dtype,
+                        attention=run.attention, attention_block=run.attention_block)
+    embedding, memory = config.vocab_size * config.dim * bounds.PARAM_BYTES, bounds.host_memory()
+    if vocab_size > model.vocab_size and embedding > memory:
+        source = f"--tokenizer {run.tokenizer}" if run.tokenizer else "--vocab-size"
+        raise UserError(f"{source}: {vocab_size:,} token ids make the "
+                        f"model's embedding ({config.dim:,} wide) {embedding / 2**30:,.1f} GiB, "
+                        f"more than this machine's {memory / 2**30:,.1f} GiB of memory — pass a "
+                        f"tokenizer of fewer ids, or a narrower model")
+    return config
 
 
 def named_model(name: str) -> LlamaConfig:

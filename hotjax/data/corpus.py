@@ -170,26 +170,22 @@ def _index(source: str, root: Path, paths: list[Path], text_field: str,
         kind = (kinds or {}).get(p) or records.kind_of(p, named=False) or "text"
         name = p.relative_to(root).as_posix().encode()
         try:
-            if kind == "jsonl" or (kind == "json" and not records.is_json_array(p)):
-                with p.open("rb") as f:  # read a line at a time: a line's length is bounded
-                    hasher.update(len(name).to_bytes(8, "little") + name
-                                  + os.fstat(f.fileno()).st_size.to_bytes(8, "little"))
-                    found = records.index_jsonl(p, f, text_field, hasher.update)
+            if kind != "text":  # read in parts, never held whole
+                with p.open("rb") as f:
+                    hasher.update(_named(name, os.fstat(f.fileno()).st_size))
+                    found = records.index(p, kind, f, text_field, hasher.update)
+            elif _is_binary(p):
+                binary += 1
+                continue
+            elif p.stat().st_size > records.MAX_DOCUMENT_BYTES:
+                raise records.too_long(str(p), p.stat().st_size, "split it into smaller files, "
+                                       "or into the records of a .jsonl file")
             else:
-                if kind == "text" and _is_binary(p):
-                    binary += 1
-                    continue
-                if kind == "text" and p.stat().st_size > records.MAX_DOCUMENT_BYTES:
-                    raise records.too_long(str(p), p.stat().st_size, "split it into smaller "
-                                           "files, or into the records of a .jsonl file")
                 raw = p.read_bytes()
-                hasher.update(len(name).to_bytes(8, "little") + name
-                              + len(raw).to_bytes(8, "little"))
-                hasher.update(raw)
-                found = (records.Found("text", np.array([[0, 0, len(raw)]], np.int64),
-                                       np.array([len(raw)], np.int64), int(not raw),
-                                       int(not records.is_utf8(raw))) if kind == "text"
-                         else records.index(p, kind, raw, text_field))
+                hasher.update(_named(name, len(raw)) + raw)
+                found = records.Found("text", np.array([[0, 0, len(raw)]], np.int64),
+                                      np.array([len(raw)], np.int64), int(not raw),
+                                      int(not records.is_utf8(raw)))
         except OSError as e:
             raise UserError(f"cannot read corpus file {p}: {e.strerror} — fix its "
                             f"permissions") from e
@@ -209,6 +205,11 @@ def _index(source: str, root: Path, paths: list[Path], text_field: str,
                         f"another corpus")
     return Corpus(source, tuple(kept), tuple(kept_kinds), np.concatenate(spans), sizes_D,
                   text_field, stats, hasher.hexdigest()[:16])
+
+
+def _named(name: bytes, size: int) -> bytes:
+    """What the fingerprint takes before a file's bytes: its name and its size."""
+    return len(name).to_bytes(8, "little") + name + size.to_bytes(8, "little")
 
 
 def _is_binary(path: Path) -> bool:

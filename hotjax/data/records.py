@@ -4,8 +4,10 @@
 read them back for `Corpus.read`.
 """
 
+import contextlib
 import json
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -18,9 +20,11 @@ from models.errors import UserError
 # Python ints while tokenizing (up to ~40 host bytes per byte of text), so 16 MiB of text
 # costs under a GiB. Longer texts are rarely one document: split them into records.
 MAX_DOCUMENT_BYTES = 16 * 2**20
-# A JSON array file is parsed whole into Python objects, several times its size, and again
-# when its documents are read: past this, JSON lines (read a line at a time) are the form.
-MAX_JSON_ARRAY_BYTES = 256 * 2**20
+# A block (a JSON array file, a Parquet row group's text) is read whole into Python objects,
+# several times its size, whenever one of its documents is read: past this, JSON lines (read a
+# line at a time) or smaller row groups are the form.
+MAX_BLOCK_BYTES = 256 * 2**20
+_HASH_CHUNK_BYTES = 2**20  # a Parquet file is seen this much at a time
 _TEXT_TYPES = ("string", "large_string", "string_view", "binary", "large_binary", "binary_view")
 
 
@@ -44,20 +48,30 @@ def kind_of(path: Path, named: bool) -> str | None:
     return None
 
 
-def index(path: Path, kind: str, raw: bytes, text_field: str) -> Found:
-    """The documents of a JSON array or Parquet file, whose bytes `raw` are read whole."""
+def index(path: Path, kind: str, f: BinaryIO, text_field: str,
+          seen: Callable[[bytes], None]) -> Found:
+    """The documents of the record file `path`, open as `f` at its start; `seen` gets every
+    byte of it, in order. The file is never held whole unless it is a JSON array (refused past
+    MAX_BLOCK_BYTES before it is read)."""
     if kind == "parquet":
+        while chunk := f.read(_HASH_CHUNK_BYTES):
+            seen(chunk)
         return _index_parquet(path, text_field)
-    return _index_json_array(path, raw, text_field)
+    if kind == "json" and _is_json_array(f):
+        return _index_json_array(path, f, text_field, seen)
+    return _index_jsonl(path, f, text_field, seen)
 
 
-def is_json_array(path: Path) -> bool:
-    """Whether a `.json` file holds an array (else it holds JSON lines)."""
-    with path.open("rb") as f:
+def _is_json_array(f: BinaryIO) -> bool:
+    """Whether a `.json` file holds an array (else it holds JSON lines); `f` is left at its
+    start."""
+    try:
         while chunk := f.read(4096):
             if chunk.strip():
                 return chunk.lstrip()[:1] == b"["
-    return False
+        return False
+    finally:
+        f.seek(0)
 
 
 def field_of_line(line: str, text_field: str) -> str:
@@ -68,10 +82,13 @@ def read_block(path: Path, kind: str, block: int, text_field: str) -> list[str]:
     """The texts of a JSON array file (its one block), or of one Parquet row group."""
     if kind == "json":
         return [r[text_field] for r in json.loads(path.read_bytes().decode(errors="replace"))]
-    import pyarrow.parquet as pq  # here, not at the top: only Parquet corpora pay its import
+    import pyarrow as pa  # here, not at the top: only Parquet corpora pay its import
 
-    column = pq.ParquetFile(path).read_row_group(block, columns=[text_field]).column(0)
-    return [_as_text(v) for v in column.to_pylist()]
+    with _parquet_errors(path):
+        column = _parquet(path).read_row_group(block, columns=[text_field]).column(0)
+        # As bytes: a string column may hold invalid UTF-8, which Arrow does not check.
+        values = column.cast(pa.large_binary()).to_pylist()
+    return [_as_text(v) for v in values]
 
 
 def _no_field(where: str, text_field: str) -> UserError:
@@ -100,7 +117,8 @@ def _utf8_size(text: str, where: str, fix: str) -> int:
     return size
 
 
-def index_jsonl(path: Path, f: BinaryIO, text_field: str, seen: Callable[[bytes], None]) -> Found:
+def _index_jsonl(path: Path, f: BinaryIO, text_field: str,
+                 seen: Callable[[bytes], None]) -> Found:
     """Each non-blank line of the open file `f` is a JSON object whose `text_field` string is
     one document. Lines are read one at a time, each at most MAX_DOCUMENT_BYTES: a longer one
     is refused before it is read whole. `seen` gets every byte read, in order."""
@@ -139,13 +157,17 @@ def _record(line: bytes, where: str, text_field: str) -> dict:
     return record
 
 
-def _index_json_array(path: Path, raw: bytes, text_field: str) -> Found:
+def _index_json_array(path: Path, f: BinaryIO, text_field: str,
+                      seen: Callable[[bytes], None]) -> Found:
     """A JSON array of objects, each with a `text_field` string."""
     fix = "fix the file, or write one JSON object per line in a .jsonl file"
-    if len(raw) > MAX_JSON_ARRAY_BYTES:
-        raise UserError(f"{path}: {len(raw):,} bytes, past the {MAX_JSON_ARRAY_BYTES:,} bytes "
-                        f"of a JSON array file (MAX_JSON_ARRAY_BYTES), which is parsed whole — "
-                        f"write one JSON object per line in a .jsonl file")
+    size = os.fstat(f.fileno()).st_size
+    if size > MAX_BLOCK_BYTES:
+        raise UserError(f"{path}: {size:,} bytes, past the {MAX_BLOCK_BYTES:,} bytes of a "
+                        f"JSON array file (MAX_BLOCK_BYTES), which is parsed whole — write one "
+                        f"JSON object per line in a .jsonl file")
+    raw = f.read(MAX_BLOCK_BYTES + 1)
+    seen(raw)
     try:
         items = json.loads(raw.decode("utf-8", errors="replace"))
     except json.JSONDecodeError as e:
@@ -166,32 +188,98 @@ def _index_json_array(path: Path, raw: bytes, text_field: str) -> Found:
 
 
 def _index_parquet(path: Path, text_field: str) -> Found:
-    """Each row of a string (or binary) column `text_field` is one document."""
+    """Each row of a string (or binary) column `text_field` is one document. Each row group is
+    sized before its text is read: its column's decompressed bytes from the footer, then each
+    row's length read as a dictionary (a value repeated in every row is held once), at most
+    MAX_BLOCK_BYTES a row group and MAX_DOCUMENT_BYTES a row."""
     import pyarrow as pa  # here, not at the top: only Parquet corpora pay its import
+
+    with _parquet_errors(path):
+        file = _parquet(path)
+        schema = file.schema_arrow
+        if text_field not in schema.names:
+            raise UserError(f"{path}: no column {text_field!r} (columns: "
+                            f"{', '.join(schema.names)}) — name the column that holds the text "
+                            f"(--text-field)")
+        if str(schema.field(text_field).type) not in _TEXT_TYPES:
+            raise UserError(f"{path}: column {text_field!r} is {schema.field(text_field).type}, "
+                            f"not text — name a string column (--text-field)")
+        leaves = [file.metadata.schema.column(j).path for j in range(file.metadata.num_columns)]
+        leaf = leaves.index(text_field)
+        as_dictionary = _parquet(path, read_dictionary=[text_field])
+        spans, sizes, empty, replaced = [], [], 0, 0
+        for block in range(file.num_row_groups):
+            claimed = file.metadata.row_group(block).column(leaf).total_uncompressed_size
+            if claimed > MAX_BLOCK_BYTES:
+                raise _block_too_large(path, block, f"its {text_field!r} column decompresses to "
+                                       f"{claimed:,} bytes (so its footer says)")
+            column = as_dictionary.read_row_group(block, columns=[text_field]).column(0)
+            sizes_n, bad_n = [], []
+            for chunk in column.chunks:
+                sizes_v, bad_v = _sizes(chunk.dictionary.cast(pa.binary()))
+                indices = chunk.indices.fill_null(len(sizes_v))  # a null row: an empty text
+                sizes_n.append(np.append(sizes_v, 0)[indices])
+                bad_n.append(np.append(bad_v, False)[indices])
+            sizes_n = np.concatenate(sizes_n) if sizes_n else np.zeros(0, np.int64)
+            if sizes_n.sum() > MAX_BLOCK_BYTES:
+                raise _block_too_large(path, block, f"its {len(sizes_n):,} rows hold "
+                                       f"{int(sizes_n.sum()):,} bytes of text")
+            if len(sizes_n) and sizes_n.max() > MAX_DOCUMENT_BYTES:
+                row = int(np.argmax(sizes_n))
+                raise too_long(f"{path} (row group {block}, row {row})", int(sizes_n[row]),
+                               "split the document into several rows")
+            spans += [(0, block, k) for k in range(len(sizes_n))]
+            sizes.append(sizes_n)
+            empty += int(np.count_nonzero(sizes_n == 0))
+            replaced += int(np.concatenate(bad_n).sum()) if bad_n else 0
+    return Found("parquet", np.array(spans, np.int64).reshape(-1, 3),
+                 np.concatenate(sizes).astype(np.int64) if sizes else np.zeros(0, np.int64),
+                 empty, replaced)
+
+
+def _sizes(values) -> tuple[np.ndarray, np.ndarray]:
+    """Each of an Arrow binary array's values' size as text (invalid UTF-8 decoded with
+    replacements), and whether it was invalid."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    sizes = pc.binary_length(values).fill_null(0).to_numpy(zero_copy_only=False)
+    sizes = sizes.astype(np.int64)
+    try:
+        values.cast(pa.string())  # checks UTF-8
+        return sizes, np.zeros(len(sizes), bool)
+    except pa.ArrowInvalid:
+        pass
+    bad = np.array([v is not None and not is_utf8(v) for v in values.to_pylist()], bool)
+    for k in np.flatnonzero(bad):
+        sizes[k] = len(values[int(k)].as_py().decode("utf-8", errors="replace").encode())
+    return sizes, bad
+
+
+def _block_too_large(path: Path, block: int, what: str) -> UserError:
+    return UserError(f"{path} (row group {block}): {what}, past the {MAX_BLOCK_BYTES:,} bytes "
+                     f"of a row group, which is read whole (MAX_BLOCK_BYTES) — write the file in "
+                     f"smaller row groups (pyarrow.parquet.write_table(..., row_group_size=...))")
+
+
+def _parquet(path: Path, **options):
+    """`path` as a `pyarrow.parquet.ParquetFile`."""
     import pyarrow.parquet as pq
 
+    return pq.ParquetFile(path, **options)
+
+
+@contextlib.contextmanager
+def _parquet_errors(path: Path) -> Iterator[None]:
+    """Arrow's refusals of a broken file, its footer or its pages, as one UserError line."""
+    import pyarrow as pa
+
     try:
-        file = pq.ParquetFile(path)
+        yield
     except (pa.ArrowException, OSError) as e:
-        raise UserError(f"cannot read Parquet file {path}: {e} — pass a valid .parquet "
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"cannot read Parquet file {path}: {reason} — pass a valid .parquet "
                         f"file") from None
-    schema = file.schema_arrow
-    if text_field not in schema.names:
-        raise UserError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)})"
-                        f" — name the column that holds the text (--text-field)")
-    if str(schema.field(text_field).type) not in _TEXT_TYPES:
-        raise UserError(f"{path}: column {text_field!r} is {schema.field(text_field).type}, "
-                        f"not text — name a string column (--text-field)")
-    groups, replaced = [], 0
-    for block in range(file.num_row_groups):
-        values = file.read_row_group(block, columns=[text_field]).column(0).to_pylist()
-        replaced += sum(isinstance(v, bytes) and not is_utf8(v) for v in values)
-        for k, v in enumerate(values):
-            _utf8_size(_as_text(v), f"{path} (row group {block}, row {k})",
-                       "split the document into several rows")
-        groups.append([_as_text(v) for v in values])
-    return _found("parquet", groups, empty=sum(not t for g in groups for t in g),
-                  replaced=replaced)
 
 
 def _found(kind: str, blocks: list[list[str]], empty: int, replaced: int) -> Found:

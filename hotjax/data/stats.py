@@ -38,9 +38,8 @@ def sequence_lengths(lengths_D: np.ndarray, corpus: Corpus, tokenizer: Tokenizer
     """The training sequences' lengths once long documents are truncated or split."""
     if long_documents == "error" and (lengths_D > context).any():
         doc = int(np.argmax(lengths_D > context))
-        ids = tokenizer.encode(corpus.read(doc))
         try:
-            to_sequences(ids, tokenizer, context, long_documents)
+            to_sequences(tokenizer.encode(corpus.read(doc)), tokenizer, context, long_documents)
         except UserError as e:
             raise UserError(f"{corpus.describe(doc)}: {e}") from None
     return cut(lengths_D[lengths_D > 0], context, long_documents)

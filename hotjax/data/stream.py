@@ -218,8 +218,8 @@ class MiniBatches(_Iterator):
     def _sequences(self, doc: int) -> tuple[int, list[np.ndarray]]:
         """Document `doc` read, tokenized and cut into sequences (in Grain's reader threads)."""
         doc = int(doc)
-        ids = self.tokenizer.encode(self.corpus.read(doc))
         try:
+            ids = self.tokenizer.encode(self.corpus.read(doc))
             return doc, to_sequences(ids, self.tokenizer, self.context, self.long_documents)
         except UserError as e:
             raise UserError(f"{self.corpus.describe(doc)}: {e}") from None

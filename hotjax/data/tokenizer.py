@@ -1,10 +1,15 @@
 """Text to token ids: a Hugging Face tokenizer.json, a SentencePiece model, raw bytes, or a
-byte-level BPE trained on the corpus and cached by the corpus fingerprint."""
+byte-level BPE trained on the corpus and cached by the corpus fingerprint.
 
+A tokenizer file is checked like a model config, for it sizes the model: at most
+MAX_TOKENIZER_BYTES, its vocabulary its largest id + 1 within MAX_VOCAB, and any failure of the
+libraries that read it (a Rust panic included) one `UserError` line."""
+
+import contextlib
 import hashlib
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -14,6 +19,7 @@ import tokenizers
 
 from hotjax.config import cache_root
 from hotjax.data.corpus import Corpus
+from models.bounds import MAX_VOCAB
 from models.errors import UserError
 
 BPE_SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2 of a trained BPE
@@ -24,6 +30,10 @@ HF_SPECIALS = (
     ("<|begin_of_text|>", "<|end_of_text|>"),
     ("<|endoftext|>", "<|endoftext|>"),
 )
+# A tokenizer file is parsed whole into the libraries' tables, several times its size; the
+# largest real ones (Gemma 3's tokenizer.json, 262k tokens) hold 33 MiB. Larger files are refused
+# before they are parsed or size a model.
+MAX_TOKENIZER_BYTES = 64 * 2**20
 _FIX = "pass a tokenizer.json, a SentencePiece .model, or 'bytes'"
 
 
@@ -76,6 +86,10 @@ class HFTokenizer:
     eos_id: int
     pad_id: int
     identity: str
+    source: str  # the file, for messages
+    # The first Rust panic's message: after one, every call is refused without running Rust
+    # again, which prints each panic (three lines), caught or not.
+    panics: list[str] = field(default_factory=list, repr=False, compare=False)
 
     def encode(self, text: str) -> list[int]:
         # `encode_batch` lets go of the GIL and `encode` does not: this way Grain's reader
@@ -83,11 +97,17 @@ class HFTokenizer:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        encodings = self.hf.encode_batch_fast(list(texts), add_special_tokens=False)
+        # A tokenizer that panics mostly panics on every text: the first text goes alone, so
+        # that one panic is printed, not one per text of the batch.
+        texts = list(texts)
+        with _panics_refused(f"tokenizer {self.source} failed on a text", self.panics):
+            encodings = [e for part in (texts[:1], texts[1:]) if part
+                         for e in self.hf.encode_batch_fast(part, add_special_tokens=False)]
         return [e.ids for e in encodings]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+        with _panics_refused(f"tokenizer {self.source} failed to decode", self.panics):
+            return self.hf.decode(list(ids), skip_special_tokens=True)
 
 
 @dataclass(frozen=True)
@@ -127,11 +147,14 @@ def load_tokenizer(
     file = Path(path)
     if not file.is_file():
         raise UserError(f"tokenizer file not found: {path} — {_FIX}")
-    if file.suffix == ".json":
-        return _load_hf(file)
-    if file.suffix == ".model":
-        return _load_sentencepiece(file)
-    raise UserError(f"unknown tokenizer file type: {path} — {_FIX}")
+    if file.suffix not in (".json", ".model"):
+        raise UserError(f"unknown tokenizer file type: {path} — {_FIX}")
+    size = file.stat().st_size
+    if size > MAX_TOKENIZER_BYTES:
+        raise UserError(f"tokenizer {file}: {size:,} bytes, past the {MAX_TOKENIZER_BYTES:,} "
+                        f"bytes a tokenizer file may hold (MAX_TOKENIZER_BYTES; real ones hold "
+                        f"at most ~33 MiB) — pass a tokenizer of fewer tokens")
+    return _load_hf(file) if file.suffix == ".json" else _load_sentencepiece(file)
 
 
 def default_cache_dir() -> Path:
@@ -175,21 +198,27 @@ def _sample(corpus: Corpus) -> Iterator[str]:
 
 
 def _load_hf(file: Path) -> HFTokenizer:
-    try:
-        hf = tokenizers.Tokenizer.from_file(str(file))
-    except Exception as e:  # tokenizers raises plain Exception for unreadable or corrupt files
-        raise UserError(f"cannot load tokenizer {file}: {_first_line(e)} — {_FIX}") from e
+    # A Rust panic inside `tokenizers` becomes one UserError line below, but Rust's hook prints
+    # it first, with a backtrace of hundreds of lines per panicking thread when this is set.
+    os.environ["RUST_BACKTRACE"] = "0"
+    with _panics_refused(f"cannot load tokenizer {file}", []):
+        try:
+            hf = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises plain Exception for unreadable or corrupt files
+            raise UserError(f"cannot load tokenizer {file}: {_first_line(e)} — {_FIX}") from None
+        ids = hf.get_vocab(with_added_tokens=True).values()
     for bos, eos in HF_SPECIALS:
         bos_id, eos_id = hf.token_to_id(bos), hf.token_to_id(eos)
         if bos_id is not None and eos_id is not None:
             pad_id = hf.token_to_id("<pad>")
             return HFTokenizer(
                 hf=hf,
-                vocab_size=hf.get_vocab_size(with_added_tokens=True),
+                vocab_size=_vocabulary(file, max(ids)),
                 bos_id=bos_id,
                 eos_id=eos_id,
                 pad_id=0 if pad_id is None else pad_id,
                 identity=f"hf:{_sha(file)}",
+                source=str(file),
             )
     wanted = ", ".join(f"{bos}/{eos}" if bos != eos else bos for bos, eos in HF_SPECIALS)
     raise UserError(f"tokenizer {file} has no BOS/EOS special tokens: expected one of {wanted}")
@@ -204,7 +233,7 @@ def _load_sentencepiece(file: Path) -> SentencePieceTokenizer:
         raise UserError(f"SentencePiece model {file} has no BOS/EOS — train it with bos_id/eos_id")
     return SentencePieceTokenizer(
         sp=sp,
-        vocab_size=sp.get_piece_size(),
+        vocab_size=_vocabulary(file, sp.get_piece_size() - 1),
         bos_id=sp.bos_id(),
         eos_id=sp.eos_id(),
         pad_id=max(sp.pad_id(), 0),
@@ -212,9 +241,37 @@ def _load_sentencepiece(file: Path) -> SentencePieceTokenizer:
     )
 
 
+def _vocabulary(file: Path, largest: int) -> int:
+    """The embedding rows `file`'s ids need: its largest id + 1, not its count of tokens (ids
+    may skip some), at most MAX_VOCAB."""
+    if largest >= MAX_VOCAB:
+        raise UserError(f"tokenizer {file}: its largest token id is {largest:,}, past the "
+                        f"{MAX_VOCAB:,} rows a model's vocabulary may hold (MAX_VOCAB) — pass a "
+                        f"tokenizer whose ids are under {MAX_VOCAB:,}")
+    return largest + 1
+
+
+@contextlib.contextmanager
+def _panics_refused(what: str, panics: list[str]) -> Iterator[None]:
+    """A Rust panic inside `tokenizers` (pyo3's PanicException: a BaseException, missed by
+    `except Exception`, and importable by no name) as one UserError line. `panics` keeps the
+    first; once it holds one, the block is refused without being run."""
+    if not panics:
+        try:
+            yield
+            return
+        except BaseException as e:
+            if type(e).__name__ != "PanicException":
+                raise
+            panics.append(_first_line(e))
+    raise UserError(f"{what}: {panics[0]} — fix the tokenizer (a pre-tokenizer's regular "
+                    f"expression that backtracks without end is one cause), or pass "
+                    f"another") from None
+
+
 def _sha(file: Path) -> str:
     return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
 
 
-def _first_line(e: Exception) -> str:
+def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -120,6 +121,50 @@ def hotjax_error(*args: str | Path, **how) -> str:
     done = hotjax(*args, ok=False, **how)
     assert done.returncode == 2, f"exited {done.returncode}:\n{done.stderr[-3000:]}"
     return one_line(done.stderr)
+
+
+# A child that never starts JAX runs in ~40 MiB resident; `capped` caps its address space well
+# above that, so that a regression fails in the child, not on the machine.
+ADDRESS_SPACE = 4 * 2**30
+
+
+class Capped(typing.NamedTuple):
+    """How a capped child ended: its exit code (negative: the signal that killed it), stderr,
+    peak resident MiB (NaN if it died by a signal) and CPU seconds."""
+
+    code: int
+    stderr: str
+    peak_mib: float
+    cpu_s: float
+
+
+def capped(code: str, *args: str | Path, cwd: Path, env: Mapping[str, str] | None = None) -> Capped:
+    """Python `code` (its argv `args`) in a fresh process that caps its own address space at
+    ADDRESS_SPACE first. Its peak is its VmHWM at exit: the fork's copy of this process is not
+    its own."""
+    prelude = (f"import atexit, resource; resource.setrlimit(resource.RLIMIT_AS, "
+               f"({ADDRESS_SPACE}, {ADDRESS_SPACE})); atexit.register(lambda: open('peak', 'w')"
+               f".write(open('/proc/self/status').read()))\n")
+    peak = cwd / "peak"
+    peak.unlink(missing_ok=True)
+    with open(cwd / "stderr.txt", "w+") as err:
+        child = subprocess.Popen([sys.executable, "-c", prelude + code, *map(str, args)],
+                                 cwd=cwd, stdout=subprocess.DEVNULL, stderr=err,
+                                 env={**os.environ, **(env or {})})
+        _, status, usage = os.wait4(child.pid, 0)
+        err.seek(0)
+        stderr = err.read()
+    lines = peak.read_text().splitlines() if peak.exists() else []
+    peak_kib = [int(line.split()[1]) for line in lines if line.startswith("VmHWM:")]
+    return Capped(os.waitstatus_to_exitcode(status), stderr,
+                  peak_kib[0] / 1024 if peak_kib else float("nan"),
+                  usage.ru_utime + usage.ru_stime)
+
+
+def capped_hotjax(*args: str | Path, cwd: Path, env: Mapping[str, str] | None = None) -> Capped:
+    """`hotjax args` in a capped fresh process (`capped`)."""
+    return capped("import runpy, sys; sys.argv[0] = 'hotjax'; "
+                  "runpy.run_module('hotjax.cli', run_name='__main__')", *args, cwd=cwd, env=env)
 
 
 def start_hotjax(*args: str | Path, cwd: Path | None = None, devices: int = 8,

@@ -6,12 +6,9 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import pickle
 import random
 import resource
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import error, one_line
+from helpers import capped_hotjax, error, one_line
 
 from hotjax.checkpoint import deepspeed, megatron, megatron_core
 from hotjax.checkpoint import meta as meta_lib
@@ -35,32 +32,11 @@ from models.llama import PRESETS, LlamaConfig, RopeScaling
 TINY = PRESETS["tiny"]
 # A model with every optional field set, Llama 3's rope scaling included.
 SCALED = dataclasses.replace(TINY, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 256))
-# A child that never starts JAX runs in ~40 MiB resident; its address space is capped well
-# above that (so a regression fails in the child, not on the machine), its peak held lower.
-ADDRESS_SPACE = 4 * 2**30
+# A capped child (helpers.capped) that never starts JAX runs in ~40 MiB resident; its peak is
+# held well under its cap.
 PEAK_MIB = 256
 # What the readers may allocate over all the fuzzed cases together (each is a few KiB).
 FUZZ_GROWTH_MIB = 256
-
-
-def _hotjax(*args: str, cwd: Path) -> tuple[int, str, float, float]:
-    """`hotjax args` in a fresh process that caps its own address space first: its exit code,
-    stderr, peak resident MiB (its VmHWM at exit: the fork's copy of this process is not its
-    own) and CPU seconds."""
-    capped = (f"import atexit, resource, runpy, sys; resource.setrlimit(resource.RLIMIT_AS, "
-              f"({ADDRESS_SPACE}, {ADDRESS_SPACE})); atexit.register(lambda: open('peak', 'w')"
-              f".write(open('/proc/self/status').read())); sys.argv[0] = 'hotjax'; "
-              f"runpy.run_module('hotjax.cli', run_name='__main__')")
-    with open(cwd / "stderr.txt", "w+") as err:
-        child = subprocess.Popen([sys.executable, "-c", capped, *args], cwd=cwd,
-                                 stdout=subprocess.DEVNULL, stderr=err)
-        _, status, usage = os.wait4(child.pid, 0)
-        child.returncode = os.waitstatus_to_exitcode(status)
-        err.seek(0)
-        stderr = err.read()
-    status_lines = (cwd / "peak").read_text().splitlines()
-    (peak_kib,) = [int(line.split()[1]) for line in status_lines if line.startswith("VmHWM:")]
-    return child.returncode, stderr, peak_kib / 1024, usage.ru_utime + usage.ru_stime
 
 
 def _peak_mib() -> float:
@@ -99,7 +75,7 @@ def test_a_size_flag_past_what_the_machine_holds_is_one_line_naming_flag_and_bou
 
 
 def test_a_trillion_token_batch_is_refused_at_once_in_bounded_memory(tmp_path):
-    code, err, peak, cpu = _hotjax("train", "--batch-tokens", str(10**12), cwd=tmp_path)
+    code, err, peak, cpu = capped_hotjax("train", "--batch-tokens", str(10**12), cwd=tmp_path)
     assert code == 2 and "--batch-tokens 1000000000000" in one_line(err)
     assert cpu < 1.0 and peak < PEAK_MIB, (cpu, peak)
 
@@ -128,7 +104,7 @@ def test_a_200_mb_jsonl_line_is_refused_naming_file_line_and_bound_in_bounded_me
         for _ in range(200):
             f.write(b"a" * 2**20)
         f.write(b'"}\n')
-    code, err, peak, _ = _hotjax("data", "stats", "--data", str(path), "--tokenizer", "bytes",
+    code, err, peak, _ = capped_hotjax("data", "stats", "--data", str(path), "--tokenizer", "bytes",
                                  cwd=tmp_path)
     line = one_line(err)
     assert code == 2 and f"{path}:2: a line longer than" in line, line

@@ -129,7 +129,7 @@ class DeepSpeedCheckpoint:
     dp: int  # the data-parallel size that wrote it (0: a universal directory has none)
     _pieces: dict[str, list[_Piece]] = dataclasses.field(default_factory=dict)
     _files: list[Path] = dataclasses.field(default_factory=list)  # per rank: its optimizer file
-    _flat: frozenset[str] = frozenset()  # universal parameters saved flat (ZeRO-3's converter)
+    _saved_flat: frozenset[str] = frozenset()  # universal ones saved flat (ZeRO-3's converter)
 
     def tensor(self, name: str, field: str) -> np.ndarray:
         """Parameter `name`'s `field` (fp32, exp_avg, exp_avg_sq), whole, fp32."""
@@ -139,11 +139,12 @@ class DeepSpeedCheckpoint:
             loaded = load_pt(file)
             x = loaded.get("param") if isinstance(loaded, dict) else loaded
             # Read as saved, never reshaped by its element count: a transposed moment would be.
-            saved = (math.prod(shape),) if name in self._flat else shape
+            flat = name in self._saved_flat
+            saved = (math.prod(shape),) if flat else shape
             if not hasattr(x, "shape") or tuple(x.shape) != saved:
                 raise UserError(f"{file}: holds {_describe(x)}, but {name} has shape "
-                                f"{list(saved)}{' (flat)' if name in self._flat else ''}: the "
-                                f"universal directory is damaged: rerun ds_to_universal")
+                                f"{list(saved)}{' (flat)' if flat else ''}: the universal "
+                                f"directory is damaged: rerun ds_to_universal")
             return _host(x).reshape(shape)
         # The rank files this parameter lies in, opened (memory-mapped) for it alone: pages
         # of a file kept open would stay in the process's memory once read.
@@ -444,7 +445,7 @@ def _read_universal(directory: Path) -> DeepSpeedCheckpoint:
     step = _universal_step(zero, names, optimizer) if with_state else None
     return DeepSpeedCheckpoint(directory, "universal", shapes, step,
                                _hyperparameters(optimizer, [], zero / "optimizer_state.pt"), 0,
-                               _flat=frozenset(flat))
+                               _saved_flat=frozenset(flat))
 
 
 def _universal_step(zero: Path, names: list[str], optimizer: dict[str, Any]) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import capped_hotjax, error, one_line
+from helpers import capped, capped_hotjax, error, one_line
 
 from hotjax.checkpoint import deepspeed, megatron, megatron_core
 from hotjax.checkpoint import meta as meta_lib
@@ -435,3 +435,90 @@ def test_fuzzed_metadata_and_configs_end_clean_or_in_one_line_within_bounded_mem
             _expect_clean_or_one_line(lambda x=x, s=source: bounds.finite(x, "fuzz", "fix", s),
                                       f"finite {dtype.__name__} {value}")
     assert _peak_mib() - before < FUZZ_GROWTH_MIB
+
+
+# A child reading each fuzzed tokenizer or Parquet file named in argv[2]'s JSON list, one line
+# per case into argv[1]: "start" first, so that a child that dies names the case.
+_READ_EACH = """
+import json, sys
+from hotjax.data import load_tokenizer, open_corpus
+from models.errors import UserError
+out = open(sys.argv[1], "w", buffering=1)
+for case in json.load(open(sys.argv[2])):
+    out.write("start " + case + "\\n")
+    try:
+        if case.endswith(".parquet"):
+            corpus = open_corpus(case)
+            [corpus.read(i) for i in range(corpus.num_documents)]
+        else:
+            tokenizer = load_tokenizer(case, None)
+            tokenizer.decode(tokenizer.encode_batch(["hello world", "\\u00e9" * 50 + " a b"])[1])
+        out.write("ok\\n")
+    except UserError as e:
+        out.write("user " + json.dumps(str(e)) + "\\n")
+    except BaseException as e:
+        out.write("fail " + json.dumps(f"{type(e).__name__}: {str(e)[:300]}") + "\\n")
+"""
+
+
+def _flipped(rng: random.Random, raw: bytes, start: int = 0, end: int | None = None) -> bytes:
+    """`raw` with one to four bytes in [start, end) set to random values, or cut there."""
+    data = bytearray(raw)
+    end = len(data) if end is None else end
+    if rng.random() < 0.15:
+        return bytes(data[:rng.randrange(start, end)])
+    for _ in range(rng.randint(1, 4)):
+        data[rng.randrange(start, end)] = rng.choice([0, 0x7F, 0x80, 0xFF, rng.randrange(256)])
+    return bytes(data)
+
+
+def test_fuzzed_tokenizers_and_parquet_footers_end_clean_or_in_one_line_in_a_capped_child(
+        tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import sentencepiece
+
+    from hotjax.data import train_bpe
+
+    rng = random.Random(45)
+    words = [f"w{i} the fox {i * 7 % 13}" for i in range(300)]
+    (tmp_path / "t.txt").write_text("\n".join(words))
+    bpe = train_bpe(open_corpus(str(tmp_path / "t.txt")), 300, tmp_path / "bpe").source
+    sentencepiece.SentencePieceTrainer.train(input=str(tmp_path / "t.txt"), vocab_size=40,
+                                             model_prefix=str(tmp_path / "m"), minloglevel=2)
+    pq.write_table(pa.table({"id": list(range(12)), "text": words[:11] + [None]}),
+                   tmp_path / "base.parquet", row_group_size=5)
+    parquet = (tmp_path / "base.parquet").read_bytes()
+    footer = int.from_bytes(parquet[-8:-4], "little")
+    cases: list[str] = []
+
+    def case(suffix: str, raw: bytes) -> None:
+        path = tmp_path / "cases" / f"{len(cases)}{suffix}"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(raw)
+        cases.append(str(path))
+
+    record = json.loads(Path(bpe).read_text())
+    for _ in range(100):  # a field of the tokenizer.json replaced, deleted or added
+        case(".json", json.dumps(_mutated(rng, record, "__hostile__")).replace(
+            '"__hostile__"', rng.choice(_HOSTILE_JSON)).encode())
+    for _ in range(40):
+        case(".json", _flipped(rng, Path(bpe).read_bytes()))
+        case(".model", _flipped(rng, (tmp_path / "m.model").read_bytes()))
+    for _ in range(150):  # the footer, its length and magic; then anywhere
+        case(".parquet", _flipped(rng, parquet, len(parquet) - 8 - footer, len(parquet)))
+    for _ in range(50):
+        case(".parquet", _flipped(rng, parquet, 4))
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    done = capped(_READ_EACH, tmp_path / "results.txt", tmp_path / "cases.json", cwd=tmp_path,
+                  env={"RUST_BACKTRACE": "1"})
+    lines = (tmp_path / "results.txt").read_text().splitlines()
+    assert done.code == 0, (done.code, lines[-1:], done.stderr[-2000:])
+    outcomes = [line for line in lines if not line.startswith("start ")]
+    assert len(outcomes) == len(cases)
+    failed = [(cases[k], line) for k, line in enumerate(outcomes) if not line.startswith(
+        ("ok", "user "))]
+    assert not failed, failed[:5]
+    assert all("\n" not in json.loads(line[5:]) for line in outcomes if line.startswith("user"))
+    assert "Traceback" not in done.stderr and "stack backtrace" not in done.stderr
+    assert done.peak_mib < PEAK_MIB + FUZZ_GROWTH_MIB, done.peak_mib

@@ -193,6 +193,7 @@ def _index_parquet(path: Path, text_field: str) -> Found:
     row's length read as a dictionary (a value repeated in every row is held once), at most
     MAX_BLOCK_BYTES a row group and MAX_DOCUMENT_BYTES a row."""
     import pyarrow as pa  # here, not at the top: only Parquet corpora pay its import
+    import pyarrow.compute as pc
 
     with _parquet_errors(path):
         file = _parquet(path)
@@ -217,6 +218,9 @@ def _index_parquet(path: Path, text_field: str) -> Found:
             sizes_n, bad_n = [], []
             for chunk in column.chunks:
                 sizes_v, bad_v = _sizes(chunk.dictionary.cast(pa.binary()))
+                low, high = pc.min_max(chunk.indices).values()
+                if low.is_valid and not 0 <= low.as_py() <= high.as_py() < len(sizes_v):
+                    raise _broken(path, f"row group {block} refers past its dictionary")
                 indices = chunk.indices.fill_null(len(sizes_v))  # a null row: an empty text
                 sizes_n.append(np.append(sizes_v, 0)[indices])
                 bad_n.append(np.append(bad_v, False)[indices])
@@ -276,10 +280,13 @@ def _parquet_errors(path: Path) -> Iterator[None]:
 
     try:
         yield
-    except (pa.ArrowException, OSError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"cannot read Parquet file {path}: {reason} — pass a valid .parquet "
-                        f"file") from None
+    # Arrow's own errors; a name in the file that is not UTF-8 is a UnicodeDecodeError.
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+        raise _broken(path, (str(e).strip().splitlines() or [type(e).__name__])[0]) from None
+
+
+def _broken(path: Path, reason: str) -> UserError:
+    return UserError(f"cannot read Parquet file {path}: {reason} — pass a valid .parquet file")
 
 
 def _found(kind: str, blocks: list[list[str]], empty: int, replaced: int) -> Found:

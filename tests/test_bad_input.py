@@ -461,6 +461,25 @@ for case in json.load(open(sys.argv[2])):
 """
 
 
+def _clean_or_one_line_each(child: str, cases: list[str], tmp_path: Path,
+                            env: dict[str, str]):
+    """Runs `child` (`_READ_EACH`, `_RESTORE_EACH`) over `cases` in a capped process, and
+    asserts that it survived them all, each a clean read or one line, with no traceback."""
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    done = capped(child, tmp_path / "results.txt", tmp_path / "cases.json", cwd=tmp_path,
+                  env=env)
+    lines = (tmp_path / "results.txt").read_text().splitlines()
+    assert done.code == 0, (done.code, lines[-1:], done.stderr[-2000:])
+    outcomes = [line for line in lines if not line.startswith("start ")]
+    assert len(outcomes) == len(cases)
+    failed = [(cases[k], line) for k, line in enumerate(outcomes) if not line.startswith(
+        ("ok", "user "))]
+    assert not failed, failed[:5]
+    assert all("\n" not in json.loads(line[5:]) for line in outcomes if line.startswith("user"))
+    assert "Traceback" not in done.stderr
+    return done
+
+
 def _flipped(rng: random.Random, raw: bytes, start: int = 0, end: int | None = None) -> bytes:
     """`raw` with one to four bytes in [start, end) set to random values, or cut there."""
     data = bytearray(raw)
@@ -509,16 +528,86 @@ def test_fuzzed_tokenizers_and_parquet_footers_end_clean_or_in_one_line_in_a_cap
         case(".parquet", _flipped(rng, parquet, len(parquet) - 8 - footer, len(parquet)))
     for _ in range(50):
         case(".parquet", _flipped(rng, parquet, 4))
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    done = capped(_READ_EACH, tmp_path / "results.txt", tmp_path / "cases.json", cwd=tmp_path,
-                  env={"RUST_BACKTRACE": "1"})
-    lines = (tmp_path / "results.txt").read_text().splitlines()
-    assert done.code == 0, (done.code, lines[-1:], done.stderr[-2000:])
-    outcomes = [line for line in lines if not line.startswith("start ")]
-    assert len(outcomes) == len(cases)
-    failed = [(cases[k], line) for k, line in enumerate(outcomes) if not line.startswith(
-        ("ok", "user "))]
-    assert not failed, failed[:5]
-    assert all("\n" not in json.loads(line[5:]) for line in outcomes if line.startswith("user"))
-    assert "Traceback" not in done.stderr and "stack backtrace" not in done.stderr
+    done = _clean_or_one_line_each(_READ_EACH, cases, tmp_path, env={"RUST_BACKTRACE": "1"})
+    assert "stack backtrace" not in done.stderr
     assert done.peak_mib < PEAK_MIB + FUZZ_GROWTH_MIB, done.peak_mib
+
+
+# A child restoring (and inspecting) each fuzzed hotjax checkpoint named in argv[2]'s JSON list,
+# as `_READ_EACH` reads tokenizers: TensorStore reads the arrays in C++, where a claim it
+# cannot allocate would abort the process rather than raise.
+_RESTORE_EACH = """
+import json, sys
+from hotjax.checkpoint import convert, store
+from models.errors import UserError
+from models.llama import abstract_params, preset
+out = open(sys.argv[1], "w", buffering=1)
+targets = {"params": abstract_params(preset("tiny"))}
+for case in json.load(open(sys.argv[2])):
+    out.write("start " + case + "\\n")
+    try:
+        convert.describe(case)
+        store.restore(case, targets)
+        out.write("ok\\n")
+    except UserError as e:
+        out.write("user " + json.dumps(str(e)) + "\\n")
+    except BaseException as e:
+        out.write("fail " + json.dumps(f"{type(e).__name__}: {str(e)[:300]}") + "\\n")
+"""
+
+
+def test_fuzzed_orbax_metadata_of_hotjax_checkpoints_end_clean_or_in_one_line_in_a_capped_child(
+        tmp_path):
+    """hotjax's own checkpoints: each array's zarr metadata (shape, dtype, chunks, codecs),
+    Orbax's tree of arrays, the OCDBT manifests and data files, fuzzed."""
+    import shutil
+
+    import jax
+    import tensorstore as ts
+
+    from hotjax.checkpoint import store
+    from models.llama import abstract_params
+
+    rng = random.Random(46)
+    normal = np.random.default_rng(0).normal
+    params = jax.tree.map(lambda s: normal(size=s.shape).astype(np.float32),
+                          abstract_params(TINY))
+    base = store.save_weights(tmp_path / "base", params, meta_lib.record(
+        step=0, source="test", items=["params"], model=TINY.to_dict()))
+    item = base / "params"
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item}/"}).result()
+    zarr = {key.decode(): json.loads(kv.read(key).result().value)
+            for key in kv.list().result() if key.endswith(b"/zarr.json")}
+    huge = [2**28, 2**34, 2**62, 0, -1]
+    cases: list[str] = []
+
+    def case(write: Callable[[Path], None]) -> None:
+        path = tmp_path / "cases" / str(len(cases))
+        shutil.copytree(base, path)
+        write(path / "params")
+        cases.append(str(path))
+
+    def put(key: str, raw: bytes) -> Callable[[Path], None]:
+        """Writes `raw` at `key`: a file of the item, or an entry of its OCDBT database."""
+        if "/zarr.json" not in key:
+            return lambda copy: (copy / key).write_bytes(raw)
+        return lambda copy: ts.KvStore.open({"driver": "ocdbt", "base": f"file://{copy}/"}
+                                            ).result().write(key, raw).result()
+
+    for _ in range(60):  # a field of an array's zarr.json replaced, deleted or added
+        key = rng.choice(list(zarr))
+        hostile = rng.choice([*_HOSTILE_JSON[:-2], json.dumps([rng.choice(huge)] * 2),
+                              json.dumps(rng.choice(["int32", "float64", "bool", "uint8",
+                                                     "complex64", "bfloat16", "string"]))])
+        case(put(key, json.dumps(_mutated(rng, zarr[key], "__hostile__")).replace(
+            '"__hostile__"', hostile).encode()))
+    for _ in range(20):  # an array's zarr.json, its bytes flipped
+        key = rng.choice(list(zarr))
+        case(put(key, _flipped(rng, json.dumps(zarr[key]).encode())))
+    files = ["manifest.ocdbt", "ocdbt.process_0/manifest.ocdbt", "_METADATA",
+             *(str(f.relative_to(item)) for f in item.rglob("d/*"))]
+    for _ in range(60):  # Orbax's and OCDBT's files, their bytes flipped
+        file = rng.choice(files)
+        case(put(file, _flipped(rng, (item / file).read_bytes())))
+    _clean_or_one_line_each(_RESTORE_EACH, cases, tmp_path,
+                            env={"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"})

@@ -54,12 +54,13 @@ def export_hf(path: str | Path, out: str | Path, dtype: str = "float32") -> Path
     vocab = meta_lib.real_vocab(meta)
     axes = {dirs.array_path(p): a for p, a in jax.tree_util.tree_flatten_with_path(
         param_axes(config), is_leaf=lambda a: isinstance(a, tuple))[0]}
+    like = store.by_name(abstract_params(config))
     arrays = ((key, store.trim(x, axes[key], vocab)) for key, x in store.restore_each(
-        step_dir, store.PARAMS, param_keys(config)))
+        step_dir, store.PARAMS, {key: like[key] for key in param_keys(config)}))
     tokenizer = meta.get("tokenizer") or {}
-    write_hf_directory(out, dataclasses.replace(config, vocab_size=vocab), arrays, dtype,
-                       bos_token_id=tokenizer.get("bos_id"), eos_token_id=tokenizer.get("eos_id"))
-    return out
+    return dirs.write_atomically(out, lambda scratch: write_hf_directory(
+        scratch, dataclasses.replace(config, vocab_size=vocab), arrays, dtype,
+        bos_token_id=tokenizer.get("bos_id"), eos_token_id=tokenizer.get("eos_id")))
 
 
 def describe(path: str | Path) -> dict[str, Any]:

@@ -43,14 +43,19 @@ def write_failure(error: BaseException | None) -> str | None:
 
 class _WithoutFailedWrites(logging.Filter):
     """Drops the records of a failed write: Orbax's threads log it with its traceback (and
-    asyncio a future that held it); the save reports it once, as one line."""
+    asyncio a future that held it); the save reports it once, as one line. Likewise a failed
+    read of arrays (an error naming its TensorStore spec): asyncio logs the errors of the
+    arrays read beside the one the restore says."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and write_failure(record.exc_info[1]))
+        return not (record.exc_info and (write_failure(record.exc_info[1])
+                                         or "tensorstore_spec=" in str(record.exc_info[1])))
 
 
 def report_failed_writes_once() -> None:
-    """Orbax's and asyncio's logs leave out a refused write's traceback, said once as a line."""
+    """Orbax's and asyncio's logs leave out a refused write's or a failed read's traceback,
+    said once as a line; TensorStore's callbacks into the closed event loop of a failed write
+    or read, each a traceback, are not printed."""
     for name in ("absl", "asyncio"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _WithoutFailedWrites) for f in logger.filters):

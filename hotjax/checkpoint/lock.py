@@ -1,5 +1,6 @@
-"""A run's checkpoint directory, checked before anything slow starts: made, written to, and
-then this run's alone while it lasts (a lock the kernel releases when its holder ends)."""
+"""A run's checkpoint directory, checked before anything slow starts: made, written to, holding
+nothing but directories under steps' names, and then this run's alone while it lasts (a lock
+the kernel releases when its holder ends)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+from hotjax.checkpoint import dirs
 from models.errors import UserError
 
 LOCK_FILE = ".hotjax.lock"  # a file: Orbax counts only directories named by a step
@@ -46,7 +48,8 @@ class Lock:
 
 
 def writable(directory: str | Path) -> Path:
-    """`directory`, made if absent, once a file was written there and removed again."""
+    """`directory`, made if absent, once a file was written there and removed again, and its
+    steps found to be directories (`dirs.check_steps`)."""
     directory = Path(directory).absolute()
     if directory.exists() and not directory.is_dir():
         raise UserError(f"{directory}: not a directory: choose a checkpoint directory")
@@ -57,6 +60,7 @@ def writable(directory: str | Path) -> Path:
         probe.unlink()
     except OSError as e:
         raise _refused(directory, e) from None
+    dirs.check_steps(directory)
     return directory
 
 

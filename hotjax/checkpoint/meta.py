@@ -17,7 +17,8 @@ Free of JAX and Orbax, so `inspect` and the shard importer's workers stay light.
     strategy_table  the run's strategy table, home included, as `StrategyTable.to_dict()` writes it
                     (`sharding.table.parse_table` loads it back), or null
     written_from    the layout that wrote it (for `inspect` only; restore never reads it)
-    fingerprints    {item: {array path: uint32}}: see `checkpoint.fingerprint`
+    fingerprints    {item: {array path: uint32}}: see `checkpoint.fingerprint`; one for every array
+    fingerprint_version  how they were summed (`FINGERPRINT_VERSION`); absent: 1
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from models.optimizers import DEFAULT, OPTIMIZERS
 FORMAT = "hotjax-checkpoint/1"
 META_FILE = Path("meta") / "metadata"  # where Orbax's JSON handler puts the `meta` item
 DATA_FILE = Path("data") / "metadata"
+# `fingerprint`'s sums: 1, the bits alone (absent from the metadata); 2, the dtype too.
+FINGERPRINT_VERSION = 2
 REQUIRED = ("format", "step", "items", "model", "fingerprints")
 PARAMS = "params"
 # The array items a checkpoint may hold (`store.PARAMS`, `store.OPT_STATE`): each names a
@@ -113,6 +116,8 @@ def _check(meta: dict[str, Any], where: str) -> None:
     # Sized against this host where a parameter is built (`LlamaConfig.checked`), not here:
     # `inspect` reads the metadata of checkpoints too large for the machine it runs on.
     bounds.check_model(meta["model"], f"{where}: model", DAMAGED, fits_host=False)
+    bounds.whole(meta.get("fingerprint_version", 1), "fingerprint_version", 1,
+                 FINGERPRINT_VERSION, where, DAMAGED)
     fingerprints = bounds.mapping(meta["fingerprints"], "fingerprints", where, DAMAGED)
     for item, arrays in fingerprints.items():
         if item not in items:

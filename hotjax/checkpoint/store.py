@@ -25,13 +25,15 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from orbax.checkpoint import checkpoint_managers as keep_policies
 from orbax.checkpoint import type_handlers
+from orbax.checkpoint.metadata import value as value_metadata
 
-from hotjax.checkpoint import failures, fingerprint
+from hotjax.checkpoint import dirs, failures, fingerprint
 from hotjax.checkpoint import lock as ckpt_lock
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint.dirs import (
@@ -45,6 +47,7 @@ from hotjax.checkpoint.dirs import (
     find,
     write_atomically,
 )
+from models import bounds
 from models.errors import UserError
 
 
@@ -92,6 +95,7 @@ def _array_handler(one_at_a_time: bool = False) -> ocp.PyTreeCheckpointHandler:
     # Without the `_sharding` file Orbax would otherwise write, nothing of the writer's layout
     # is stored with the arrays (restoring from it fails on another device count anyway).
     # Host (numpy) arrays are written and read in the same format: imports and exports.
+    failures.report_failed_writes_once()  # for every write and read of arrays
     host = _OneAtATime() if one_at_a_time else type_handlers.NumpyHandler()
     registry = type_handlers.create_type_handler_registry(
         (jax.Array, type_handlers.ArrayHandler(enable_write_sharding_file=False)),
@@ -118,6 +122,10 @@ class Checkpoints:
             preservation_policy=keep_policies.AnyPreservationPolicy(keep),
             cleanup_tmp_directories=True, enable_async_checkpointing=_async_saves(),
             save_root_metadata=False,
+            # One thread: Orbax's parallel deleter (its default where half the cores are more
+            # than one) lists a step through a link to another directory and deletes what is
+            # there. Its one-thread deletion refuses a link; `save` refuses one first.
+            num_deletion_threads=1,
             # Made by the caller: a directory that cannot be made fails the save at once.
             # Made in the background, its writers would wait for it until Orbax's barrier
             # timeout, and at exit the process would wait for them.
@@ -126,7 +134,6 @@ class Checkpoints:
                                               item_handlers=_handlers())
         self._saving: tuple[int, int] | None = None  # the step being written, and its bytes
         self._identity = _identity(self.directory)  # to tell it was removed or replaced
-        failures.report_failed_writes_once()
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -154,12 +161,14 @@ class Checkpoints:
         if all(x.is_fully_addressable for x in jax.tree.leaves((params, opt_state))):
             params, opt_state = jax.device_get((params, opt_state))
         meta = {**meta, "step": step, "items": [PARAMS, OPT_STATE],
+                "fingerprint_version": fingerprint.VERSION,
                 "fingerprints": fingerprint.of_items({PARAMS: params, OPT_STATE: opt_state})}
         args = {PARAMS: ocp.args.PyTreeSave(params), OPT_STATE: ocp.args.PyTreeSave(opt_state),
                 META: ocp.args.JsonSave(meta)}
         if data is not None:
             args[DATA] = ocp.args.JsonSave(data)
         self.wait()  # the previous save, written in the background, may have failed
+        dirs.check_steps(self.directory)  # a link made since: this save would delete through it
         with self._writing():
             self._saving = (step, sum(x.nbytes for x in jax.tree.leaves((params, opt_state))))
             if self._vanished():  # else Orbax would make it anew, without the earlier steps
@@ -266,7 +275,7 @@ def save_items(directory: str | Path, items: dict[str, Any], meta: dict[str, Any
                                 is_leaf=lambda x: isinstance(x, Pending))
              for item, tree in items.items()}
     step = meta["step"]
-    meta = {**meta, "items": list(items)}
+    meta = {**meta, "items": list(items), "fingerprint_version": fingerprint.VERSION}
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False,
                                            save_root_metadata=False)
     args = {item: ocp.args.PyTreeSave(tree) for item, tree in items.items()}
@@ -292,24 +301,112 @@ def save_items(directory: str | Path, items: dict[str, Any], meta: dict[str, Any
 
 def saved_arrays(step_dir: Path, item: str) -> dict[str, jax.ShapeDtypeStruct]:
     """Shape and dtype of every array of one item, read from Orbax's metadata alone."""
-    if not (step_dir / item).is_dir():
-        raise UserError(f"{step_dir / item}: not found: the checkpoint lacks its {item}")
-    leaves = jax.tree_util.tree_flatten_with_path(_saved_tree(step_dir, item))[0]
-    return {array_path(p): jax.ShapeDtypeStruct(tuple(m.shape), m.dtype) for p, m in leaves}
+    return {name: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype)
+            for name, m in _saved(step_dir, item).items()}
 
 
-def _saved_tree(step_dir: Path, item: str) -> Any:
-    """The tree of one item's array metadata (shape, dtype), as Orbax saved it."""
-    if not (step_dir / item).is_dir():
-        raise UserError(f"{step_dir / item}: not found: the checkpoint lacks its {item}")
+def _saved(step_dir: Path, item: str) -> dict[str, Any]:
+    """Orbax's metadata of each array of one item (shape, dtype, chunks), by name: Orbax's tree
+    of names (`_METADATA`, JSON within `bounds.MAX_JSON_BYTES`) and each array's own zarr
+    metadata, never a byte of an array."""
+    item_dir = step_dir / item
+    if not item_dir.is_dir():
+        raise UserError(f"{item_dir}: not found: the checkpoint lacks its {item}")
+    tree_file = item_dir / "_METADATA"
+    if tree_file.is_file() and tree_file.stat().st_size > bounds.MAX_JSON_BYTES:
+        raise UserError(f"{tree_file}: over {bounds.MAX_JSON_BYTES:,} bytes (MAX_JSON_BYTES), "
+                        f"more than any checkpoint's tree of arrays: {meta_lib.DAMAGED}")
     handler = _array_handler()
     try:
-        return handler.metadata(step_dir / item).tree
+        leaves = jax.tree_util.tree_flatten_with_path(handler.metadata(item_dir).tree)[0]
+        found = {array_path(p): m for p, m in leaves}
+        for name, m in found.items():
+            if not isinstance(m, value_metadata.ArrayMetadata):
+                raise UserError(f"{item_dir}: {name} is a {type(m).__name__}, not an array: "
+                                f"{meta_lib.DAMAGED}")
+            np.dtype(m.dtype)  # a type numpy knows
+        return found
+    except UserError:
+        raise
     except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many types
-        raise UserError(f"{step_dir / item / '_METADATA'}: unreadable "
-                        f"({meta_lib.first_line(e)}): the checkpoint is damaged") from None
+        raise UserError(f"{item_dir}: the metadata of its arrays is unreadable "
+                        f"({meta_lib.first_line(e)[:300]}): {meta_lib.DAMAGED}") from None
     finally:
         handler.close()
+
+
+# How hotjax stores a floating array: fp32 (the master weights and the optimizer's moments),
+# whatever dtype a run computes in or restores into.
+STORED_FLOAT = np.dtype(np.float32)
+
+
+def _checked(step_dir: Path, item: str, like: Mapping[str, Any], prints: Mapping[str, int], *,
+             vocab: tuple[int, int] | None = None,
+             every: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
+    """The saved shape and dtype of each array `like` names (each with a `.shape` and a
+    `.dtype`), checked before a byte of any is read: it is there (and, with `every`, nothing
+    else is), has a fingerprint in `prints`, the shape `like` gives it (the saved vocabulary
+    `vocab[0]` allowed where `like` has `vocab[1]`), its dtype (`STORED_FLOAT` where `like` is
+    floating), and chunks no larger than itself."""
+    item_dir = step_dir / item
+    saved = _saved(step_dir, item)
+    missing = [n for n in like if n not in saved]
+    extra = sorted(set(saved) - set(like)) if every else []
+    if missing or extra:
+        which = (f"lacks {', '.join(missing[:3])}" if missing
+                 else f"holds {', '.join(extra[:3])}, which this run lacks")
+        raise UserError(f"{item_dir}: {which}: written for another model or optimizer")
+    out = {}
+    for name, t in like.items():
+        m = saved[name]
+        shape, dtype, target = tuple(int(n) for n in m.shape), np.dtype(m.dtype), tuple(t.shape)
+        resized = vocab is not None and len(shape) == len(target) and all(
+            a == b or (a, b) == vocab for a, b in zip(shape, target, strict=True))
+        if shape != target and not resized:
+            raise UserError(f"{item_dir}: array {name} has shape {shape} but this run needs "
+                            f"{target}: written for another model")
+        wanted = STORED_FLOAT if jnp.issubdtype(t.dtype, jnp.floating) else np.dtype(t.dtype)
+        if dtype != wanted:
+            raise UserError(f"{item_dir}: array {name} is stored as {dtype}, not {wanted}: "
+                            f"{meta_lib.DAMAGED}")
+        for chunk in _chunks(m):
+            if len(chunk) != len(shape) or any(
+                    c > max(n, 1) for c, n in zip(chunk, shape, strict=True)):
+                raise UserError(f"{item_dir}: array {name} of shape {shape} is stored in chunks "
+                                f"of {tuple(chunk)}, larger than itself: {meta_lib.DAMAGED}")
+        if name not in prints:
+            raise UserError(f"{item_dir}: array {name} has no fingerprint in "
+                            f"{step_dir / meta_lib.META_FILE}: {meta_lib.DAMAGED}")
+        out[name] = jax.ShapeDtypeStruct(shape, dtype)
+    return out
+
+
+def _chunks(m: Any) -> list[tuple[int, ...]]:
+    """The chunk shapes an array is read in: TensorStore's read chunk, and zarr's shard and
+    inner chunk."""
+    storage = m.storage
+    zarr = storage.zarr_metadata if storage is not None else None
+    found = [storage.chunk_shape if storage is not None else None,
+             getattr(zarr, "chunk_shape", None), getattr(zarr, "inner_chunk_shape", None)]
+    return [tuple(int(c) for c in chunk) for chunk in found if chunk is not None]
+
+
+def _fingerprints(meta: dict[str, Any], item: str) -> tuple[dict[str, int], int]:
+    """An item's fingerprints in `meta`, and their version (`meta.FINGERPRINT_VERSION`)."""
+    return meta["fingerprints"].get(item, {}), meta.get("fingerprint_version", 1)
+
+
+def _check_count(item_dir: Path, name: str, x: Any, step: int) -> None:
+    """An optimizer's step counter (a `count` of `opt_state`) counts the updates of the
+    metadata's `step`: all of them, or under loss scaling (Optax's `inner_state`) those whose
+    gradients were finite."""
+    if item_dir.name != OPT_STATE or name.rsplit("/", 1)[-1] != "count":
+        return
+    count = int(np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x))
+    skips = "/inner_state/" in f"/{name}/"
+    if not (0 <= count <= step if skips else count == step):
+        raise UserError(f"{item_dir}: array {name} counts {count} updates, but the checkpoint's "
+                        f"metadata is of step {step}: {meta_lib.DAMAGED}")
 
 
 class Restored(NamedTuple):
@@ -326,22 +423,35 @@ class _Read:
     name: str
     stored: jax.ShapeDtypeStruct
     args: type_handlers.ArrayRestoreArgs
-    exact: bool  # read at its saved shape (not padded or trimmed), so its fingerprint holds
+    saved: tuple[int, ...]  # its shape in the checkpoint
+
+    @property
+    def exact(self) -> bool:
+        """Read at its saved shape (not padded or trimmed): its fingerprint holds."""
+        return self.saved == self.stored.shape
+
+
+def by_name(tree: Any) -> dict[str, Any]:
+    """A tree's leaves by name (`array_path`): what `restore_each` takes."""
+    return {array_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def restore_each(path: str | Path, item: str,
-                 names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
-    """Arrays `names` (`layers/wq`, `1/0/mu/embed`) of one item, restored one at a time on the
-    host, checked against their fingerprints: the others are Orbax placeholders, not read, so
-    that an export holds one array."""
+                 like: Mapping[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+    """The arrays `like` names (`layers/wq`, `1/0/mu/embed`), each with the shape and dtype it
+    should have (`jax.ShapeDtypeStruct`), restored one at a time on the host, checked against
+    them before any is read and against their fingerprints after: the others are Orbax
+    placeholders, not read, so that an export holds one array."""
     step_dir = find(path)
-    expected = meta_lib.read(step_dir)["fingerprints"].get(item, {})
+    meta = meta_lib.read(step_dir)
+    prints, version = _fingerprints(meta, item)
+    _checked(step_dir, item, like, prints)
+    return _each(step_dir, item, list(like), prints, version, meta["step"])
+
+
+def _each(step_dir: Path, item: str, names: list[str], prints: Mapping[str, int], version: int,
+          step: int) -> Iterator[tuple[str, np.ndarray]]:
     saved = _saved_tree(step_dir, item)
-    found = {array_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(saved)[0]}
-    missing = [name for name in names if name not in found]
-    if missing:
-        raise UserError(f"{step_dir / item}: lacks {', '.join(missing[:3])}: written for "
-                        f"another model or optimizer")
     for name in names:
         def only(make: Callable[[Any], Any], name: str = name) -> Any:
             return jax.tree_util.tree_map_with_path(
@@ -358,10 +468,20 @@ def restore_each(path: str | Path, item: str,
             raise UserError(failures.read_failure(e, step_dir)) from None
         (x,) = [x for p, x in jax.tree_util.tree_flatten_with_path(out)[0]
                 if array_path(p) == name]
-        if name in expected and fingerprint.of_host(x) != expected[name]:
+        if fingerprint.of_host(x, version=version) != prints[name]:
             raise UserError(f"{step_dir / item}: array {name} does not match its fingerprint: "
                             f"the checkpoint is damaged: resume from another one")
+        _check_count(step_dir / item, name, x, step)
         yield name, x
+
+
+def _saved_tree(step_dir: Path, item: str) -> Any:
+    """The tree of one item's array metadata, as Orbax saved it (`_saved` checked it)."""
+    handler = _array_handler()
+    try:
+        return handler.metadata(step_dir / item).tree
+    finally:
+        handler.close()
 
 
 def trim(x: np.ndarray, axes: tuple[str, ...], vocab: int) -> np.ndarray:
@@ -374,16 +494,18 @@ def restore(path: str | Path, targets: Mapping[str, Any], *,
     """Restores the items in `targets`: trees of `jax.ShapeDtypeStruct`, onto their shardings,
     or as numpy arrays on the host where a target has no sharding.
 
-    Arrays are read in their stored dtype, checked against their fingerprints, then cast to
-    the target's. `vocab=(saved, target)` lets dimensions of the saved vocabulary size be
-    padded with zeros or trimmed to the target's (padding rows only: see `meta.check_model`).
+    Every array is checked against its target before any is read (`_checked`), read in its
+    stored dtype, checked against its fingerprint, then cast to the target's. `vocab=(saved,
+    target)` lets dimensions of the saved vocabulary size be padded with zeros or trimmed to
+    the target's (padding rows only: see `meta.check_model`).
     """
     step_dir = find(path)
     meta = meta_lib.read(step_dir)
     absent = [item for item in targets if item not in meta["items"]]
     if absent:
         raise UserError(f"{step_dir}: holds no {', '.join(absent)} (a weights-only checkpoint)")
-    reads = {item: _reads(step_dir, item, target, vocab) for item, target in targets.items()}
+    reads = {item: _reads(step_dir, item, target, vocab, _fingerprints(meta, item)[0])
+             for item, target in targets.items()}
     args = {item: ocp.args.PyTreeRestore(item=jax.tree.map(lambda r: r.stored, tree),
                                          restore_args=jax.tree.map(lambda r: r.args, tree))
             for item, tree in reads.items()}
@@ -394,31 +516,22 @@ def restore(path: str | Path, targets: Mapping[str, Any], *,
         raise UserError(failures.read_failure(e, step_dir)) from None
     arrays = {}
     for item, target in targets.items():
-        _check_fingerprints(step_dir / item, out[item], reads[item],
-                            meta["fingerprints"].get(item, {}))
+        _check_fingerprints(step_dir / item, out[item], reads[item], *_fingerprints(meta, item))
+        for r, x in zip(jax.tree.leaves(reads[item]), jax.tree.leaves(out[item]), strict=True):
+            _check_count(step_dir / item, r.name, x, meta["step"])
         arrays[item] = jax.tree.map(lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype),
                                     out[item], target)
     return Restored(step_dir, meta, arrays, meta_lib.read_data(step_dir))
 
 
-def _reads(step_dir: Path, item: str, target: Any, vocab: tuple[int, int] | None) -> Any:
-    saved = saved_arrays(step_dir, item)
+def _reads(step_dir: Path, item: str, target: Any, vocab: tuple[int, int] | None,
+           prints: Mapping[str, int]) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
-    names = [array_path(p) for p, _ in leaves]
-    missing = [n for n in names if n not in saved]
-    extra = sorted(set(saved) - set(names))
-    if missing or extra:
-        which = (f"lacks {', '.join(missing[:3])}" if missing
-                 else f"holds {', '.join(extra[:3])}, which this run lacks")
-        raise UserError(f"{step_dir / item}: {which}: written for another model or optimizer")
+    like = {array_path(p): t for p, t in leaves}
+    stored = _checked(step_dir, item, like, prints, vocab=vocab, every=True)
     reads = []
-    for name, (_, t) in zip(names, leaves, strict=True):
-        s = saved[name]
-        resized = vocab is not None and len(s.shape) == len(t.shape) and all(
-            a == b or (a, b) == vocab for a, b in zip(s.shape, t.shape, strict=True))
-        if s.shape != t.shape and not resized:
-            raise UserError(f"{step_dir / item}: array {name} has shape {s.shape} but this run "
-                            f"needs {t.shape}: written for another model")
+    for name, t in like.items():
+        s = stored[name]
         exact = s.shape == t.shape
         if t.sharding is None and not exact:
             raise UserError(f"{step_dir / item}: array {name} has shape {s.shape}; resizing it "
@@ -428,14 +541,19 @@ def _reads(step_dir: Path, item: str, target: Any, vocab: tuple[int, int] | None
                 type_handlers.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape,
                                                dtype=s.dtype, strict=exact))
         reads.append(_Read(name, jax.ShapeDtypeStruct(t.shape, s.dtype, sharding=t.sharding),
-                           args, exact))
+                           args, s.shape))
     return jax.tree_util.tree_unflatten(treedef, reads)
 
 
-def _check_fingerprints(item_dir: Path, tree: Any, reads: Any, expected: dict[str, int]) -> None:
-    pairs = [(r, x) for r, x in zip(jax.tree.leaves(reads), jax.tree.leaves(tree), strict=True)
-             if r.exact and r.name in expected]
-    found = fingerprint.values([x for _, x in pairs])
+def _check_fingerprints(item_dir: Path, tree: Any, reads: Any, expected: Mapping[str, int],
+                        version: int) -> None:
+    """Every array read whole against its fingerprint: a padded one as its saved part; a
+    trimmed one cannot be (its rows past the target were never read)."""
+    pairs = []
+    for r, x in zip(jax.tree.leaves(reads), jax.tree.leaves(tree), strict=True):
+        if all(a <= b for a, b in zip(r.saved, r.stored.shape, strict=True)):
+            pairs.append((r, x if r.exact else x[tuple(slice(0, n) for n in r.saved)]))
+    found = fingerprint.values([x for _, x in pairs], version=version)
     for (r, _), value in zip(pairs, found, strict=True):
         if value != expected[r.name]:
             raise UserError(f"{item_dir}: array {r.name} does not match its fingerprint: the "

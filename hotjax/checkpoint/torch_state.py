@@ -257,6 +257,7 @@ class ExportSource:
     step: int | None
     _state: str | None  # where the per-weight state lies in `opt_state` (`1/0`)
     _axes: dict[str, tuple[str, ...]]  # each parameter's logical axes, by key
+    _like: dict[str, dict[str, jax.ShapeDtypeStruct]]  # item -> each array's, by name
 
     @classmethod
     def of(cls, path: str | Path) -> ExportSource:
@@ -265,6 +266,7 @@ class ExportSource:
         config = model.saved(meta, step_dir)
         optim = saved_optimizer(meta)
         state = step = None
+        like = {store.PARAMS: store.by_name(abstract_params(config))}
         if store.OPT_STATE in meta["items"]:
             optim.optimizer.torch_names(str(step_dir))  # a torch form, or a refusal
             kind = getattr(optax, optim.optimizer.optax_state)
@@ -272,12 +274,14 @@ class ExportSource:
             shapes = jax.eval_shape(tx.init, abstract_params(config))
             (state,) = [dirs.array_path(p) for p, n in jax.tree_util.tree_flatten_with_path(
                 shapes, is_leaf=lambda n: isinstance(n, kind))[0] if isinstance(n, kind)]
-            ((_, count),) = store.restore_each(step_dir, store.OPT_STATE, [f"{state}/count"])
+            like[store.OPT_STATE] = store.by_name(shapes)
+            ((_, count),) = store.restore_each(step_dir, store.OPT_STATE, {
+                f"{state}/count": like[store.OPT_STATE][f"{state}/count"]})
             step = int(count)
         axes = {dirs.array_path(p): a for p, a in jax.tree_util.tree_flatten_with_path(
             param_axes(config), is_leaf=lambda a: isinstance(a, tuple))[0]}
         config = dataclasses.replace(config, vocab_size=meta_lib.real_vocab(meta))
-        return cls(step_dir, config, optim, step, state, axes)
+        return cls(step_dir, config, optim, step, state, axes, like)
 
     @property
     def state_fields(self) -> tuple[str, ...]:
@@ -292,8 +296,9 @@ class ExportSource:
         if field != store.PARAMS:
             optax_field = dict(self.optim.optimizer.torch)[field]
             item, prefix = store.OPT_STATE, f"{self._state}/{optax_field}/"
-        keys = param_keys(self.config)
-        for name, x in store.restore_each(self.step_dir, item, [prefix + k for k in keys]):
+        names = [prefix + k for k in param_keys(self.config)]
+        like = self._like[item]
+        for name, x in store.restore_each(self.step_dir, item, {n: like[n] for n in names}):
             key = name.removeprefix(prefix)
             yield key, store.trim(x, self._axes[key], self.config.vocab_size)
 

@@ -84,6 +84,15 @@ class Accumulator(NamedTuple):
     targets: jax.Array
 
 
+def document_cap(segment_ids_BxT: np.ndarray) -> int:
+    """The most documents (runs of one non-zero segment id) any row holds, rounded up to a
+    power of two (at least 2) so that few caps compile: a micro-step's `attention_documents`."""
+    seg = segment_ids_BxT
+    starts = (seg > 0) & (seg != np.pad(seg, ((0, 0), (1, 0)))[:, :-1])
+    most = int(starts.sum(axis=1).max(initial=0))
+    return max(2, 1 << (most - 1).bit_length())
+
+
 def next_token_targets(tokens_BxT: np.ndarray, segment_ids_BxT: np.ndarray) -> np.ndarray:
     """Each position's next token, or `NO_TARGET` where the next token does not continue the
     same document (the last token of a document, padding). Made on the host, before any
@@ -193,8 +202,13 @@ class BucketStep:
         self.config = config
         fitted, self.notes = fit_to_model(strategy, config)
         self.layout = Layout(fitted, devices)
-        kernel, why = choose_backend(config.attention, devices[0].platform,
-                                     ring=self.layout.attention.ring_size > 1, packed=True)
+        ring = self.layout.attention.ring_size > 1
+        kernel, why = choose_backend(config.attention, devices[0].platform, ring=ring,
+                                     packed=True)
+        # Whether a micro-step's kernel may depend on its rows' documents (cuDNN's packed
+        # layout, sized by them): then each document cap compiles its own micro-step.
+        self.by_documents = devices[0].platform == "gpu" and not ring and \
+            config.attention in ("auto", "cudnn")
         if why:
             self.notes += (f"{fitted}: attention {config.attention} asked for, {kernel} runs: "
                            f"{why}",)
@@ -221,7 +235,7 @@ class BucketStep:
                              self.grad_shardings, shapes), replicated, replicated)
         self._zeros = jax.jit(lambda: _zeros(config, self.shards),
                               out_shardings=self.acc_shardings)
-        self._compiled: dict[tuple[int, int, int], jax.stages.Compiled] = {}
+        self._compiled: dict[tuple[int, int, int, int], jax.stages.Compiled] = {}
         self._reduce: dict[tuple, Callable[[Accumulator], Accumulator]] = {}
 
     def zeros(self) -> Accumulator:
@@ -233,15 +247,22 @@ class BucketStep:
         drain per bucket) rather than one each."""
         return self.layout.pipeline is not None and self.config.pipeline_schedule == "1f1b"
 
-    def is_compiled(self, shape: tuple[int, int], chain: int = 1) -> bool:
-        """Whether `compiled(shape, chain)` would return at once."""
-        return (*shape, chain) in self._compiled
+    def documents(self, arrays: dict[str, np.ndarray]) -> int:
+        """The document cap a micro-step's host arrays compile for (0: the kernel does not
+        depend on it)."""
+        return document_cap(arrays["segment_ids"]) if self.by_documents else 0
 
-    def compiled(self, shape: tuple[int, int], chain: int = 1) -> jax.stages.Compiled:
+    def is_compiled(self, shape: tuple[int, int], chain: int = 1, documents: int = 0) -> bool:
+        """Whether `compiled(shape, chain, documents)` would return at once."""
+        return (*shape, chain, documents) in self._compiled
+
+    def compiled(self, shape: tuple[int, int], chain: int = 1,
+                 documents: int = 0) -> jax.stages.Compiled:
         """The micro-step for micro-steps of `shape` (rows, length), or under a 1F1B pipeline
-        for `chain` of them in one schedule (`chain_inputs` lays them out); the accumulator
-        is donated."""
-        key = (*shape, chain)
+        for `chain` of them in one schedule (`chain_inputs` lays them out), whose rows hold at
+        most `documents` documents each (0: not known; see `documents`); the accumulator is
+        donated."""
+        key = (*shape, chain, documents)
         if key not in self._compiled:
             rows = shape[0]
             if rows % self.layout.batch_shards:
@@ -249,7 +270,8 @@ class BucketStep:
                                 f"{self.layout.batch_shards} batch shards of "
                                 f"{self.layout.strategy}: use a multiple of "
                                 f"{self.layout.batch_shards}")
-            step = functools.partial(_micro_step, config=self.config, layout=self.inner,
+            config = dataclasses.replace(self.config, attention_documents=documents)
+            step = functools.partial(_micro_step, config=config, layout=self.inner,
                                      partial=self.partial if self.shards > 1 else (),
                                      chain=chain)
             batch = {k: jax.ShapeDtypeStruct((chain * rows, shape[1]), jnp.int32)

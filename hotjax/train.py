@@ -283,8 +283,9 @@ class Trainer:
             # Placed while the previous call computes; a 1F1B pipeline's in one schedule.
             for chain, arrays in bucket.calls(micro):
                 shape = (rows, batch.tokens.shape[1])
-                fresh = not bucket.is_compiled(shape, chain)
-                step = bucket.compiled(shape, chain)
+                documents = bucket.documents(arrays)
+                fresh = not bucket.is_compiled(shape, chain, documents)
+                step = bucket.compiled(shape, chain, documents)
                 if fresh:
                     together(f"compiled {shape} x {chain}")
                 acc = step(compute, acc, bucket.place(arrays), bucket_scale)

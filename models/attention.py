@@ -37,6 +37,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from models.cudnn_attention import (
+    cudnn_packed_attention,
+    cudnn_packed_support,
+    cudnn_pays,
+    workspace_bytes,
+)
 from models.options import ATTENTION_BACKENDS
 
 Array = jax.Array
@@ -83,30 +89,40 @@ class AttentionSharding:
 
 
 def choose_backend(requested: str, platform: str, *, ring: bool, packed: bool,
-                   seq_len: int | None = None) -> tuple[str, str | None]:
+                   seq_len: int | None = None, dtype=None, documents: int = 0,
+                   workspace: int = 0, capability: int | None = None
+                   ) -> tuple[str, str | None]:
     """The kernel that runs, and why it is not the one requested (None when it is).
 
-    On GPU, "auto" takes cuDNN's fused attention where the mask is plain causal (rows that are
-    one document each), the packed-attention Pallas kernel (`models.packed_attention`, which
-    skips the blocks no document spans) for packed rows (of a length its tiles divide;
-    `seq_len` None: not yet known), and the blockwise kernel around a ring; elsewhere the
-    blockwise kernel.
+    On GPU, "auto" takes cuDNN's fused attention for rows that are one document each, and for
+    packed rows where its packed layout runs (`cudnn_packed_support`: 16-bit inputs, Hopper or
+    later, a JAX whose packed offsets honour GQA) and pays (`cudnn_pays`: long documents, by
+    `documents`, the step's cap, 0 when not known; a `workspace` in bytes within its limit,
+    `models.cudnn_attention.workspace_bytes`). Other packed rows take the packed-attention
+    Pallas kernel (`models.packed_attention`, for rows its tiles divide; `seq_len` None: not
+    yet known), a context-parallel ring the blockwise kernel; every other platform the
+    blockwise kernel. `capability`: the GPU's compute capability (major), None when not known.
     """
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}: choose one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
     if requested in ("blockwise", "dense"):
         return requested, None
-    gpu_kernel = "pallas" if packed else "cudnn"
-    wanted = gpu_kernel if requested == "auto" else requested
     if platform != "gpu":
-        why = f"{wanted} needs a GPU" if requested != "auto" else None
+        why = f"{requested} needs a GPU" if requested != "auto" else None
         return "blockwise", why
     if ring:
         return "blockwise", None if requested == "auto" else (
-            f"{wanted} cannot pass K/V around a context-parallel ring")
-    if wanted == "cudnn" and packed:
-        return "blockwise", "cudnn has no document mask for packed rows"
+            f"{requested} cannot pass K/V around a context-parallel ring")
+    if requested in ("auto", "cudnn") and packed:
+        why = cudnn_packed_support(dtype, capability)
+        pays = seq_len is not None and cudnn_pays(seq_len, documents, workspace)
+        if why is None and (requested == "cudnn" or pays):
+            return "cudnn", None
+        fallback, fallback_why = choose_backend("pallas", platform, ring=False, packed=True,
+                                                seq_len=seq_len)
+        return fallback, why if requested == "cudnn" else fallback_why
+    wanted = "cudnn" if requested == "auto" else requested
     if wanted == "pallas" and not _pallas_available():
         return "blockwise", "the Pallas GPU kernel is not importable"
     if wanted == "pallas" and seq_len is not None and seq_len % PALLAS_BLOCK:
@@ -124,23 +140,31 @@ def _pallas_available() -> bool:
 
 def attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_BxT: Array,
               positions_BxT: Array, *, backend: str = "auto", block: int = 0,
-              packed: bool = True, sharding: AttentionSharding | None = None) -> Array:
+              packed: bool = True, documents: int = 0,
+              sharding: AttentionSharding | None = None) -> Array:
     """Softmax attention under the document-causal mask, output [B, T, N, H] in q's dtype.
 
     `block`: the block edge of the blockwise kernel (0: the platform's default). `packed`:
     whether rows may hold several documents (False lets cuDNN take plain causal rows).
-    `sharding`: run per device under this layout (a ring when the sequence is split); None
-    leaves the layout to XLA.
+    `documents`: the most documents a row holds (0: not known). `sharding`: run per device
+    under this layout (a ring when the sequence is split); None leaves the layout to XLA.
     """
     ring = sharding is not None and sharding.ring_size > 1
-    platform = (sharding.mesh.devices.flat[0].platform if sharding is not None
-                else jax.default_backend())
-    kernel, _ = choose_backend(backend, platform, ring=ring, packed=packed,
-                               seq_len=q_BxTxNxH.shape[1])
+    device = sharding.mesh.devices.flat[0] if sharding is not None else jax.devices()[0]
+    platform = device.platform
+    B, T, N, H = q_BxTxNxH.shape
+    if sharding is not None:  # one device's rows and heads
+        B, N = (size // math.prod(sharding.mesh.shape[a] for a in _axes(sharding.q, dim))
+                for size, dim in ((B, 0), (N, 2)))
+    kernel, _ = choose_backend(backend, platform, ring=ring, packed=packed, seq_len=T,
+                               dtype=q_BxTxNxH.dtype, documents=documents,
+                               workspace=workspace_bytes(B, T, documents, N, H),
+                               capability=compute_capability(device))
     block = block or DEFAULT_BLOCK.get(platform, DEFAULT_BLOCK["gpu"])
     if kernel == "dense":
         return dense_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, positions_BxT)
-    local = functools.partial(_local_attention, kernel=kernel, block=block)
+    local = functools.partial(_local_attention, kernel=kernel, block=block,
+                              documents=documents if packed else 1)
     if sharding is None:
         return local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, positions_BxT,
                      shard=_Shard())
@@ -156,6 +180,16 @@ def attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_
         functools.partial(local, shard=shard), mesh=sharding.mesh,
         in_specs=(sharding.q, sharding.kv, sharding.kv, tokens, tokens), out_specs=sharding.q,
         check_vma=False)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, positions_BxT)
+
+
+def compute_capability(device: jax.Device) -> int | None:
+    """A GPU's compute capability (major), None where the device does not say (a CPU, a
+    deviceless compile's target)."""
+    found = getattr(device, "compute_capability", None)
+    try:
+        return int(str(found).split(".")[0])
+    except ValueError:
+        return None
 
 
 def _axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
@@ -190,8 +224,9 @@ class _Shard(NamedTuple):
 
 def _local_attention(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
                      segment_ids_BxT: Array, positions_BxT: Array, *, shard: _Shard, kernel: str,
-                     block: int) -> Array:
-    """One device's share: its query rows and heads, against every K/V chunk of its ring."""
+                     block: int, documents: int) -> Array:
+    """One device's share: its query rows and heads, against every K/V chunk of its ring.
+    `documents`: the most a row holds (1: rows are one causal document each; 0: not known)."""
     B, T, N, _ = q_BxTxNxH.shape
     if shard.kv_replicated:
         # More tensor ranks than K/V heads: every rank holds all K/V heads; keep the ones this
@@ -201,8 +236,17 @@ def _local_attention(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
         first = lax.axis_index(shard.head_axes) * N // G
         k_BxSxKxH, v_BxSxKxH = (lax.dynamic_slice_in_dim(x, first, -(-N // G), axis=2)
                                 for x in (k_BxSxKxH, v_BxSxKxH))
-    if kernel == "cudnn":
+    if kernel == "cudnn" and documents == 1:
         return _cudnn(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH)
+    if kernel == "cudnn":
+        # Rows past the cap (possible only where the cap is not the step's own) take the
+        # Pallas kernel, whose tiles the row's length then divides, else the blockwise one.
+        fallback, _ = choose_backend("pallas", "gpu", ring=False, packed=True, seq_len=T)
+        return cudnn_packed_attention(
+            q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT, max_docs=documents,
+            fallback=lambda q, k, v, seg: _local_attention(
+                q, k, v, seg, positions_BxT, shard=shard._replace(kv_replicated=False),
+                kernel=fallback, block=block, documents=documents))
     if kernel == "pallas":
         return _pallas(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT)
     columns_BxT = jnp.broadcast_to(_columns(T, shard), (B, T))

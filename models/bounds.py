@@ -53,7 +53,7 @@ ROPE_DEFAULTS: dict[str, float | int] = {"factor": 8.0, "low_freq_factor": 1.0,
 MODEL_REQUIRED = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
 MODEL_OPTIONAL = ("head_dim", "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings",
                   "max_seq_len", "compute_dtype", "remat", "attention", "attention_block",
-                  "pipeline_schedule")
+                  "attention_documents", "pipeline_schedule")
 
 
 def host_memory() -> int:
@@ -230,7 +230,7 @@ def check_model(fields: Any, where: str, fix: str, names: Mapping[str, str] | No
                         f"({heads}), so a head has no dimensions: {fix}")
     if fields.get("head_dim") is not None:
         whole(fields["head_dim"], name("head_dim"), 1, MAX_HEAD_DIM, where, fix)
-    for field, low in (("max_seq_len", 1), ("attention_block", 0)):
+    for field, low in (("max_seq_len", 1), ("attention_block", 0), ("attention_documents", 0)):
         if field in fields:
             whole(fields[field], name(field), low, MAX_SEQ_LEN, where, fix)
     if "rope_theta" in fields:

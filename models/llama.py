@@ -85,6 +85,9 @@ class LlamaConfig:
     remat: str = "none"  # one of REMAT_POLICIES
     attention: str = "auto"  # one of ATTENTION_BACKENDS
     attention_block: int = 0  # the blockwise kernel's block edge (0: the platform's default)
+    # The most documents a row of the step holds, a power of two (0: not known); set per
+    # compiled micro-step by `hotjax.step.BucketStep`: cuDNN's packed layout is sized by it.
+    attention_documents: int = 0
     pipeline_schedule: str = "1f1b"  # one of models.pipeline.SCHEDULES, under `stage`
 
     def __post_init__(self) -> None:
@@ -291,6 +294,7 @@ def _block(cfg: LlamaConfig, placement: Placement | None, packed: bool) -> Calla
     constrain = _no_constraint if placement is None else placement.constrain
     attend = functools.partial(
         attention, backend=cfg.attention, block=cfg.attention_block, packed=packed,
+        documents=cfg.attention_documents,
         sharding=None if placement is None else placement.attention)
     layer_axes = {k: axes[1:] for k, axes in param_axes(cfg)["layers"].items()}
 

@@ -10,12 +10,14 @@ Parts, each its own process (a failure or a hang in one loses nothing of the oth
   precision) on packed rows with GQA, in float32 and bfloat16; and three training steps of the
   `small` model (float32, packed rows, `--attention auto`, so the Pallas kernel) on the GPU
   against the same steps on the host's CPU (the blockwise kernel).
-- `kernels`: forward + backward of one packed row of documents of about 256 and about 2,048
-  tokens at 8K and 32K, LLaMA-3-8B's attention shape (32 query heads, 8 K/V heads, 128 wide),
-  bfloat16: ours; JAX's Pallas `mha` with segment ids (K/V repeated to every query head: it has
-  no GQA; it skips only what lies above the causal diagonal); cuDNN's fused attention (plain
-  causal: no document mask, so the whole triangle, for scale); the blockwise XLA kernel; dense
-  at 8K. TFLOP/s counts the (query, key) pairs the documents need, as the cost model does.
+- `cudnn`: cuDNN's packed attention (`models.cudnn_attention`) against the same reference, with
+  GQA, padding and a row past its document cap (the fallback); the versions that ran.
+- `kernels`: forward + backward of one row of documents of about 256 and about 2,048 tokens and
+  of one document, at 8K and 32K, LLaMA-3-8B's attention shape (32 query heads, 8 K/V heads,
+  128 wide; and 64 wide), bfloat16: the Pallas kernel; cuDNN's packed layout under the row's
+  own document cap; cuDNN's plain causal attention on the one-document row; with
+  `--blockwise` the blockwise XLA kernel. TFLOP/s counts the (query, key) pairs the documents
+  need, as the cost model does.
 - `mfu`: a Llama-3.2-1B-shaped model (16 layers, 2048 wide, vocabulary 128,256, tied
   embeddings) trained by hotjax's own `Trainer` on one GPU, bf16, 16,384 tokens a step of rows
   of 2,048 and of 8,192 tokens (three documents a row): model FLOPs (`models.work`, recompute
@@ -31,13 +33,14 @@ Parts, each its own process (a failure or a hang in one loses nothing of the oth
   model's worst case.
 
 Hardware: whatever GPU JAX sees; every figure is reported with its device name. `--quick` runs
-each part at toy sizes on any platform (on CPU the Pallas kernel in its interpreter; no cuDNN
-or JAX `mha`), a smoke test of the script itself.
+each part at toy sizes on any platform (on CPU the Pallas kernel in its interpreter; no cuDNN),
+a smoke test of the script itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -47,7 +50,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PARTS = ("check", "kernels", "mfu", "profile", "calibrate")
+from models.options import ATTENTION_BACKENDS  # noqa: E402  (free of JAX: the parser's choices)
+
+PARTS = ("check", "cudnn", "kernels", "mfu", "profile", "calibrate")
 # calibrate: (rows, tokens) of the micro-steps timed, full size and --quick.
 CALIBRATE_SHAPES = {False: ((8, 2048), (2, 8192), (1, 32768)),
                     True: ((4, 128),)}
@@ -193,70 +198,150 @@ def kernels(args) -> dict:
     import numpy as np
     from bench_attention import make_row
 
-    from models.attention import _cudnn, dense_attention
+    from hotjax.step import document_cap
+    from models.attention import _cudnn
     from models.attention import attention as blockwise_or_auto
+    from models.cudnn_attention import cudnn_packed_attention
     from models.packed_attention import block_for, computed_blocks, packed_attention
     from models.work import ATTENTION_TRAINING
 
     device = _device()
     on_gpu = device.platform == "gpu"
-    N, K, H = ((4, 2, 64) if args.quick else
-               (KERNEL_SHAPE["heads"], KERNEL_SHAPE["kv_heads"], KERNEL_SHAPE["head_dim"]))
+    N, K = (4, 2) if args.quick else (KERNEL_SHAPE["heads"], KERNEL_SHAPE["kv_heads"])
+    head_dims = (64,) if args.quick else (128, 64)
     lengths = (512,) if args.quick else (8192, 32768)
-    docs = (64,) if args.quick else (256, 2048)
-    repeats = 2 if args.quick else 5
+    repeats = 2 if args.quick else 3
     dtype = jnp.bfloat16
     results = []
 
     def attend_by(name: str, seg, pos):
+        def pallas(q, k, v, seg=seg):
+            return packed_attention(q, k, v, seg, interpret=not on_gpu)
         if name == "packed":
-            return lambda q, k, v: packed_attention(q, k, v, seg, interpret=not on_gpu)
-        if name == "mha":
-            from jax.experimental.pallas.ops.gpu.attention import mha
-
-            def run(q, k, v):
-                G = q.shape[2] // k.shape[2]
-                return mha(q, jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2), seg,
-                           sm_scale=q.shape[-1] ** -0.5, causal=True)
-            return run
+            return pallas
+        if name == "cudnn-packed":
+            cap = document_cap(np.asarray(seg))
+            return lambda q, k, v: cudnn_packed_attention(q, k, v, seg, max_docs=cap,
+                                                          fallback=pallas)
         if name == "cudnn":
             return _cudnn
-        if name == "blockwise":
-            return lambda q, k, v: blockwise_or_auto(q, k, v, seg, pos, backend="blockwise")
-        return lambda q, k, v: dense_attention(q, k, v, seg, pos)
+        return lambda q, k, v: blockwise_or_auto(q, k, v, seg, pos, backend="blockwise")
 
-    for T in lengths:
-        q, k, v, ct = _qkv(1, T, N, K, H, dtype)
-        for doc in docs:
-            seg_np, pos_np = make_row("packed", T, doc)
-            seg, pos = jnp.asarray(seg_np), jnp.asarray(pos_np)
-            pairs = _document_pairs(seg_np)
-            names = ["packed"]
-            if on_gpu:
-                names += ["mha", "cudnn"] if doc == docs[0] else []
-                names += ["blockwise"] if T <= 8192 else []
-                names += ["dense"] if T <= 8192 and doc == docs[0] else []
-            for name in names:
-                entry = {"seq_len": T, "doc_len": doc, "kernel": name, "pairs": pairs,
-                         "causal_pairs": T * (T + 1) // 2}
-                if name == "packed":
-                    edge = block_for(dtype, H, T)
-                    entry["blocks"] = int(np.sum(computed_blocks(seg_np, edge)))
-                    entry["total_blocks"] = (T // edge) ** 2
-                try:
-                    first, median, _ = _timed(_grad_step(attend_by(name, seg, pos), ct),
-                                              (q, k, v), repeats)
-                    flops = ATTENTION_TRAINING * 4 * N * H * pairs
-                    entry |= {"status": "ok", "first_s": first, "step_ms": median * 1e3,
-                              "useful_tflops": flops / median / 1e12}
-                except Exception as e:  # noqa: BLE001  (a kernel that will not run is a result)
-                    entry |= {"status": "failed", "error": f"{type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:300] if str(e) else ''}"}
-                results.append(entry)
-                print(json.dumps(entry), file=sys.stderr, flush=True)
-    return {"device": device.device_kind, "shape": {"heads": N, "kv_heads": K, "head_dim": H,
-                                                    "dtype": "bfloat16"},
+    for H in head_dims:
+        for T in lengths:
+            q, k, v, ct = _qkv(1, T, N, K, H, dtype)
+            docs = (64, T) if args.quick else (256, 2048, T)
+            for doc in docs:
+                seg_np, pos_np = make_row("packed" if doc < T else "causal", T, doc)
+                seg, pos = jnp.asarray(seg_np), jnp.asarray(pos_np)
+                pairs = _document_pairs(seg_np)
+                names = ["packed"] + (["cudnn-packed"] if on_gpu else [])
+                if on_gpu and H == 128:
+                    names += ["cudnn"] if doc == T else []
+                    names += ["blockwise"] if args.blockwise and T <= 8192 and doc == 2048 \
+                        else []
+                for name in names:
+                    entry = {"head_dim": H, "seq_len": T, "doc_len": doc, "kernel": name,
+                             "pairs": pairs, "causal_pairs": T * (T + 1) // 2}
+                    if name == "packed":
+                        edge = block_for(dtype, H, T)
+                        entry["blocks"] = int(np.sum(computed_blocks(seg_np, edge)))
+                        entry["total_blocks"] = (T // edge) ** 2
+                    entry |= _time_kernel(_grad_step(attend_by(name, seg, pos), ct), (q, k, v),
+                                          repeats, ATTENTION_TRAINING * 4 * N * H * pairs)
+                    results.append(entry)
+                    print(json.dumps(entry), file=sys.stderr, flush=True)
+    return {"device": device.device_kind, "versions": _versions(),
+            "shape": {"heads": N, "kv_heads": K, "head_dims": head_dims, "dtype": "bfloat16"},
             "repeats": repeats, "results": results}
+
+
+def _time_kernel(step, inputs, repeats: int, flops: float) -> dict:
+    """A kernel's forward + backward timed: its seconds and rate, or what it failed of."""
+    try:
+        first, median, _ = _timed(step, inputs, repeats)
+    except Exception as e:  # noqa: BLE001  (a kernel that will not run is a result)
+        return {"status": "failed", "error": f"{type(e).__name__}: "
+                f"{str(e).splitlines()[0][:300] if str(e) else ''}"}
+    return {"status": "ok", "first_s": first, "step_ms": median * 1e3,
+            "useful_tflops": flops / median / 1e12}
+
+
+def _versions() -> dict:
+    """What ran: JAX's packages, cuDNN, and whether JAX's packed K/V offsets honour GQA."""
+    from importlib import metadata
+
+    from models.cudnn_attention import gqa_offsets_fixed
+
+    found = {}
+    for name in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "flax",
+                 "nvidia-cudnn-cu12", "nvidia-cudnn-cu13"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[name] = metadata.version(name)
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+        found["cudnn"] = check_cudnn_version()
+    except Exception as e:  # noqa: BLE001  (no cuDNN here is a fact to record)
+        found["cudnn"] = f"{type(e).__name__}: {e}"[:200]
+    found["gqa_offsets_fixed"] = gqa_offsets_fixed()
+    return found
+
+
+def cudnn(args) -> dict:
+    """cuDNN's packed attention (`models.cudnn_attention`) against the dense reference, forward
+    and the three gradients, on packed rows with GQA and padding: under its own document cap
+    and under one the rows overflow (so the fallback runs); padding's outputs and gradients."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from bench_attention import make_row
+
+    from hotjax.step import document_cap
+    from models.attention import dense_attention
+    from models.cudnn_attention import cudnn_packed_attention
+    from models.packed_attention import packed_attention
+
+    device = _device()
+    T = 256 if args.quick else 2048
+    cases = []
+    rows = [make_row("packed", T, doc, seed) for seed, doc in enumerate((T // 8, T // 3))]
+    seg_np = np.concatenate([r[0] for r in rows])
+    seg_np[:, -T // 16:] = 0  # padding at the end of each row
+    seg, pos = jnp.asarray(seg_np), jnp.asarray(np.concatenate([r[1] for r in rows]))
+    for dtype, H, cap in (("bfloat16", 128, document_cap(seg_np)), ("bfloat16", 64, 0),
+                          ("float16", 64, document_cap(seg_np)), ("bfloat16", 64, 3)):
+        q, k, v, ct = _qkv(2, T, 8, 2, H, jnp.dtype(dtype))
+        ours = _grad_step(lambda q, k, v, cap=cap: cudnn_packed_attention(
+            q, k, v, seg, max_docs=cap,
+            fallback=lambda q, k, v, s: packed_attention(q, k, v, s)), ct)
+        with jax.default_matmul_precision("highest"):
+            ref = _grad_step(lambda q, k, v: dense_attention(
+                q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), seg,
+                pos), ct)
+            (_, ref_out), ref_grads = jax.block_until_ready(ref(q, k, v))
+        case = {"dtype": dtype, "shape": [2, T, 8, 2, H], "max_docs": cap or "default",
+                "documents": int(((seg_np > 0) & (seg_np != np.pad(seg_np, ((0, 0), (1, 0)))[
+                    :, :-1])).sum(axis=1).max())}
+        try:
+            (_, out), grads = jax.block_until_ready(ours(q, k, v))
+        except Exception as e:  # noqa: BLE001  (a kernel that will not run is a result)
+            case["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            cases.append(case)
+            print(json.dumps(case), file=sys.stderr, flush=True)
+            continue
+        pad = seg_np == 0
+        names = ("out", "dq", "dk", "dv")
+        case |= {"max_abs_error": {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)))
+                                   for n, a, b in zip(names, (out, *grads), (ref_out, *ref_grads),
+                                                      strict=True)},
+                 "max_abs_reference": {n: float(jnp.max(jnp.abs(b)))
+                                       for n, b in zip(names, (ref_out, *ref_grads), strict=True)},
+                 "max_abs_at_padding": {n: float(np.max(np.abs(np.asarray(a, np.float32)[pad])))
+                                        for n, a in zip(names, (out, *grads), strict=True)}}
+        cases.append(case)
+        print(json.dumps(case), file=sys.stderr, flush=True)
+    return {"device": device.device_kind, "versions": _versions(), "check": cases}
 
 
 def mfu(args) -> dict:
@@ -270,7 +355,7 @@ def mfu(args) -> dict:
     device = _device()
     model = preset("tiny") if args.quick else LlamaConfig(**ONE_B)
     config = as_trained(model, compute_dtype="bfloat16" if device.platform == "gpu"
-                        else "float32")
+                        else "float32", attention=args.attention)
     per_token, per_pair = training_flops(config)
     batch_tokens = 1024 if args.quick else args.batch_tokens
     peak = _peak_tflops(device.device_kind)
@@ -292,8 +377,8 @@ def mfu(args) -> dict:
         results.append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k != "notes"}), file=sys.stderr,
               flush=True)
-    return {"device": device.device_kind, "peak_tflops": peak,
-            "params": config.num_params(), "results": results}
+    return {"device": device.device_kind, "versions": _versions(), "peak_tflops": peak,
+            "attention": args.attention, "params": config.num_params(), "results": results}
 
 
 def profile(args) -> dict:
@@ -472,6 +557,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="toy sizes, any platform")
     parser.add_argument("--batch-tokens", type=int, default=16384,
                         help="mfu: tokens a step (default: %(default)s)")
+    parser.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
+                        help="mfu: the attention kernel asked for (default: %(default)s)")
+    parser.add_argument("--blockwise", action="store_true",
+                        help="kernels: also time the blockwise XLA kernel")
     parser.add_argument("--profile", help="calibrate: a `profile --json` report to predict "
                         "with, instead of measuring one")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # calibrate's child: ROWS,TOKENS,REMAT
@@ -480,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_calibrate_one(args), default=str))
         return 0
     started = time.perf_counter()
-    found = {"check": check, "kernels": kernels, "mfu": mfu, "profile": profile,
+    found = {"check": check, "cudnn": cudnn, "kernels": kernels, "mfu": mfu, "profile": profile,
              "calibrate": calibrate}[args.part](args)
     found["seconds"] = time.perf_counter() - started
     print(json.dumps(found, indent=1, default=str) if args.json else _table(args.part, found))
@@ -490,13 +579,14 @@ def main(argv: list[str] | None = None) -> int:
 def _table(part: str, found: dict) -> str:
     lines = [f"{part} on {found['device']} ({found['seconds']:.0f} s)"]
     if part == "kernels":
-        lines.append(f"{'T':>6} {'doc':>5} {'kernel':>9} {'ms':>9} {'TFLOP/s':>8}  blocks")
+        lines.append(f"{'H':>4} {'T':>6} {'doc':>5} {'kernel':>12} {'ms':>9} {'TFLOP/s':>8}"
+                     f"  blocks")
         for r in found["results"]:
             ms = f"{r['step_ms']:9.2f}" if r.get("status") == "ok" else f"{'failed':>9}"
             tf = f"{r['useful_tflops']:8.1f}" if r.get("status") == "ok" else " " * 8
             blocks = (f"{r['blocks']}/{r['total_blocks']}" if "blocks" in r else "")
-            lines.append(f"{r['seq_len']:>6} {r['doc_len']:>5} {r['kernel']:>9} {ms} {tf}  "
-                         f"{blocks}")
+            lines.append(f"{r['head_dim']:>4} {r['seq_len']:>6} {r['doc_len']:>5} "
+                         f"{r['kernel']:>12} {ms} {tf}  {blocks}")
     elif part == "mfu":
         for r in found["results"]:
             lines.append(f"T={r['seq_len']}: " + (

@@ -212,7 +212,6 @@ def test_the_pallas_gpu_kernel_equals_dense_when_interpreted():
     ("auto", "gpu", False, False, "cudnn", None),
     ("auto", "gpu", False, True, "pallas", None),
     ("auto", "gpu", True, True, "blockwise", None),
-    ("cudnn", "gpu", False, True, "blockwise", "cudnn has no document mask for packed rows"),
     ("pallas", "gpu", True, True, "blockwise",
      "pallas cannot pass K/V around a context-parallel ring"),
     ("dense", "gpu", False, True, "dense", None),

@@ -255,12 +255,12 @@ class MicroStepRun:
                  devices: tuple[jax.Device, ...], shape: tuple[int, int]):
         step = bucket_step(config, strategy, devices)
         self.notes = step.notes
-        self.compiled = step.compiled(shape)
+        (arrays,) = micro_step_inputs(step.layout, causal_batch(*shape, config.vocab_size),
+                                      shape[0])
+        self.compiled = step.compiled(shape, documents=step.documents(arrays))
         self.params = jax.jit(lambda: jax.tree.map(lambda p: p.astype(config.dtype),
                                                    init_params(config, 0)),
                               out_shardings=step.param_shardings)()
-        (arrays,) = micro_step_inputs(step.layout, causal_batch(*shape, config.vocab_size),
-                                      shape[0])
         self.batch, self.scale = step.place(arrays), step.place_scale(jnp.ones((), jnp.float32))
         self.acc = step.zeros()
 

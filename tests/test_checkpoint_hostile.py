@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorstore as ts
-from helpers import TINY, capped, capped_hotjax, error, one_line
+from helpers import TINY, TINY_RUN, capped, capped_hotjax, error, one_line
 
 from hotjax.checkpoint import dirs, store
 from hotjax.checkpoint import meta as meta_lib
@@ -60,6 +60,19 @@ def test_a_step_entry_linked_outside_is_refused_at_start_and_nothing_outside_is_
     assert str(caught.value) == (
         f"--ckpt-dir {ck}: its entry 1 is a symbolic link, not a step directory hotjax wrote: "
         f"remove it or choose another --ckpt-dir (nothing was deleted)")
+    assert _files(tmp_path) == before
+
+
+def test_train_with_a_linked_step_entry_in_its_ckpt_dir_stops_at_its_start_in_one_line(
+        tmp_path, capsys):
+    before = _outside(tmp_path)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "1").symlink_to("../elsewhere")
+    err = error([*TINY_RUN, "--ckpt-dir", str(ck)], capsys)
+    assert err == (f"hotjax: error: --ckpt-dir {ck}: its entry 1 is a symbolic link, not a "
+                   f"step directory hotjax wrote: remove it or choose another --ckpt-dir "
+                   f"(nothing was deleted)")
     assert _files(tmp_path) == before
 
 
@@ -303,3 +316,14 @@ def test_array_metadata_claiming_huge_shapes_or_chunks_is_one_line_before_a_byte
     err = one_line(done.stderr)
     assert f"{step_dir / store.PARAMS}: {expect}" in err, err
     assert not (tmp_path / "hf").exists()
+
+
+def test_an_export_to_a_place_it_cannot_write_is_one_line_before_any_work(saved, tmp_path,
+                                                                          capsys):
+    (tmp_path / "file").write_text("a file, not a directory")
+    for out, expect in ((tmp_path / "file" / "hf", f"{tmp_path / 'file'} is not a writable "
+                         f"directory (nothing was written)"),
+                        (tmp_path / "file", "exists and is not an empty directory")):
+        err = error(["ckpt", "export-hf", str(saved), str(out)], capsys)
+        assert f"{out}: " in err and expect in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]

@@ -3,11 +3,13 @@ activation layout. Arithmetic on shapes only: no devices needed."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from typing import Any
 
 from models.attention import DEFAULT_BLOCK, choose_backend
+from models.cudnn_attention import CUDNN_TOKENS_PER_DOCUMENT, cudnn_packed_support
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, param_axes
 from models.optimizers import ADAMW, Optimizer
@@ -135,8 +137,16 @@ def _gradients(strategy: Strategy, grad_bytes: int) -> dict[str, Any]:
 def _attention(strategy: Strategy, config: LlamaConfig, platform: str) -> dict[str, Any]:
     split = ways(strategy.activation_spec((None, "inner_seq")), strategy.axes)
     ring = split[1] if len(split) > 1 else 1  # K/V go round the ranks splitting the sequence
-    kernel, note = choose_backend(config.attention, platform, ring=ring > 1, packed=True)
+    choose = functools.partial(choose_backend, config.attention, platform, ring=ring > 1,
+                               packed=True, dtype=config.dtype)
+    kernel, note = choose()
+    # A micro-step whose rows hold long documents (one per 1,024 tokens or fewer) may take
+    # another kernel: cuDNN's packed layout, where it runs.
+    long_documents, _ = choose(seq_len=CUDNN_TOKENS_PER_DOCUMENT * 2, documents=2)
+    unused = (cudnn_packed_support(config.dtype, None)
+              if platform == "gpu" and ring == 1 and config.attention == "auto" else None)
     return {"requested": config.attention, "kernel": kernel, "note": note, "ring": ring,
+            "long_documents_kernel": long_documents, "cudnn_packed_unused": unused,
             "balanced": strategy.balanced,
             "block": config.attention_block or DEFAULT_BLOCK.get(platform, DEFAULT_BLOCK["gpu"])}
 

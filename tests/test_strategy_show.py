@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from helpers import write_table
@@ -92,6 +93,8 @@ def test_the_attention_kernel_and_its_ring_are_reported(capsys):
                    "--context", "1024")
     assert ring["attention"] == {"requested": "auto", "kernel": "blockwise", "note": None,
                                  "ring": 4, "balanced": True, "block": 256,
+                                 "long_documents_kernel": "blockwise",
+                                 "cudnn_packed_unused": None,
                                  "ring_blocks": [9, 9, 9, 9]}  # 36 causal blocks of 128
     [forced] = _show(capsys, "data=8", "--model", "tiny", "--attention", "cudnn")
     assert (forced["attention"]["kernel"], forced["attention"]["note"], forced["attention"][
@@ -157,3 +160,30 @@ def test_bad_input_is_one_error_line_and_exit_code_2(strategy, model, expected, 
     errors = captured.err.splitlines()
     assert len(errors) == 1 and errors[0].startswith("hotjax: error:"), captured.err
     assert expected in errors[0]
+
+
+@pytest.mark.parametrize("jax_fixed, long_documents, unused", [
+    (True, "cudnn", None), (False, "pallas", "places packed K/V wrongly under GQA")])
+def test_a_gpu_report_names_the_kernel_of_long_documents(monkeypatch, jax_fixed,
+                                                        long_documents, unused):
+    import models.cudnn_attention as cudnn_attention
+    from models.llama import as_trained
+    from sharding.report import describe
+    from sharding.strategy import Strategy
+
+    monkeypatch.setattr(cudnn_attention, "gqa_offsets_fixed", lambda: jax_fixed)
+    config = as_trained(TINY, compute_dtype="bfloat16")
+    attention = describe(Strategy.parse("data=8"), config, "gpu")["attention"]
+    assert (attention["kernel"], attention["long_documents_kernel"]) == ("pallas", long_documents)
+    assert unused is None and attention["cudnn_packed_unused"] is None or \
+        unused in attention["cudnn_packed_unused"]
+    ring = describe(Strategy.parse("context=8"), config, "gpu")["attention"]
+    assert (ring["kernel"], ring["long_documents_kernel"]) == ("blockwise", "blockwise")
+
+
+def test_every_bucket_of_a_table_is_titled_with_the_model(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    table = Path(__file__).parents[1] / "sharding" / "tables" / "default.toml"
+    assert main(["strategy", "show", str(table), "--model", "tiny"]) == 0
+    titles = [line for line in capsys.readouterr().out.splitlines() if "bucket <=" in line]
+    assert len(titles) == 3 and all(line.rstrip().endswith("on tiny") for line in titles)

@@ -156,8 +156,8 @@ def _show(args: argparse.Namespace) -> None:
                 f"{tokens:,} tokens (activations forward, gradients back)")
         activations = Table("activation", "placement", title="activations",
                             title_justify="left")
-        for name, spec in report["activations"].items():
-            activations.add_row(name, spec)
+        for activation, spec in report["activations"].items():
+            activations.add_row(activation, spec)
         console.print(activations)
         console.print(_attention_line(report["attention"], platform))
         if report["remat"]:
@@ -214,6 +214,11 @@ def _attention_line(attention: dict, platform: str) -> str:
                  + " ".join(map(str, attention["ring_blocks"])))
     if attention["note"]:
         line += f" ({attention['requested']} asked for: {attention['note']})"
+    if attention["long_documents_kernel"] != kernel:
+        line += (f"; micro-steps of long documents (at most one per 1,024 tokens): "
+                 f"{attention['long_documents_kernel']} (cuDNN's packed layout)")
+    elif attention["cudnn_packed_unused"]:
+        line += f"; cuDNN's packed layout unused: {attention['cudnn_packed_unused']}"
     return line
 
 

@@ -28,7 +28,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "model": {"help": "model preset, or a JSON file of LlamaConfig fields (default: "
               f"{DEFAULT_MODEL}; resuming, the checkpoint's model)"},
     "strategy": {"help": 'mesh and rules, e.g. "data=2,fsdp=4" or "fsdp=8,rules=fsdp" '
-                 "(default: data parallel over all devices)"},
+                 "(default: on exactly 8 devices the hot-switched table "
+                 "sharding/tables/default.toml, on any other count data parallel over all "
+                 "devices)"},
     "strategies": {"metavar": "TABLE.toml", "help": "a strategy table, or 'auto': planned for "
                    "this machine's devices by `hotjax plan`'s cost model (measured once, "
                    "cached)"},

@@ -1,4 +1,9 @@
-"""LLaMA in Flax NNX: every parameter carries logical axis names; layers are stacked and scanned."""
+"""LLaMA in Flax NNX: every parameter carries logical axis names; layers are stacked and scanned.
+
+Letters: B batch rows, T tokens, D model width, V vocabulary, N query heads, K K/V heads, H head
+dim, F MLP width, L layers. Training's forward pass and decoding (`models.decode`) share the
+pieces: `compute_embedding`, `embedded`, `rope_tables`, `layer`, `head_weights`, `final_logits`.
+"""
 
 from __future__ import annotations
 
@@ -240,8 +245,8 @@ class Llama(nnx.Module):
             segment_ids_BxT = jnp.ones((B, T), jnp.int32)
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        embed_VxD = _compute_embedding(cfg, self.embed[...], constrain)
-        x_BxTxD = _embedded(embed_VxD, tokens_BxT, constrain)
+        embed_VxD = compute_embedding(cfg, self.embed[...], constrain)
+        x_BxTxD = embedded(embed_VxD, tokens_BxT, constrain)
         stacked = nnx.to_pure_dict(nnx.state(self.layers))
         rows = (segment_ids_BxT, positions_BxT, *rope_tables(cfg, positions_BxT))
         pipeline = None if placement is None else placement.pipeline
@@ -256,30 +261,33 @@ class Llama(nnx.Module):
             # Every stage group holds the pipeline's output: each takes its share of the rows
             # through the final norm, the LM head and the loss, instead of all of them.
             on_rows = placement.across_stages
-        head_DxV = _head_weights(cfg, embed_VxD if cfg.tie_embeddings else self.lm_head[...],
-                                 constrain)
-        return _logits(cfg, self.final_norm[...], head_DxV, x_BxTxD, on_rows)
+        head_DxV = head_weights(cfg, embed_VxD if cfg.tie_embeddings else self.lm_head[...],
+                                constrain)
+        return final_logits(cfg, self.final_norm[...], head_DxV, x_BxTxD, on_rows)
 
 
-def _compute_embedding(cfg: LlamaConfig, embed_VxD: Array, constrain: Constrain) -> Array:
+def compute_embedding(cfg: LlamaConfig, embed_VxD: Array,
+                      constrain: Constrain = _no_constraint) -> Array:
     # Weights are constrained to their compute layout: the activation rules applied to their
     # axes, i.e. gathered over `fsdp` and still split over `tensor` (ZeRO-3's all-gather).
     return constrain(embed_VxD.astype(cfg.dtype), ("vocab", "embed"))
 
 
-def _embedded(embed_VxD: Array, tokens_BxT: Array, constrain: Constrain) -> Array:
+def embedded(embed_VxD: Array, tokens_BxT: Array, constrain: Constrain = _no_constraint
+             ) -> Array:
     return constrain(jnp.take(embed_VxD, tokens_BxT, axis=0), ("batch", "seq", "embed"))
 
 
-def _head_weights(cfg: LlamaConfig, weights: Array, constrain: Constrain) -> Array:
+def head_weights(cfg: LlamaConfig, weights: Array, constrain: Constrain = _no_constraint
+                 ) -> Array:
     """The LM head [D, V] in its compute layout, from `lm_head` or, with tied embeddings, from
     the embedding already in its compute layout."""
     return weights.T if cfg.tie_embeddings else constrain(weights.astype(cfg.dtype),
                                                           ("embed", "vocab"))
 
 
-def _logits(cfg: LlamaConfig, final_norm_D: Array, head_DxV: Array, x_BxTxD: Array,
-            on_rows: Constrain) -> Array:
+def final_logits(cfg: LlamaConfig, final_norm_D: Array, head_DxV: Array, x_BxTxD: Array,
+                 on_rows: Constrain = _no_constraint) -> Array:
     """The final norm and the LM head, laid out by `on_rows`: fp32 logits [B, T, V]."""
     x_BxTxD = on_rows(x_BxTxD, ("batch", "seq", "embed"))
     x_BxTxD = _rms_norm(x_BxTxD, final_norm_D.astype(cfg.dtype), cfg.norm_eps)
@@ -296,23 +304,33 @@ def _block(cfg: LlamaConfig, placement: Placement | None, packed: bool) -> Calla
         attention, backend=cfg.attention, block=cfg.attention_block, packed=packed,
         documents=cfg.attention_documents,
         sharding=None if placement is None else placement.attention)
-    layer_axes = {k: axes[1:] for k, axes in param_axes(cfg)["layers"].items()}
 
     def block(x_BxTxD: Array, w: dict[str, Array], rows: tuple[Array, ...]) -> Array:
         segment_ids_BxT, positions_BxT, cos_BxTxH, sin_BxTxH = rows
-        # Re-stated on entry: the backward pass slices saved activations out of the scan's
-        # stack, and without it the partitioner can lose their batch sharding.
-        x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
-        w = {k: constrain(v.astype(cfg.dtype), layer_axes[k]) for k, v in w.items()}
-        h = _rms_norm(x_BxTxD, w["attn_norm"], cfg.norm_eps)
-        x_BxTxD = x_BxTxD + _attention(h, w, cos_BxTxH, sin_BxTxH, segment_ids_BxT,
-                                       positions_BxT, attend, constrain)
-        x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
-        h = _rms_norm(x_BxTxD, w["mlp_norm"], cfg.norm_eps)
-        x_BxTxD = x_BxTxD + _mlp(h, w, constrain)
-        return constrain(x_BxTxD, ("batch", "seq", "embed"))
+        x_BxTxD, _ = layer(cfg, x_BxTxD, w, cos_BxTxH, sin_BxTxH, lambda q, k, v: (
+            attend(q, k, v, segment_ids_BxT, positions_BxT), None), constrain)
+        return x_BxTxD
 
     return _rematerialised(block, cfg.remat)
+
+
+def layer(cfg: LlamaConfig, x_BxTxD: Array, w: dict[str, Array], cos_BxTxH: Array,
+          sin_BxTxH: Array, attend: Callable[[Array, Array, Array], tuple[Array, Any]],
+          constrain: Constrain = _no_constraint) -> tuple[Array, Any]:
+    """One transformer block over one layer's fp32 weights `w`, and what `attend` returned
+    beside its output. `attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH) -> (out_BxTxNxH, extra)` is the
+    attention: training's over the row (no extra), decoding's over its K/V cache (the cache)."""
+    layer_axes = {k: axes[1:] for k, axes in param_axes(cfg)["layers"].items()}
+    # Re-stated on entry: the backward pass slices saved activations out of the scan's
+    # stack, and without it the partitioner can lose their batch sharding.
+    x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
+    w = {k: constrain(v.astype(cfg.dtype), layer_axes[k]) for k, v in w.items()}
+    h = _rms_norm(x_BxTxD, w["attn_norm"], cfg.norm_eps)
+    out_BxTxD, extra = _attention(h, w, cos_BxTxH, sin_BxTxH, attend, constrain)
+    x_BxTxD = constrain(x_BxTxD + out_BxTxD, ("batch", "seq", "embed"))
+    h = _rms_norm(x_BxTxD, w["mlp_norm"], cfg.norm_eps)
+    x_BxTxD = x_BxTxD + _mlp(h, w, constrain)
+    return constrain(x_BxTxD, ("batch", "seq", "embed")), extra
 
 
 def _rematerialised(block: Callable, policy: str) -> Callable:
@@ -361,16 +379,9 @@ def _rotate(x_BxTxNxH: Array, cos_BxTxH: Array, sin_BxTxH: Array) -> Array:
     return x_BxTxNxH * cos_BxTxH[:, :, None] + rotated * sin_BxTxH[:, :, None]
 
 
-def _attention(
-    x_BxTxD: Array,
-    w: dict[str, Array],
-    cos_BxTxH: Array,
-    sin_BxTxH: Array,
-    segment_ids_BxT: Array,
-    positions_BxT: Array,
-    attend: Callable[..., Array],
-    constrain: Constrain,
-) -> Array:
+def _attention(x_BxTxD: Array, w: dict[str, Array], cos_BxTxH: Array, sin_BxTxH: Array,
+               attend: Callable[[Array, Array, Array], tuple[Array, Any]],
+               constrain: Constrain) -> tuple[Array, Any]:
     q_BxTxNxH = jnp.einsum("btd,dnh->btnh", x_BxTxD, w["wq"])
     k_BxTxKxH = jnp.einsum("btd,dkh->btkh", x_BxTxD, w["wk"])
     v_BxTxKxH = jnp.einsum("btd,dkh->btkh", x_BxTxD, w["wv"])
@@ -379,9 +390,9 @@ def _attention(
     k_BxTxKxH = constrain(_rotate(k_BxTxKxH, cos_BxTxH, sin_BxTxH),
                           ("batch", "inner_seq", "kv_heads", "head_dim"))
     v_BxTxKxH = constrain(v_BxTxKxH, ("batch", "inner_seq", "kv_heads", "head_dim"))
-    out_BxTxNxH = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, positions_BxT)
+    out_BxTxNxH, extra = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
     out_BxTxNxH = constrain(out_BxTxNxH, ("batch", "inner_seq", "heads", "head_dim"))
-    return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, w["wo"])
+    return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, w["wo"]), extra
 
 
 def _mlp(x_BxTxD: Array, w: dict[str, Array], constrain: Constrain) -> Array:
@@ -474,12 +485,12 @@ def loss_and_gradients(config: LlamaConfig, params: Params, rows: dict[str, Arra
     tied = cfg.tie_embeddings
     # The embedding's cast and layout have the identity as their gradient: the schedule's fp32
     # sum is the embedding's gradient as it stands.
-    embed_VxD = _compute_embedding(cfg, params["embed"], constrain)
+    embed_VxD = compute_embedding(cfg, params["embed"], constrain)
 
     def head(p: Params, x_BxTxD: Array, targets_BxT: Array) -> tuple[Array, Array]:
-        head_DxV = _head_weights(cfg, p["head"], constrain)
-        return loss(_logits(cfg, p["final_norm"], head_DxV, x_BxTxD, placement.across_stages),
-                    targets_BxT)
+        head_DxV = head_weights(cfg, p["head"], constrain)
+        return loss(final_logits(cfg, p["final_norm"], head_DxV, x_BxTxD,
+                                 placement.across_stages), targets_BxT)
 
     def block_rows(r: dict[str, Array]) -> tuple[Array, ...]:
         return (r["segment_ids"], r["positions"], *rope_tables(cfg, r["positions"]))
@@ -488,7 +499,7 @@ def loss_and_gradients(config: LlamaConfig, params: Params, rows: dict[str, Arra
                    "head": embed_VxD if tied else params["lm_head"]}
     sums, d_layers, d_head, d_embed_VxD = one_f_one_b(
         _block(cfg, placement, packed=True), head,
-        lambda e, tokens_BxT: _embedded(e, tokens_BxT, constrain), block_rows,
+        lambda e, tokens_BxT: embedded(e, tokens_BxT, constrain), block_rows,
         params["layers"], head_params, embed_VxD, rows, stages, microbatches,
         constrain=constrain, seed=seed, filled=filled, remat_stages=cfg.remat == "full")
     if tied:

@@ -168,12 +168,12 @@ class Checkpoints:
         if data is not None:
             args[DATA] = ocp.args.JsonSave(data)
         self.wait()  # the previous save, written in the background, may have failed
-        dirs.check_steps(self.directory)  # a link made since: this save would delete through it
         with self._writing():
             self._saving = (step, sum(x.nbytes for x in jax.tree.leaves((params, opt_state))))
             if self._vanished():  # else Orbax would make it anew, without the earlier steps
                 raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT),
                                         str(self.directory))
+            dirs.check_steps(self.directory)  # a link made since: the save would delete it
             self._manager.save(step, args=ocp.args.Composite(**args), force=True)
         return time.perf_counter() - started
 

@@ -19,6 +19,7 @@ from hotjax import distributed
 from hotjax.checkpoint import dirs, store
 from hotjax.checkpoint import lock as ckpt_lock
 from hotjax.checkpoint import meta as meta_lib
+from hotjax.checkpoint import tokenizer as checkpoint_tokenizer
 from hotjax.checkpoint.training import restore_state, run_record
 from hotjax.config import DEFAULT_MODEL, RunConfig
 from hotjax.data import (
@@ -62,8 +63,8 @@ def resumed_config(path: str | Path, **overrides) -> RunConfig:
     step_dir = dirs.find(path)
     meta = meta_lib.read(step_dir)
     data, optim, model = meta.get("data") or {}, meta.get("optimizer") or {}, meta["model"]
-    tokenizer = data.get("tokenizer") or (
-        "bytes" if (meta.get("tokenizer") or {}).get("identity") == "bytes" else None)
+    # The checkpoint's own tokenizer, else (saved before checkpoints carried it) its file's path.
+    tokenizer = None if checkpoint_tokenizer.carried(step_dir, meta) else data.get("tokenizer")
     scaling = optim.get("loss_scaling", "off")
     settings = {
         "data": data.get("source"), "tokenizer": tokenizer,
@@ -263,7 +264,9 @@ class Run:
             corpus = open_corpus(run.data)
             check_batch(corpus, context=table.max_len if table else run.context,
                         long_documents=run.long_documents, **run.batch)
-            tokenizer = load_tokenizer(run.tokenizer, corpus, vocab_size=run.vocab_size)
+            # A resume continues the checkpoint's tokenizer: never a new one for its ids.
+            own = resume and checkpoint_tokenizer.for_resume(dirs.find(resume), run.tokenizer)
+            tokenizer = own or load_tokenizer(run.tokenizer, corpus, vocab_size=run.vocab_size)
             model = model_config(run, model, tokenizer.vocab_size)
             lengths = estimated_lengths(corpus, tokenizer)
             if table is None:
@@ -384,7 +387,7 @@ class Run:
             raise UserError("saving needs a checkpoint directory: set ckpt_dir (--ckpt-dir)")
         position = self.batches.get_state() if hasattr(self.batches, "get_state") else None
         return self.checkpoints.save(step, state.params, state.opt_state, self.record,
-                                     position)
+                                     position, self.tokenizer)
 
     def close(self) -> None:
         """Waits for the last save to commit; then the checkpoint directory is free."""

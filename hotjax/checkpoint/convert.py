@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,8 @@ import numpy as np
 
 from hotjax.checkpoint import dirs, model, store
 from hotjax.checkpoint import meta as meta_lib
-from hotjax.data import load_tokenizer
+from hotjax.checkpoint import tokenizer as checkpoint_tokenizer
+from hotjax.data.tokenizer import hf_files
 from models.errors import UserError
 from models.hf import (
     CONFIG_FILE,
@@ -27,8 +29,8 @@ from models.llama import abstract_params, param_axes
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, tokenizer: Any = None) -> Path:
-    """A weights-only checkpoint of a Hugging Face LLaMA directory, at step 0; the tokenizer
-    (loaded, else the directory's tokenizer.json if any) is recorded."""
+    """A weights-only checkpoint of a Hugging Face LLaMA directory, at step 0, carrying the
+    tokenizer (loaded, else the directory's tokenizer.json or tokenizer.model if any)."""
     dirs.check_new_directory(out)
     hf_dir = Path(hf_dir).absolute()
     if not hf_dir.is_dir():
@@ -36,17 +38,18 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, tokenizer: Any = None) -> 
     config = config_from_hf(read_json(hf_dir / CONFIG_FILE))
     params = store.pending(hf_param_makers(hf_tensors_of(hf_dir), config,
                                            where=f"{hf_dir}: tensor"), abstract_params(config))
-    if tokenizer is None and (hf_dir / "tokenizer.json").is_file():
-        tokenizer = load_tokenizer(str(hf_dir / "tokenizer.json"), None)
+    tokenizer = tokenizer or checkpoint_tokenizer.beside(hf_dir)
     record = meta_lib.record(
         step=0, source=f"import-hf {hf_dir}", items=[store.PARAMS], model=config.to_dict(),
         tokenizer=meta_lib.tokenizer_record(tokenizer) if tokenizer else None)
-    return store.save_weights(out, params, record)
+    return store.save_weights(out, params, record, tokenizer)
 
 
 def export_hf(path: str | Path, out: str | Path, dtype: str = "float32") -> Path:
-    """A Hugging Face LLaMA directory of a checkpoint's parameters, in `dtype`. Vocabulary
-    padding past the recorded tokenizer's size is left out, so the two agree."""
+    """A Hugging Face LLaMA directory of a checkpoint's parameters, in `dtype`, with its
+    tokenizer's files where it carries one (`AutoTokenizer` loads them) and the BOS and EOS
+    ids to generate with. Vocabulary padding past the recorded tokenizer's size is left out,
+    so the two agree."""
     out = dirs.check_new_directory(out)
     step_dir = dirs.find(path)
     meta = meta_lib.read(step_dir)
@@ -58,9 +61,20 @@ def export_hf(path: str | Path, out: str | Path, dtype: str = "float32") -> Path
     arrays = ((key, store.trim(x, axes[key], vocab)) for key, x in store.restore_each(
         step_dir, store.PARAMS, {key: like[key] for key in param_keys(config)}))
     tokenizer = meta.get("tokenizer") or {}
-    return dirs.write_atomically(out, lambda scratch: write_hf_directory(
-        scratch, dataclasses.replace(config, vocab_size=vocab), arrays, dtype,
-        bos_token_id=tokenizer.get("bos_id"), eos_token_id=tokenizer.get("eos_id")))
+    ids = {"bos_token_id": tokenizer.get("bos_id"), "eos_token_id": tokenizer.get("eos_id")}
+    own = checkpoint_tokenizer.carried(step_dir, meta)
+    files = hf_files(own, config.max_seq_len) if own else {}
+    if tokenizer:
+        files["generation_config.json"] = json.dumps(
+            {**ids, "pad_token_id": tokenizer.get("pad_id")}, indent=2).encode()
+
+    def write(scratch: Path) -> None:
+        write_hf_directory(scratch, dataclasses.replace(config, vocab_size=vocab), arrays,
+                           dtype, **ids)
+        for name, data in files.items():
+            (scratch / name).write_bytes(data)
+
+    return dirs.write_atomically(out, write)
 
 
 def describe(path: str | Path) -> dict[str, Any]:

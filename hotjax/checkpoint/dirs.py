@@ -24,8 +24,9 @@ import orbax.checkpoint as ocp
 from models.errors import UserError
 
 TMP_MARK = ".orbax-checkpoint-tmp"
-# The items of a step directory: the arrays, the metadata (`meta`) and the data position.
-PARAMS, OPT_STATE, META, DATA = "params", "opt_state", "meta", "data"
+# The items of a step directory: the arrays, the metadata (`meta`), the data position and the
+# tokenizer's file.
+PARAMS, OPT_STATE, META, DATA, TOKENIZER = "params", "opt_state", "meta", "data", "tokenizer"
 
 
 def array_path(path: tuple) -> str:

@@ -6,7 +6,9 @@ Each step directory (`dirs`) holds the items
   sharding is stored with them, so a restore always names its targets: shape, dtype and the new
   layout's sharding, on any mesh or device count;
 - `meta`: JSON (`checkpoint.meta`), including a fingerprint of every array (`fingerprint`);
-- `data`: JSON, the data iterator's position (absent from weights-only checkpoints).
+- `data`: JSON, the data iterator's position (absent from weights-only checkpoints);
+- `tokenizer`: the run's tokenizer file (`tokenizer.json` or `tokenizer.model`), byte for byte,
+  where it has one (`checkpoint.tokenizer` reads it back).
 Saves are complete or absent; a failed one is said in one line (`failures`).
 """
 
@@ -42,6 +44,7 @@ from hotjax.checkpoint.dirs import (
     OPT_STATE,
     PARAMS,
     TMP_MARK,
+    TOKENIZER,
     array_path,
     check_new_directory,
     find,
@@ -103,10 +106,34 @@ def _array_handler(one_at_a_time: bool = False) -> ocp.PyTreeCheckpointHandler:
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_zarr3=True)
 
 
-def _handlers(items: tuple[str, ...] = (PARAMS, OPT_STATE, META, DATA),
+class _FileHandler(ocp.JsonCheckpointHandler):
+    """Writes one file of bytes into its item, as Orbax writes JSON: in the save's
+    background, committed with the step. Read back as a file, never through Orbax."""
+
+    async def _save_fn(self, x: tuple[str, bytes], directory: Any) -> None:
+        if jax.process_index() == 0:
+            name, data = x
+            (Path(directory) / name).write_bytes(data)
+
+
+@ocp.args.register_with_handler(_FileHandler, for_save=True, for_restore=True)
+@dataclasses.dataclass
+class _FileSave(ocp.args.CheckpointArgs):
+    item: tuple[str, bytes]  # the file's name and its bytes
+
+
+def _handlers(items: tuple[str, ...] = (PARAMS, OPT_STATE, META, DATA, TOKENIZER),
               one_at_a_time: bool = False) -> dict[str, Any]:
     return {item: ocp.JsonCheckpointHandler() if item in (META, DATA)
+            else _FileHandler() if item == TOKENIZER
             else _array_handler(one_at_a_time) for item in items}
+
+
+def _tokenizer_args(tokenizer: Any) -> dict[str, Any]:
+    """The `tokenizer` item's save of `tokenizer`'s own file, if it has one (a tokenizer
+    that is its identity, "bytes", has none)."""
+    file = getattr(tokenizer, "file", None)
+    return {} if file is None else {TOKENIZER: _FileSave((file.name, file.data))}
 
 
 class Checkpoints:
@@ -144,8 +171,9 @@ class Checkpoints:
             shutil.rmtree(partial, ignore_errors=True)
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any],
-             data: dict[str, Any] | None) -> float:
-        """Starts writing one step; returns the seconds the caller was held up.
+             data: dict[str, Any] | None, tokenizer: Any = None) -> float:
+        """Starts writing one step, `tokenizer`'s file with it; returns the seconds the caller
+        was held up.
 
         Orbax copies every array to host before it returns (its device-to-host transfer is
         synchronous unless a transfer byte limit is set, which we never set), and writes in
@@ -164,7 +192,7 @@ class Checkpoints:
                 "fingerprint_version": fingerprint.VERSION,
                 "fingerprints": fingerprint.of_items({PARAMS: params, OPT_STATE: opt_state})}
         args = {PARAMS: ocp.args.PyTreeSave(params), OPT_STATE: ocp.args.PyTreeSave(opt_state),
-                META: ocp.args.JsonSave(meta)}
+                META: ocp.args.JsonSave(meta), **_tokenizer_args(tokenizer)}
         if data is not None:
             args[DATA] = ocp.args.JsonSave(data)
         self.wait()  # the previous save, written in the background, may have failed
@@ -260,16 +288,20 @@ def _async_saves() -> bool:
     return not (jax.default_backend() == "cpu" and jax.device_count() > 1)
 
 
-def save_weights(directory: str | Path, params: Any, meta: dict[str, Any]) -> Path:
-    """Writes a weights-only checkpoint (`params` + `meta`) at `meta['step']`, synchronously."""
-    return save_items(directory, {PARAMS: params}, meta)
+def save_weights(directory: str | Path, params: Any, meta: dict[str, Any],
+                 tokenizer: Any = None) -> Path:
+    """Writes a weights-only checkpoint (`params` + `meta`, and `tokenizer`'s file) at
+    `meta['step']`, synchronously."""
+    return save_items(directory, {PARAMS: params}, meta, tokenizer)
 
 
-def save_items(directory: str | Path, items: dict[str, Any], meta: dict[str, Any]) -> Path:
+def save_items(directory: str | Path, items: dict[str, Any], meta: dict[str, Any],
+               tokenizer: Any = None) -> Path:
     """Writes a checkpoint of host arrays (`params`, and `opt_state` for one that resumes an
-    optimizer) at `meta['step']`, synchronously; complete or absent, as every save. Leaves
-    may be `Pending`: each is made, written and dropped in turn, so that host memory holds one
-    array (and its encoded copy) at a time, whatever the checkpoint's size."""
+    optimizer) at `meta['step']`, and `tokenizer`'s file, synchronously; complete or absent,
+    as every save. Leaves may be `Pending`: each is made, written and dropped in turn, so that
+    host memory holds one array (and its encoded copy) at a time, whatever the checkpoint's
+    size."""
     directory = check_new_directory(directory)
     items = {item: jax.tree.map(lambda x: x if isinstance(x, Pending) else np.asarray(x), tree,
                                 is_leaf=lambda x: isinstance(x, Pending))
@@ -279,10 +311,11 @@ def save_items(directory: str | Path, items: dict[str, Any], meta: dict[str, Any
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False,
                                            save_root_metadata=False)
     args = {item: ocp.args.PyTreeSave(tree) for item, tree in items.items()}
+    args.update(_tokenizer_args(tokenizer))
 
     def write(scratch: Path) -> None:
         with ocp.CheckpointManager(scratch, options=options, item_handlers=_handlers(
-                (*items, META), one_at_a_time=True)) as manager:
+                (*args, META), one_at_a_time=True)) as manager:
             manager.save(step, args=ocp.args.Composite(
                 **args, **{META: ocp.args.JsonSave({**meta, "fingerprints": {}})}), force=True)
         # Fingerprints are known once every array was made and written: the metadata that

@@ -239,7 +239,7 @@ def save_trees(out: str | Path, config: LlamaConfig, params: Any, moments: dict[
         step=step, source=source, items=list(items), model=config.to_dict(),
         optimizer=record, tokenizer=meta_lib.tokenizer_record(tokenizer) if tokenizer else None,
         written_from={"foreign": foreign})
-    return store.save_items(out, items, meta)
+    return store.save_items(out, items, meta, tokenizer)
 
 
 # ---------------------------------------------------------------------------- export

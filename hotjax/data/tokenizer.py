@@ -1,5 +1,6 @@
 """Text to token ids: a Hugging Face tokenizer.json, a SentencePiece model, raw bytes, or a
-byte-level BPE trained on the corpus and cached by the corpus fingerprint.
+byte-level BPE trained on the corpus and cached by the corpus fingerprint; and each as the files
+of a Hugging Face directory (`hf_files`).
 
 A tokenizer file is checked like a model config, for it sizes the model: at most
 MAX_TOKENIZER_BYTES, its vocabulary its largest id + 1 within MAX_VOCAB, and any failure of the
@@ -7,6 +8,7 @@ libraries that read it (a Rust panic included) one `UserError` line."""
 
 import contextlib
 import hashlib
+import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ HF_SPECIALS = (
 # before they are parsed or size a model.
 MAX_TOKENIZER_BYTES = 64 * 2**20
 _FIX = "pass a tokenizer.json, a SentencePiece .model, or 'bytes'"
+HF_JSON, SENTENCEPIECE_MODEL = "tokenizer.json", "tokenizer.model"  # as Hugging Face names them
 
 
 class Tokenizer(Protocol):
@@ -57,6 +60,15 @@ class Tokenizer(Protocol):
 
 
 @dataclass(frozen=True)
+class TokenizerFile:
+    """A tokenizer's own file, byte for byte as loaded: what a checkpoint carries and
+    `export-hf` writes."""
+
+    name: str  # HF_JSON or SENTENCEPIECE_MODEL
+    data: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
 class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; then pad, BOS and EOS."""
 
@@ -65,6 +77,7 @@ class ByteTokenizer:
     bos_id: int = 257
     eos_id: int = 258
     identity: str = "bytes"
+    file: None = None  # it is its identity: a checkpoint need carry nothing
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -87,6 +100,7 @@ class HFTokenizer:
     pad_id: int
     identity: str
     source: str  # the file, for messages
+    file: TokenizerFile | None = field(default=None, repr=False, compare=False)
     # The first Rust panic's message: after one, every call is refused without running Rust
     # again, which prints each panic (three lines), caught or not.
     panics: list[str] = field(default_factory=list, repr=False, compare=False)
@@ -120,6 +134,7 @@ class SentencePieceTokenizer:
     eos_id: int
     pad_id: int
     identity: str
+    file: TokenizerFile | None = field(default=None, repr=False, compare=False)
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
@@ -207,6 +222,7 @@ def _load_hf(file: Path) -> HFTokenizer:
         except Exception as e:  # tokenizers raises plain Exception for unreadable or corrupt files
             raise UserError(f"cannot load tokenizer {file}: {_first_line(e)} — {_FIX}") from None
         ids = hf.get_vocab(with_added_tokens=True).values()
+    data = file.read_bytes()
     for bos, eos in HF_SPECIALS:
         bos_id, eos_id = hf.token_to_id(bos), hf.token_to_id(eos)
         if bos_id is not None and eos_id is not None:
@@ -217,8 +233,9 @@ def _load_hf(file: Path) -> HFTokenizer:
                 bos_id=bos_id,
                 eos_id=eos_id,
                 pad_id=0 if pad_id is None else pad_id,
-                identity=f"hf:{_sha(file)}",
+                identity=f"hf:{_sha(data)}",
                 source=str(file),
+                file=TokenizerFile(HF_JSON, data),
             )
     wanted = ", ".join(f"{bos}/{eos}" if bos != eos else bos for bos, eos in HF_SPECIALS)
     raise UserError(f"tokenizer {file} has no BOS/EOS special tokens: expected one of {wanted}")
@@ -231,13 +248,15 @@ def _load_sentencepiece(file: Path) -> SentencePieceTokenizer:
         raise UserError(f"cannot load tokenizer {file}: {_first_line(e)} — {_FIX}") from e
     if sp.bos_id() < 0 or sp.eos_id() < 0:
         raise UserError(f"SentencePiece model {file} has no BOS/EOS — train it with bos_id/eos_id")
+    data = file.read_bytes()
     return SentencePieceTokenizer(
         sp=sp,
         vocab_size=_vocabulary(file, sp.get_piece_size() - 1),
         bos_id=sp.bos_id(),
         eos_id=sp.eos_id(),
         pad_id=max(sp.pad_id(), 0),
-        identity=f"sentencepiece:{_sha(file)}",
+        identity=f"sentencepiece:{_sha(data)}",
+        file=TokenizerFile(SENTENCEPIECE_MODEL, data),
     )
 
 
@@ -269,9 +288,55 @@ def _panics_refused(what: str, panics: list[str]) -> Iterator[None]:
                     f"another") from None
 
 
-def _sha(file: Path) -> str:
-    return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def hf_files(tokenizer: Tokenizer, model_max_length: int) -> dict[str, bytes]:
+    """`tokenizer` as the files of a Hugging Face directory, which `AutoTokenizer` loads: its
+    own file, byte for byte (the byte tokenizer written as a byte-level tokenizer.json of the
+    same ids), `tokenizer_config.json` and `special_tokens_map.json`. It gives hotjax's ids,
+    adding no BOS: a training sequence starts with one, so a prompt should too."""
+    own = tokenizer.file if isinstance(tokenizer, HFTokenizer | SentencePieceTokenizer) else None
+    if own is None and not isinstance(tokenizer, ByteTokenizer):
+        raise UserError(f"tokenizer {tokenizer.identity} has no file to write: pass a "
+                        f"tokenizer.json or a SentencePiece .model")
+    own = own or TokenizerFile(HF_JSON, _byte_level().to_str().encode())
+    if own.name == HF_JSON:
+        hf = tokenizers.Tokenizer.from_str(own.data.decode())
+        token, unk = hf.id_to_token, getattr(hf.model, "unk_token", None)
+        cls = "PreTrainedTokenizerFast"
+    else:
+        sp = tokenizer.sp
+        token, unk = sp.id_to_piece, sp.id_to_piece(sp.unk_id()) if sp.unk_id() >= 0 else None
+        cls = "LlamaTokenizer"
+    specials = {"bos_token": token(tokenizer.bos_id), "eos_token": token(tokenizer.eos_id),
+                "pad_token": token(tokenizer.pad_id), "unk_token": unk}
+    specials = {k: v for k, v in specials.items() if v is not None}
+    config = {"tokenizer_class": cls, **specials, "model_max_length": model_max_length,
+              "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+    return {own.name: own.data, "tokenizer_config.json": _json(config),
+            "special_tokens_map.json": _json(specials)}
+
+
+def _byte_level() -> tokenizers.Tokenizer:
+    """`ByteTokenizer` in `tokenizers`: byte b is id b (GPT-2's printable character for each
+    byte, merged never), then <pad>, <s>, </s> at 256, 257, 258."""
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    others = iter(range(256, 512))
+    chars = [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: b for b, c in enumerate(chars)},
+                                                    merges=[]))
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                           use_regex=False)
+    hf.decoder = tokenizers.decoders.ByteLevel()
+    hf.add_special_tokens(list(BPE_SPECIALS))
+    return hf
+
+
+def _json(value: dict) -> bytes:
+    return (json.dumps(value, indent=2) + "\n").encode()

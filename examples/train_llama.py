@@ -97,9 +97,7 @@ def main() -> None:
                               "padding": metrics["padding"],
                               "switched_mib": metrics["switched_bytes"] / 2**20}), flush=True)
             if held_out and (step % args.eval_every == 0 or step == args.steps):
-                results = [run.evaluate(state, batch) for batch in held_out]  # no update
-                loss = sum(r["loss"] * r["targets"] for r in results) / sum(
-                    r["targets"] for r in results)
+                loss = run.evaluate(state, held_out)["loss"]  # over all of them; no update
                 print(json.dumps({"step": step, "eval_loss": loss}), flush=True)
             if args.ckpt_dir and (step % args.save_every == 0 or step == args.steps):
                 run.save(step, state)

@@ -20,6 +20,7 @@ from models.optimizers import LR, OPTIMIZERS, WARMUP_STEPS
 DEFAULT_BATCH_TOKENS = 8192
 DEFAULT_MODEL = "small"
 DEFAULT_WARMUP_STEPS = WARMUP_STEPS  # the optimizer's own default (`models.optimizers`)
+DEFAULT_EVAL_TOKENS = 16384
 # Host bytes one token of a mini-batch costs in the data pipeline (`hotjax.data.stream`): its
 # int32 id in a tokenized sequence (4); the packed rows' int32 tokens, segment ids and
 # positions (12), doubled for padding (24); and those rows again as arrays of CPU devices,
@@ -60,6 +61,12 @@ class RunConfig:
     warmup_steps: int | None = None  # default: DEFAULT_WARMUP_STEPS, or --steps if fewer
     metrics_jsonl: str | None = None
     log_every: int = 10
+    eval_data: str | None = None  # held-out documents; default: a split of `data` (`evaluates`)
+    eval_every: int | None = None  # evaluate every N steps and at the last
+    eval_tokens: int = DEFAULT_EVAL_TOKENS  # real tokens per evaluation, and the split's size
+    tensorboard: str | None = None  # a directory for TensorBoard event files
+    wandb: str | None = None  # a Weights & Biases project
+    trace_steps: str | None = None  # "A:B": a JAX profiler trace of steps A to B
     device_memory: int | None = None  # bytes per device the compiled steps must fit in
     bucket_timings: bool = False  # wait for each bucket to time it (a host sync per bucket)
     balance: bool = True  # place rows on data shards by estimated work (`hotjax.balance`)
@@ -79,6 +86,8 @@ class RunConfig:
                                  ("--loss-scale-period", self.loss_scale_period, 1),
                                  ("--attention-block", self.attention_block, 0),
                                  ("--log-every", self.log_every, 1),
+                                 ("--eval-every", self.eval_every, 1),
+                                 ("--eval-tokens", self.eval_tokens, 1),
                                  ("--save-every", self.save_every, 1),
                                  ("--keep-last", self.keep_last, 1),
                                  ("--keep-every", self.keep_every, 1)):
@@ -109,6 +118,24 @@ class RunConfig:
         if self.save_every and not self.ckpt_dir:
             raise UserError("--save-every needs --ckpt-dir: pass the directory to save into")
         self.loss_scaling  # noqa: B018 - a static --loss-scale is checked here, at the edge
+        self.traced  # noqa: B018 - and --trace-steps
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates on held-out data (`eval_data`, else a split of `data`)."""
+        return self.eval_every is not None or self.eval_data is not None
+
+    @property
+    def traced(self) -> tuple[int, int] | None:
+        """--trace-steps A:B as (A, B): the first and last step traced."""
+        if self.trace_steps is None:
+            return None
+        found = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", self.trace_steps)
+        first, last = (int(found[1]), int(found[2])) if found else (0, 0)
+        if not 1 <= first <= last <= self.steps:
+            raise UserError(f"--trace-steps {self.trace_steps}: give the first and last step "
+                            f"traced as A:B, 1 <= A <= B <= --steps ({self.steps}), e.g. 3:5")
+        return first, last
 
     @property
     def loss_scaling(self) -> tuple[str, float]:

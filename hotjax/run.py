@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -33,7 +34,8 @@ from hotjax.data import (
     open_corpus,
     typical_rows,
 )
-from hotjax.data.corpus import check_batch
+from hotjax.data.corpus import Corpus, check_batch
+from hotjax.data.held_out import split
 from hotjax.optim import OptimConfig
 from hotjax.planning import search as plan_lib
 from hotjax.planning.measure import local_profile
@@ -52,6 +54,7 @@ from sharding.table import StrategyTable, load_table
 DEFAULT_TABLE = Path(__file__).parent.parent / "sharding" / "tables" / "default.toml"
 DEFAULT_TABLE_DEVICES = 8
 AUTO = "auto"  # --strategies auto: a table planned by the cost model
+PERPLEXITY_CAP = 700.0  # a loss past this has no float perplexity (exp overflows): inf
 NOT_HELD = object()  # `Run(lock=...)` not given: the run takes its `ckpt_dir`'s lock itself
 
 
@@ -262,12 +265,15 @@ class Run:
             name, model = _model(run, resume)
             scaling, scale = run.loss_scaling  # checked before the slow set-up
             corpus = open_corpus(run.data)
+            held_out = open_corpus(run.eval_data) if run.eval_data else None
             check_batch(corpus, context=table.max_len if table else run.context,
                         long_documents=run.long_documents, **run.batch)
             # A resume continues the checkpoint's tokenizer: never a new one for its ids.
             own = resume and checkpoint_tokenizer.for_resume(dirs.find(resume), run.tokenizer)
             tokenizer = own or load_tokenizer(run.tokenizer, corpus, vocab_size=run.vocab_size)
             model = model_config(run, model, tokenizer.vocab_size)
+            if run.evaluates and held_out is None:  # documents the training never sees
+                corpus, held_out = split(corpus, tokenizer, run.eval_tokens)
             lengths = estimated_lengths(corpus, tokenizer)
             if table is None:
                 table = planned_table(run, model, devices, lengths, console)
@@ -296,7 +302,7 @@ class Run:
             if lock is not None:
                 lock.release()
             raise
-        made.lengths = lengths
+        made.lengths, made.held_out = lengths, held_out
         made.weights_only = run.weights_only
         return made
 
@@ -361,20 +367,30 @@ class Run:
         (`metrics["loss"]`, `metrics.fetch()`); meanwhile the next step can be queued."""
         return self.trainer.step_async(state, self.next_batch() if batch is None else batch)
 
-    def evaluate(self, state: TrainState, batch: MiniBatch) -> dict:
-        """The loss of `state` on `batch` without updating it (forward only, every bucket
-        under its strategy): loss, targets, tokens."""
-        return self.trainer.evaluate(state, batch)
+    def evaluate(self, state: TrainState, batches: MiniBatch | Iterable[MiniBatch]) -> dict:
+        """The loss of `state` on one mini-batch or several (the mean over all their targets)
+        without updating it (forward only, every bucket under its strategy): loss, perplexity,
+        targets, tokens."""
+        results = [self.trainer.evaluate(state, batch) for batch in
+                   ((batches,) if isinstance(batches, MiniBatch) else batches)]
+        targets = sum(r["targets"] for r in results)
+        loss = sum(r["loss"] * r["targets"] for r in results) / targets
+        return {"loss": loss, "perplexity": math.exp(loss) if loss < PERPLEXITY_CAP else math.inf,
+                "targets": targets, "tokens": sum(r["tokens"] for r in results)}
 
-    def minibatches(self, data: str | None = None, seed: int | None = None) -> MiniBatches:
-        """Mini-batches of another corpus (held-out data, say) as this run's `MiniBatches`
-        make theirs: its tokenizer, buckets, batch size and long-document handling (default:
-        this run's corpus and seed)."""
+    held_out: Corpus | None = None  # from a config that evaluates: its held-out documents
+
+    def minibatches(self, data: str | Corpus | None = None, seed: int | None = None
+                    ) -> MiniBatches:
+        """Mini-batches of another corpus (held-out data, say: a path or a `Corpus`) as this
+        run's `MiniBatches` make theirs: its tokenizer, buckets, batch size and long-document
+        handling (default: this run's corpus and seed)."""
         own = self.batches
         if not isinstance(own, MiniBatches):
             raise UserError("minibatches() makes mini-batches as the run's own MiniBatches "
                             "do: build this run with a MiniBatches, or make them yourself")
-        corpus = own.corpus if data is None else open_corpus(data)
+        corpus = own.corpus if data is None else (
+            data if isinstance(data, Corpus) else open_corpus(data))
         return MiniBatches(corpus, own.tokenizer, own.max_lens, batch_tokens=own.batch_tokens,
                            batch_sequences=own.batch_sequences,
                            long_documents=own.long_documents,

@@ -15,6 +15,7 @@ from hotjax.config import (
     RunConfig,
     memory_size,
 )
+from hotjax.data.held_out import HELD_OUT_SHARE
 from hotjax.distributed import HEARTBEAT_TIMEOUT_S
 from hotjax.preemption import REQUEUE_EXIT
 from hotjax.startup import SIMULATED_CPU_DEVICES
@@ -81,8 +82,26 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "lr": {"type": float, "default": _RUN.lr, "help": "peak learning rate"},
     "warmup_steps": {"type": int, "help": "linear warmup, 0 to --steps (default: "
                      f"{DEFAULT_WARMUP_STEPS}, or --steps if fewer)"},
-    "metrics_jsonl": {"metavar": "PATH", "help": "one JSON object per step"},
+    "metrics_jsonl": {"metavar": "PATH", "help": "one JSON object per step: its loss, learning "
+                      "rate (lr), tokens seen, seconds, ... and any evaluation (eval_loss)"},
     "log_every": {"type": int, "default": _RUN.log_every, "help": "print a line every N steps"},
+    "eval_data": {"metavar": "PATH", "help": "held-out documents (as --data takes them) whose "
+                  "loss and perplexity are measured every --eval-every steps (default: a "
+                  "held-out split of --data, left out of training)"},
+    "eval_every": {"type": int, "metavar": "N", "help": "evaluate every N steps and at the "
+                   "last, forward only (default: no evaluation; with --eval-data, the last "
+                   "step's)"},
+    "eval_tokens": {"type": int, "default": _RUN.eval_tokens, "metavar": "N",
+                    "help": "real tokens each evaluation reads, the same every time (at least "
+                    "a mini-batch); the held-out split holds this many (at most "
+                    f"{HELD_OUT_SHARE * 100:.0f}%% of the documents; default: %(default)s)"},
+    "tensorboard": {"metavar": "DIR", "help": "write the metrics as TensorBoard event files "
+                    "here (pip install hotjax[tensorboard])"},
+    "wandb": {"metavar": "PROJECT", "help": "log the metrics to this Weights & Biases project "
+              "(pip install hotjax[wandb]; WANDB_MODE=offline keeps them local)"},
+    "trace_steps": {"metavar": "A:B", "help": "write a JAX profiler trace of steps A to B "
+                    "into the --tensorboard DIR (else ./trace), for TensorBoard's profile tab "
+                    "or Perfetto (its .trace.json.gz)"},
     "device_memory": {"type": memory_size, "metavar": "SIZE", "help": "per-device memory "
                       "budget, like 80GiB or 512MiB (a bare number is MiB): the model state "
                       "and every compiled step must fit, as XLA's memory analysis reports "
@@ -113,6 +132,9 @@ EXCLUSIVE = (("strategy", "strategies"), ("batch_tokens", "batch_sequences"))
 DATA = ("data", "tokenizer", "vocab_size", "context", "long_documents", "batch_tokens",
         "batch_sequences")
 MODEL = ("model", "compute_dtype", "attention", "attention_block", "remat")
+# What a training run reports besides its progress: evaluations, metrics files and a trace.
+TRACKING = ("metrics_jsonl", "log_every", "eval_data", "eval_every", "eval_tokens",
+            "tensorboard", "wandb", "trace_steps")
 
 
 def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *names: str,

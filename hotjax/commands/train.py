@@ -1,19 +1,17 @@
-"""`hotjax train`: one loop over a `Run` built from the options, with a progress bar, a line
-every `--log-every` steps, checkpoints, stop signals and a summary."""
+"""`hotjax train`: one loop over a `Run` built from the options, with a progress bar and a line
+every `--log-every` steps on stderr, evaluations, metric sinks (`hotjax.tracking`), a trace,
+checkpoints, stop signals, and a summary on stdout."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
-import json
-import os
-import stat
 import time
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING
 
 from hotjax.commands.options import (
     OPTIONS,
+    TRACKING,
     add_options,
     add_preempt_signal,
     add_process_options,
@@ -28,9 +26,11 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from hotjax.checkpoint.store import Checkpoints
+    from hotjax.data import MiniBatch
     from hotjax.run import Run
+    from hotjax.tracking import Sink
 
-_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for want of space
+SUMMARY_WIDTH = 160  # characters of the summary written to a file or pipe
 UNEVEN = 1.05  # data shards' imbalance (busiest over mean work) worth a word in the summary
 CHECKPOINTS = ("ckpt_dir", "save_every", "resume_from", "weights_only", "keep_last",
                "keep_every")
@@ -40,7 +40,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser(
         "train", help="train a LLaMA model (default: the small preset on the Python stdlib)")
     train.set_defaults(handler=_train)
-    add_options(train, *(name for name in OPTIONS if name not in CHECKPOINTS))
+    add_options(train, *(name for name in OPTIONS if name not in CHECKPOINTS + TRACKING))
+    add_options(train.add_argument_group("evaluation and tracking"), *TRACKING)
     add_process_options(train)
     ckpt = train.add_argument_group("checkpoints")
     add_options(ckpt, *CHECKPOINTS)
@@ -73,13 +74,12 @@ def train(run: RunConfig, console: Console | None = None, stop: StopSignals | No
 
     Once `stop` has a signal, the run stops after the step under way, saves it (given a
     `ckpt_dir`) and raises `Preempted` with its one line."""
-    from hotjax import distributed
+    from hotjax import distributed, tracking
     from hotjax.run import Run
 
-    sink = _metrics_file(run.metrics_jsonl) if distributed.is_main() else None
+    sinks = tracking.open_sinks(run) if distributed.is_main() else []
     with contextlib.ExitStack() as closing:
-        if sink is not None:
-            closing.callback(_close, sink)
+        closing.callback(tracking.close, sinks)
         assembled = closing.enter_context(Run.from_config(run, console, devices))
         checkpoints, console = assembled.checkpoints, assembled.console
         _header(assembled, run)
@@ -99,11 +99,11 @@ def train(run: RunConfig, console: Console | None = None, stop: StopSignals | No
         if run.device_memory is not None:
             _check_memory(assembled, run.device_memory)
         history, state, stopped = _loop(assembled, run, state, start,
-                                        assembled.save if checkpoints else None, stop, sink)
+                                        assembled.save if checkpoints else None, stop, sinks)
         if checkpoints and stopped and stopped not in checkpoints.steps():
             assembled.save(stopped, state)
     if history:
-        _summary(history, console)
+        _summary(history)
     if stopped is not None:
         raise Preempted(_stopped_line(run, stopped, checkpoints), speaks=distributed.is_main())
     return history
@@ -162,45 +162,13 @@ def _check_memory(assembled: Run, budget: int) -> None:
         f"{part} {shown_bytes(used)}" for part, used in report.items())))
 
 
-def _metrics_file(path: str | None) -> TextIO | None:
-    """The --metrics-jsonl file, opened before anything slow starts (to append: nothing in it
-    is lost until the first step replaces it), so that a path it cannot be written at is one
-    line at the start, not a traceback after compiling."""
-    if path is None:
-        return None
-    try:
-        return open(path, "a")  # noqa: SIM115 - closed when the run ends
-    except OSError as e:
-        fix = ("create its directory or choose another path" if e.errno == errno.ENOENT
-               else "choose a writable path")
-        raise UserError(f"--metrics-jsonl {path}: cannot write there ({e.strerror}): "
-                        f"{fix}") from None
-
-
-def _write(sink: TextIO, record: dict) -> None:
-    """One step's metrics as a line of the --metrics-jsonl file; a write the file system
-    refuses (a full disk) ends the run in one line."""
-    try:
-        sink.write(json.dumps(record) + "\n")
-        sink.flush()
-    except OSError as e:
-        fix = ("free space or choose another --metrics-jsonl" if e.errno in _FULL
-               else "choose a writable --metrics-jsonl")
-        raise UserError(f"--metrics-jsonl {sink.name}: writing step {record['step']}'s metrics "
-                        f"failed ({e.strerror}): {fix}") from None
-
-
-def _close(sink: TextIO) -> None:
-    # Every line was flushed as written: what a failed write left in the buffer is lost.
-    with contextlib.suppress(OSError):
-        sink.close()
-
-
 def _loop(assembled: Run, run: RunConfig, state, start: int, save, stop,
-          sink: TextIO | None) -> tuple[list[dict], object, int | None]:
-    """Runs the steps after `start`, each step's metrics written to `sink`: each step's
-    metrics, the last state, and the step after which a stop signal ended the loop (None: it
-    ran to the end)."""
+          sinks: list[Sink]) -> tuple[list[dict], object, int | None]:
+    """Runs the steps after `start`, each step's record (its metrics, learning rate, tokens
+    seen, seconds, and at --eval-every its evaluation) written to `sinks`: each step's record,
+    the last state, and the step after which a stop signal ended the loop (None: it ran to the
+    end)."""
+    import numpy as np
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -209,38 +177,69 @@ def _loop(assembled: Run, run: RunConfig, state, start: int, save, stop,
         TimeRemainingColumn,
     )
 
+    from hotjax.data.held_out import take
+    from hotjax.optim import OptimConfig
+    from hotjax.tracking import Trace
     from hotjax.train import check_finite
 
     history: list[dict] = []
-    if sink is not None and stat.S_ISREG(os.fstat(sink.fileno()).st_mode):
-        sink.truncate(0)  # this run's steps replace what the file held (not a pipe's)
+    # The schedule's rate at each step's update (the optimizer counts updates from 0).
+    lr_S = (np.asarray(assembled.optimizer.schedule()(np.arange(start, run.steps)))
+            if isinstance(assembled.optimizer, OptimConfig) else None)
+    held_out = (take(assembled.minibatches(assembled.held_out), run.eval_tokens)
+                if run.evaluates else [])
+    trace, tokens_seen = Trace(run.traced, run.tensorboard), 0
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
                         console=assembled.console)
-    with progress:
+    with progress, contextlib.ExitStack() as tracing:
+        tracing.callback(trace.stop)
         task = progress.add_task("train", total=run.steps, completed=start, status="")
         for step in range(start + 1, run.steps + 1):
             if stop is not None and stop.agreed():
                 return history, state, step - 1
+            trace.before(step)
             batch = assembled.next_batch()
             started = time.perf_counter()
             state, metrics = assembled.step(state, batch)
             metrics = metrics.fetch()  # printed every step: wait for it
             check_finite(metrics, step)  # before this step is saved or built on
             seconds = time.perf_counter() - started
+            tokens_seen += metrics["tokens"]
             record = {"step": step, **metrics, "seconds": seconds,
-                      "tokens_per_s": metrics["tokens"] / seconds}
+                      "tokens_per_s": metrics["tokens"] / seconds, "tokens_seen": tokens_seen}
+            if lr_S is not None:
+                record["lr"] = float(lr_S[step - start - 1])
+            traced = trace.after(step)
             if save and (step % (run.save_every or run.steps) == 0 or step == run.steps):
                 # The data position is taken after this step's batch, before the next one's.
                 record["save_seconds"] = save(step, state)
+            if held_out and (step == run.steps or step % (run.eval_every or run.steps) == 0):
+                record.update(_evaluation(assembled, state, held_out))
             history.append(record)
-            if sink is not None:
-                _write(sink, record)
+            for sink in sinks:
+                sink.write(record)
             status = _status(metrics, record["tokens_per_s"])
             progress.update(task, advance=1, status=status)
             if step % run.log_every == 0 or step == run.steps:
                 progress.console.print(f"step {step:>5}  {status}")
+            if "eval_loss" in record:
+                progress.console.print(f"step {step:>5}  eval loss {record['eval_loss']:.4f} | "
+                                       f"perplexity {record['eval_perplexity']:,.2f} "
+                                       f"({record['eval_tokens']:,} held-out tokens)")
+            if traced is not None:
+                progress.console.print(f"JAX profiler trace of steps {run.trace_steps}: "
+                                       f"{traced} (TensorBoard's profile tab, or its "
+                                       f".trace.json.gz in Perfetto)")
     return history, state, None
+
+
+def _evaluation(assembled: Run, state, held_out: list[MiniBatch]) -> dict:
+    """The held-out loss and perplexity of `state` (no update), as a record's eval_ fields."""
+    started = time.perf_counter()
+    result = assembled.evaluate(state, held_out)
+    return {"eval_loss": result["loss"], "eval_perplexity": result["perplexity"],
+            "eval_tokens": result["tokens"], "eval_seconds": time.perf_counter() - started}
 
 
 def _status(metrics: dict, tokens_per_s: float) -> str:
@@ -256,20 +255,32 @@ def _status(metrics: dict, tokens_per_s: float) -> str:
     return status
 
 
-def _summary(history: list[dict], console: Console) -> None:
+def _summary(history: list[dict]) -> None:
+    """The run's table and notes, on stdout (progress went to stderr): `hotjax train > log`
+    keeps them."""
     import numpy as np
+    from rich.console import Console
     from rich.table import Table
 
+    from hotjax import distributed
+
+    console = Console(quiet=not distributed.is_main())
+    if not console.is_terminal:
+        console.width = max(console.width, SUMMARY_WIDTH)  # a file: the table unwrapped
     steady = history[1:] or history
+    evaluated = [r for r in history if "eval_loss" in r]
     table = Table(title="training summary")
     for column in ("steps", "first loss", "last loss", "real tokens", "padding",
-                   "tokens/s (after step 1)"):
+                   "tokens/s (after step 1)",
+                   *(("eval loss", "eval perplexity") if evaluated else ())):
         table.add_column(column, justify="right")
     tokens_per_s = sum(r["tokens"] for r in steady) / sum(r["seconds"] for r in steady)
     tokens = sum(r["tokens"] for r in history)
     padding = 1 - tokens / sum(r["slots"] for r in history)
     table.add_row(str(len(history)), f"{history[0]['loss']:.4f}", f"{history[-1]['loss']:.4f}",
-                  f"{tokens:,}", f"{padding:.1%}", f"{tokens_per_s:,.0f}")
+                  f"{tokens:,}", f"{padding:.1%}", f"{tokens_per_s:,.0f}",
+                  *((f"{evaluated[-1]['eval_loss']:.4f}",
+                     f"{evaluated[-1]['eval_perplexity']:,.2f}") if evaluated else ()))
     console.print(table)
     imbalance = np.mean([r["imbalance"] for r in history])
     if imbalance > UNEVEN:

@@ -11,7 +11,7 @@ import os
 import sysconfig
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +83,17 @@ class Corpus:
             return f"{path}:{line}"
         return {"text": f"{path}", "json": f"{path}[{b}]"}.get(
             kind, f"{path} (row group {a}, row {b})")
+
+    def subset(self, docs_N: np.ndarray, part: str) -> "Corpus":
+        """Documents `docs_N` of this corpus as a corpus of their own, under the same source;
+        `part` ("training", "held-out") sets its fingerprint apart from the whole's."""
+        sizes_N = self.sizes_D[docs_N]
+        stats = replace(self.stats, documents=len(docs_N), empty=int((sizes_N == 0).sum()),
+                        bytes=int(sizes_N.sum()))
+        fingerprint = hashlib.sha256(f"{self.fingerprint}:{part}:".encode()
+                                     + np.asarray(docs_N, np.int64).tobytes()).hexdigest()
+        return replace(self, spans_Dx3=self.spans_Dx3[docs_N], sizes_D=sizes_N, stats=stats,
+                       fingerprint=fingerprint)
 
     def _block(self, file: int, block: int) -> list[str]:
         with self._lock:

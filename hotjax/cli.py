@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from hotjax import launch
 from hotjax.checkpoint import cli as checkpoint_commands
-from hotjax.commands import plan, strategy, train
+from hotjax.commands import generate, plan, strategy, train
 from hotjax.commands.options import run_config as _run_config
 from hotjax.config import RunConfig
 from hotjax.data import cli as data_commands
@@ -23,7 +23,7 @@ from hotjax.targets import quiet_plugin_without_a_driver
 from models.errors import UserError
 
 # Each adds one command group.
-COMMANDS = (train, strategy, data_commands, plan, checkpoint_commands, launch)
+COMMANDS = (train, strategy, data_commands, plan, checkpoint_commands, generate, launch)
 
 
 def run_config(argv: Sequence[str]) -> RunConfig:

@@ -116,8 +116,9 @@ def generate(cfg: LlamaConfig, params: Params, prompt_BxP: Array, lengths_B: Arr
     """Each row's prompt (its first `lengths_B` tokens of `prompt_BxP`) continued by up to
     `max_new_tokens`, a row ending at its first EOS, within `slots` tokens in all; only ids
     below `vocab` (the tokenizer's: the embedding's rows past it are padding) are drawn.
-    `slots` must hold the longest prompt and `max_new_tokens` more. `keep_logits`: also every
-    position's logits, as the training forward gives them."""
+    `slots` should hold the longest prompt and `max_new_tokens` more: drawing stops when a row
+    has filled them. `keep_logits`: also every position's logits, as the training forward
+    gives them."""
     B, P = prompt_BxP.shape
     logits_BxPxV, cache = forward(cfg, params, prompt_BxP,
                                   jnp.broadcast_to(jnp.arange(P), (B, P)),
@@ -130,8 +131,9 @@ def generate(cfg: LlamaConfig, params: Params, prompt_BxP: Array, lengths_B: Arr
             if keep_logits else None)
 
     def draws_more(state: tuple) -> Array:
-        step, done_B = state[0], state[3]
-        return (step < max_new_tokens) & ~jnp.all(done_B)
+        step, _, lengths_B, done_B = state[:4]
+        # A row with no slot left ends them all: past it the cache would be overwritten.
+        return (step < max_new_tokens) & ~jnp.all(done_B) & jnp.all(done_B | (lengths_B < slots))
 
     def draw(state: tuple) -> tuple:
         step, tokens_BxS, lengths_B, done_B, logits_BxV, cache, key, kept = state

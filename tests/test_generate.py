@@ -100,6 +100,15 @@ def _trained(tmp: Path, *flags: str) -> str:
     return str(ckpt)
 
 
+def test_drawing_stops_when_a_row_fills_the_cache(params):
+    greedy = _generate(params, Sampling())
+    out = _generate(params, Sampling(), slots=16)  # the first row's 7 + 12 tokens need 19
+    filled = 16 - len(PROMPTS[0])  # draws before the first row has no slot left
+    assert out.lengths_B.tolist() == [len(p) + filled for p in PROMPTS]
+    for b, n in enumerate(out.lengths_B.tolist()):
+        np.testing.assert_array_equal(out.tokens_BxS[b, :n], greedy.tokens_BxS[b, :n])
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     """On byte tokens."""

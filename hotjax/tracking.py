@@ -129,7 +129,7 @@ class WeightsAndBiases:
         self.run = wandb.init(project=project, config=config)
 
     def write(self, record: dict) -> None:
-        self.run.log(scalars(record), step=record["step"])
+        self.run.log(scalars(record), step=record["step"], commit=True)  # the step is whole
 
     def close(self) -> None:
         self.run.finish()

@@ -41,6 +41,7 @@ class RunConfig:
     strategies: str | None = None  # a TOML strategy table, or "auto" (planned)
     devices: int | None = None
     data: str | None = None  # default: the Python standard library
+    text_field: str = "text"  # the field of a record (JSON, Parquet) that holds its text
     tokenizer: str | None = None  # default: a byte-level BPE trained on the corpus, cached
     vocab_size: int = 8192
     context: int = 512

@@ -70,7 +70,8 @@ def resumed_config(path: str | Path, **overrides) -> RunConfig:
     tokenizer = None if checkpoint_tokenizer.carried(step_dir, meta) else data.get("tokenizer")
     scaling = optim.get("loss_scaling", "off")
     settings = {
-        "data": data.get("source"), "tokenizer": tokenizer,
+        "data": data.get("source"), "text_field": data.get("text_field", RunConfig.text_field),
+        "tokenizer": tokenizer,
         "vocab_size": data.get("vocab_size", RunConfig.vocab_size),
         "context": data.get("seq_len", RunConfig.context),
         "long_documents": data.get("long_documents", RunConfig.long_documents),
@@ -264,8 +265,9 @@ class Run:
             resume = run.resume_from or (run.ckpt_dir and dirs.latest(run.ckpt_dir))
             name, model = _model(run, resume)
             scaling, scale = run.loss_scaling  # checked before the slow set-up
-            corpus = open_corpus(run.data)
-            held_out = open_corpus(run.eval_data) if run.eval_data else None
+            corpus = open_corpus(run.data, text_field=run.text_field)
+            held_out = (open_corpus(run.eval_data, text_field=run.text_field)
+                        if run.eval_data else None)
             check_batch(corpus, context=table.max_len if table else run.context,
                         long_documents=run.long_documents, **run.batch)
             # A resume continues the checkpoint's tokenizer: never a new one for its ids.
@@ -289,7 +291,8 @@ class Run:
                                   long_documents=run.long_documents, seed=run.seed, share=share)
             typical = typical_rows(cut(lengths, table.max_len, run.long_documents), max_lens,
                                    **run.batch)
-            data = {"source": corpus.source, "seq_len": table.max_len,
+            data = {"source": corpus.source, "text_field": run.text_field,
+                    "seq_len": table.max_len,
                     "long_documents": run.long_documents, **run.batch,
                     "tokenizer": run.tokenizer, "vocab_size": run.vocab_size}
             made = cls(model, table, optim, batches, tokenizer=tokenizer, devices=devices,
@@ -390,7 +393,7 @@ class Run:
             raise UserError("minibatches() makes mini-batches as the run's own MiniBatches "
                             "do: build this run with a MiniBatches, or make them yourself")
         corpus = own.corpus if data is None else (
-            data if isinstance(data, Corpus) else open_corpus(data))
+            data if isinstance(data, Corpus) else open_corpus(data, own.corpus.text_field))
         return MiniBatches(corpus, own.tokenizer, own.max_lens, batch_tokens=own.batch_tokens,
                            batch_sequences=own.batch_sequences,
                            long_documents=own.long_documents,

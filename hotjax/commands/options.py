@@ -40,6 +40,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "data": {"help": "stdlib, shakespeare, a directory or glob ('src/**/*.py') of text files, "
              "a text file, .jsonl/.json records, or .parquet (default: stdlib, the Python "
              "standard library's .py files)"},
+    "text_field": {"default": _RUN.text_field, "metavar": "FIELD",
+                   "help": "the field of a record (.jsonl, .json, .parquet) that holds its "
+                   "text (default: %(default)s)"},
     "tokenizer": {"help": "tokenizer.json, a SentencePiece .model, or 'bytes' (default: a "
                   "byte-level BPE trained on the corpus and cached)"},
     "vocab_size": {"type": int, "default": _RUN.vocab_size,
@@ -129,8 +132,8 @@ assert set(OPTIONS) == {f.name for f in dataclasses.fields(RunConfig)}
 # Options of which a command takes one at most.
 EXCLUSIVE = (("strategy", "strategies"), ("batch_tokens", "batch_sequences"))
 # The options of the data a run reads, and of the model it builds, as one list each.
-DATA = ("data", "tokenizer", "vocab_size", "context", "long_documents", "batch_tokens",
-        "batch_sequences")
+DATA = ("data", "text_field", "tokenizer", "vocab_size", "context", "long_documents",
+        "batch_tokens", "batch_sequences")
 MODEL = ("model", "compute_dtype", "attention", "attention_block", "remat")
 # What a training run reports besides its progress: evaluations, metrics files and a trace.
 TRACKING = ("metrics_jsonl", "log_every", "eval_data", "eval_every", "eval_tokens",

@@ -43,6 +43,10 @@ class RunConfig:
     data: str | None = None  # default: the Python standard library
     text_field: str = "text"  # the field of a record (JSON, Parquet) that holds its text
     tokenizer: str | None = None  # default: a byte-level BPE trained on the corpus, cached
+    # A tokenizer file's special tokens by spelling; default: its tokenizer_config.json's.
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
     vocab_size: int = 8192
     context: int = 512
     steps: int = 30

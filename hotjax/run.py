@@ -36,6 +36,7 @@ from hotjax.data import (
 )
 from hotjax.data.corpus import Corpus, check_batch
 from hotjax.data.held_out import split
+from hotjax.data.tokenizer import SpecialTokens
 from hotjax.optim import OptimConfig
 from hotjax.planning import search as plan_lib
 from hotjax.planning.measure import local_profile
@@ -272,7 +273,8 @@ class Run:
                         long_documents=run.long_documents, **run.batch)
             # A resume continues the checkpoint's tokenizer: never a new one for its ids.
             own = resume and checkpoint_tokenizer.for_resume(dirs.find(resume), run.tokenizer)
-            tokenizer = own or load_tokenizer(run.tokenizer, corpus, vocab_size=run.vocab_size)
+            tokenizer = own or load_tokenizer(run.tokenizer, corpus, vocab_size=run.vocab_size,
+                                              specials=SpecialTokens.of(run))
             model = model_config(run, model, tokenizer.vocab_size)
             if run.evaluates and held_out is None:  # documents the training never sees
                 corpus, held_out = split(corpus, tokenizer, run.eval_tokens)

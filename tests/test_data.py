@@ -345,7 +345,9 @@ def test_tokenizer_json_without_bos_eos_is_a_user_error(tmp_path: Path) -> None:
     hf = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     path = tmp_path / "tokenizer.json"
     hf.save(str(path))
-    message = f"tokenizer {path} has no BOS/EOS special tokens: expected one of <s>/</s>, "
+    message = (f"tokenizer {path} has no BOS token (tried <s>, <|begin_of_text|>, "
+               f"<|endoftext|>, <bos>; no tokenizer_config.json beside it names one) — name it "
+               f"with --bos-token")
     with pytest.raises(UserError, match=re.escape(message)):
         load_tokenizer(str(path), None)
 

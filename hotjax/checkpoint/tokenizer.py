@@ -12,6 +12,7 @@ from hotjax.data.tokenizer import (
     HF_JSON,
     SENTENCEPIECE_MODEL,
     ByteTokenizer,
+    SpecialTokens,
     Tokenizer,
     load_tokenizer,
 )
@@ -31,7 +32,9 @@ def carried(step_dir: Path, meta: dict[str, Any]) -> Tokenizer | None:
              if (step_dir / TOKENIZER / name).is_file()]
     if not found:
         return None
-    tokenizer = load_tokenizer(str(found[0]), None)
+    # The ids the run chose (by flags, or a tokenizer_config.json the checkpoint lacks).
+    ids = SpecialTokens(*(saved.get(f"{role}_id") for role in ("bos", "eos", "pad")))
+    tokenizer = load_tokenizer(str(found[0]), None, specials=ids)
     if tokenizer.identity != saved["identity"]:
         raise UserError(f"{found[0]}: tokenizer {tokenizer.identity}, not the "
                         f"{saved['identity']} its metadata records: {meta_lib.DAMAGED}")

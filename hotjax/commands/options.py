@@ -45,6 +45,14 @@ OPTIONS: dict[str, dict[str, Any]] = {
                    "text (default: %(default)s)"},
     "tokenizer": {"help": "tokenizer.json, a SentencePiece .model, or 'bytes' (default: a "
                   "byte-level BPE trained on the corpus and cached)"},
+    **{f"{role}_token": {"metavar": "TOKEN", "help": f"the {what} token of the --tokenizer "
+                         f"file, by its spelling (default: as its tokenizer_config.json names "
+                         f"it, else {usual})"}
+       for role, what, usual in (("bos", "beginning-of-document", "<s>, <|begin_of_text|>, "
+                                  "<|endoftext|> or <bos>"),
+                                 ("eos", "end-of-document", "</s>, <|end_of_text|>, "
+                                  "<|endoftext|> or <eos>"),
+                                 ("pad", "padding", "<pad>, else id 0"))},
     "vocab_size": {"type": int, "default": _RUN.vocab_size,
                    "help": "vocabulary of the BPE trained when no --tokenizer is given"},
     "context": {"type": int, "default": _RUN.context,
@@ -132,8 +140,8 @@ assert set(OPTIONS) == {f.name for f in dataclasses.fields(RunConfig)}
 # Options of which a command takes one at most.
 EXCLUSIVE = (("strategy", "strategies"), ("batch_tokens", "batch_sequences"))
 # The options of the data a run reads, and of the model it builds, as one list each.
-DATA = ("data", "text_field", "tokenizer", "vocab_size", "context", "long_documents",
-        "batch_tokens", "batch_sequences")
+DATA = ("data", "text_field", "tokenizer", "bos_token", "eos_token", "pad_token",
+        "vocab_size", "context", "long_documents", "batch_tokens", "batch_sequences")
 MODEL = ("model", "compute_dtype", "attention", "attention_block", "remat")
 # What a training run reports besides its progress: evaluations, metrics files and a trace.
 TRACKING = ("metrics_jsonl", "log_every", "eval_data", "eval_every", "eval_tokens",

@@ -199,8 +199,10 @@ def _document_lengths(args: argparse.Namespace):
         vocab = stats.get("tokenizer", {}).get("vocab_size")
         return found, f"{stats.get('corpus', {}).get('source', args.lengths)}", vocab
     from hotjax.data import estimated_lengths, load_tokenizer, open_corpus
+    from hotjax.data.tokenizer import SpecialTokens
 
     corpus = open_corpus(args.data, text_field=args.text_field)
-    tokenizer = load_tokenizer(args.tokenizer, corpus, vocab_size=args.vocab_size)
+    tokenizer = load_tokenizer(args.tokenizer, corpus, vocab_size=args.vocab_size,
+                               specials=SpecialTokens.of(args))
     # Estimated from a sample, as `hotjax train` estimates them for `--strategies auto`.
     return estimated_lengths(corpus, tokenizer), corpus.source, tokenizer.vocab_size

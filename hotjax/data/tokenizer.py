@@ -1,6 +1,7 @@
 """Text to token ids: a Hugging Face tokenizer.json, a SentencePiece model, raw bytes, or a
 byte-level BPE trained on the corpus and cached by the corpus fingerprint; and each as the files
-of a Hugging Face directory (`hf_files`).
+of a Hugging Face directory (`hf_files`). Its BOS, EOS and pad tokens are the ones flags name
+(`SpecialTokens`), else those of a `tokenizer_config.json` beside it, else the usual spellings.
 
 A tokenizer file is checked like a model config, for it sizes the model: at most
 MAX_TOKENIZER_BYTES, its vocabulary its largest id + 1 within MAX_VOCAB, and any failure of the
@@ -10,10 +11,10 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import sentencepiece
@@ -21,17 +22,21 @@ import tokenizers
 
 from hotjax.config import cache_root
 from hotjax.data.corpus import Corpus
+from models import bounds
 from models.bounds import MAX_VOCAB
 from models.errors import UserError
 
 BPE_SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2 of a trained BPE
 BPE_SAMPLE_CHARS = 8 << 20  # train on about this much text, so training takes seconds
-# (BOS, EOS) pairs tried in order on a tokenizer.json.
+# (BOS, EOS) spellings tried in order on a tokenizer.json that no flag or tokenizer_config.json
+# names them for: each of the two is the first of its spellings the vocabulary has.
 HF_SPECIALS = (
     ("<s>", "</s>"),
     ("<|begin_of_text|>", "<|end_of_text|>"),
     ("<|endoftext|>", "<|endoftext|>"),
+    ("<bos>", "<eos>"),  # Gemma
 )
+HF_CONFIG = "tokenizer_config.json"  # beside a tokenizer file: its special tokens, by name
 # A tokenizer file is parsed whole into the libraries' tables, several times its size; the
 # largest real ones (Gemma 3's tokenizer.json, 262k tokens) hold 33 MiB. Larger files are refused
 # before they are parsed or size a model.
@@ -57,6 +62,26 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """BOS, EOS and pad as named for a tokenizer file: a token's spelling (`--bos-token`), or
+    its id (as a checkpoint records them); None: from the file's `tokenizer_config.json`, else
+    the usual spellings (pad: `<pad>`, else id 0)."""
+
+    bos: str | int | None = None
+    eos: str | int | None = None
+    pad: str | int | None = None
+
+    @classmethod
+    def of(cls, options: Any) -> "SpecialTokens":
+        """The `--bos-token`, `--eos-token` and `--pad-token` of a `RunConfig` or parsed
+        options."""
+        return cls(*(getattr(options, f"{name}_token", None) for name in _ROLES))
+
+
+_ROLES = ("bos", "eos", "pad")
 
 
 @dataclass(frozen=True)
@@ -151,8 +176,16 @@ def load_tokenizer(
     corpus: Corpus | None,
     vocab_size: int = 8192,
     cache_dir: Path | None = None,
+    specials: SpecialTokens = SpecialTokens(),
 ) -> Tokenizer:
-    """Load `path` ('bytes', `*.json`, `*.model`), or with None train a BPE on `corpus`."""
+    """Load `path` ('bytes', `*.json`, `*.model`), or with None train a BPE on `corpus`;
+    `specials` name a file's special tokens."""
+    named = next((f"--{role}-token" for role in _ROLES if getattr(specials, role) is not None
+                  and isinstance(getattr(specials, role), str)), None)
+    if named and path in ("bytes", None):
+        raise UserError(f"{named}: names a token of a tokenizer file; the "
+                        f"{path or 'trained BPE'} tokenizer has its own — drop {named}, or "
+                        f"pass a tokenizer.json or .model")
     if path == "bytes":
         return ByteTokenizer()
     if path is None:
@@ -169,7 +202,9 @@ def load_tokenizer(
         raise UserError(f"tokenizer {file}: {size:,} bytes, past the {MAX_TOKENIZER_BYTES:,} "
                         f"bytes a tokenizer file may hold (MAX_TOKENIZER_BYTES; real ones hold "
                         f"at most ~33 MiB) — pass a tokenizer of fewer tokens")
-    return _load_hf(file) if file.suffix == ".json" else _load_sentencepiece(file)
+    if file.suffix == ".json":
+        return _load_hf(file, specials)
+    return _load_sentencepiece(file, specials)
 
 
 def default_cache_dir() -> Path:
@@ -212,7 +247,7 @@ def _sample(corpus: Corpus) -> Iterator[str]:
         yield text
 
 
-def _load_hf(file: Path) -> HFTokenizer:
+def _load_hf(file: Path, specials: SpecialTokens = SpecialTokens()) -> HFTokenizer:
     # A Rust panic inside `tokenizers` becomes one UserError line below, but Rust's hook prints
     # it first, with a backtrace of hundreds of lines per panicking thread when this is set.
     os.environ["RUST_BACKTRACE"] = "0"
@@ -223,41 +258,86 @@ def _load_hf(file: Path) -> HFTokenizer:
             raise UserError(f"cannot load tokenizer {file}: {_first_line(e)} — {_FIX}") from None
         ids = hf.get_vocab(with_added_tokens=True).values()
     data = file.read_bytes()
-    for bos, eos in HF_SPECIALS:
-        bos_id, eos_id = hf.token_to_id(bos), hf.token_to_id(eos)
-        if bos_id is not None and eos_id is not None:
-            pad_id = hf.token_to_id("<pad>")
-            return HFTokenizer(
-                hf=hf,
-                vocab_size=_vocabulary(file, max(ids)),
-                bos_id=bos_id,
-                eos_id=eos_id,
-                pad_id=0 if pad_id is None else pad_id,
-                identity=f"hf:{_sha(data)}",
-                source=str(file),
-                file=TokenizerFile(HF_JSON, data),
-            )
-    wanted = ", ".join(f"{bos}/{eos}" if bos != eos else bos for bos, eos in HF_SPECIALS)
-    raise UserError(f"tokenizer {file} has no BOS/EOS special tokens: expected one of {wanted}")
+    vocab_size = _vocabulary(file, max(ids))
+    usual = {"bos": [bos for bos, _ in HF_SPECIALS], "eos": [eos for _, eos in HF_SPECIALS],
+             "pad": ["<pad>"]}
+    bos_id, eos_id, pad_id = _special_ids(file, specials, vocab_size, hf.token_to_id, usual)
+    return HFTokenizer(hf=hf, vocab_size=vocab_size, bos_id=bos_id, eos_id=eos_id,
+                       pad_id=pad_id, identity=f"hf:{_sha(data)}", source=str(file),
+                       file=TokenizerFile(HF_JSON, data))
 
 
-def _load_sentencepiece(file: Path) -> SentencePieceTokenizer:
+def _load_sentencepiece(file: Path, specials: SpecialTokens) -> SentencePieceTokenizer:
     try:
         sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
     except (OSError, RuntimeError) as e:
         raise UserError(f"cannot load tokenizer {file}: {_first_line(e)} — {_FIX}") from e
-    if sp.bos_id() < 0 or sp.eos_id() < 0:
-        raise UserError(f"SentencePiece model {file} has no BOS/EOS — train it with bos_id/eos_id")
     data = file.read_bytes()
-    return SentencePieceTokenizer(
-        sp=sp,
-        vocab_size=_vocabulary(file, sp.get_piece_size() - 1),
-        bos_id=sp.bos_id(),
-        eos_id=sp.eos_id(),
-        pad_id=max(sp.pad_id(), 0),
-        identity=f"sentencepiece:{_sha(data)}",
-        file=TokenizerFile(SENTENCEPIECE_MODEL, data),
-    )
+    vocab_size = _vocabulary(file, sp.get_piece_size() - 1)
+
+    def piece_id(piece: str) -> int | None:
+        found = sp.piece_to_id(piece)  # the unknown token's id for a piece it lacks
+        return found if sp.id_to_piece(found) == piece else None
+
+    own = zip(_ROLES, (sp.bos_id(), sp.eos_id(), sp.pad_id()), strict=True)
+    usual = {role: [sp.id_to_piece(i)] if i >= 0 else [] for role, i in own}
+    bos_id, eos_id, pad_id = _special_ids(file, specials, vocab_size, piece_id, usual)
+    return SentencePieceTokenizer(sp=sp, vocab_size=vocab_size, bos_id=bos_id, eos_id=eos_id,
+                                  pad_id=pad_id, identity=f"sentencepiece:{_sha(data)}",
+                                  file=TokenizerFile(SENTENCEPIECE_MODEL, data))
+
+
+def _special_ids(file: Path, specials: SpecialTokens, vocab_size: int,
+                 token_id: Callable[[str], int | None],
+                 usual: dict[str, list[str]]) -> tuple[int, int, int]:
+    """BOS, EOS and pad ids of the tokenizer `file`: each as `specials` names it, else as the
+    tokenizer_config.json beside the file names it, else the first of its `usual` spellings
+    the vocabulary has (pad: else id 0). A named token the vocabulary lacks is refused."""
+    config = _config_specials(file.parent / HF_CONFIG)
+    found = []
+    for role in _ROLES:
+        flag, given = f"--{role}-token", getattr(specials, role)
+        if isinstance(given, int):  # a checkpoint's record
+            if not 0 <= given < vocab_size:
+                raise UserError(f"tokenizer {file}: {role} id {given} is not one of its "
+                                f"{vocab_size:,} ids — {flag} names its token")
+            found.append(given)
+            continue
+        name, source = ((given, flag) if given is not None else
+                        (config.get(role), f"the {role}_token of {file.parent / HF_CONFIG}"))
+        if name is not None:
+            token = token_id(name)
+            if token is None:
+                raise UserError(f"tokenizer {file} has no token {name!r} ({source}) — name "
+                                f"one of its tokens with {flag}")
+            found.append(token)
+            continue
+        token = next((t for t in map(token_id, usual[role]) if t is not None), None)
+        if token is None and role != "pad":
+            tried = ", ".join(dict.fromkeys(usual[role])) or "none"
+            raise UserError(f"tokenizer {file} has no {role.upper()} token (tried {tried}; no "
+                            f"{HF_CONFIG} beside it names one) — name it with {flag}")
+        found.append(0 if token is None else token)
+    return found[0], found[1], found[2]
+
+
+def _config_specials(path: Path) -> dict[str, str]:
+    """The special tokens a Hugging Face `tokenizer_config.json` names, if there is one: its
+    `bos_token`, `eos_token` and `pad_token`, each a string or an object with a `content`
+    string (how `transformers` writes an AddedToken); a null is absent."""
+    if not path.is_file():
+        return {}
+    fix = "fix the file, or name the tokens with --bos-token, --eos-token and --pad-token"
+    config = bounds.mapping(bounds.read_json(path, "tokenizer config", fix), "the file",
+                            str(path), fix)
+    found = {}
+    for role in _ROLES:
+        value = config.get(f"{role}_token")
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is not None:
+            found[role] = bounds.text(value, f"{role}_token", str(path), fix)
+    return found
 
 
 def _vocabulary(file: Path, largest: int) -> int:

@@ -41,7 +41,8 @@ class RunConfig:
     strategies: str | None = None  # a TOML strategy table, or "auto" (planned)
     devices: int | None = None
     data: str | None = None  # default: the Python standard library
-    text_field: str = "text"  # the field of a record (JSON, Parquet) that holds its text
+    text_field: str = "text"  # the field of a record (JSON, Parquet, a dataset) holding its text
+    data_split: str | None = None  # a saved DatasetDict's split; default: train
     tokenizer: str | None = None  # default: a byte-level BPE trained on the corpus, cached
     # A tokenizer file's special tokens by spelling; default: its tokenizer_config.json's.
     bos_token: str | None = None

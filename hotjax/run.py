@@ -72,6 +72,7 @@ def resumed_config(path: str | Path, **overrides) -> RunConfig:
     scaling = optim.get("loss_scaling", "off")
     settings = {
         "data": data.get("source"), "text_field": data.get("text_field", RunConfig.text_field),
+        "data_split": data.get("data_split"),
         "tokenizer": tokenizer,
         "vocab_size": data.get("vocab_size", RunConfig.vocab_size),
         "context": data.get("seq_len", RunConfig.context),
@@ -266,8 +267,8 @@ class Run:
             resume = run.resume_from or (run.ckpt_dir and dirs.latest(run.ckpt_dir))
             name, model = _model(run, resume)
             scaling, scale = run.loss_scaling  # checked before the slow set-up
-            corpus = open_corpus(run.data, text_field=run.text_field)
-            held_out = (open_corpus(run.eval_data, text_field=run.text_field)
+            corpus = open_corpus(run.data, run.text_field, run.data_split)
+            held_out = (open_corpus(run.eval_data, run.text_field, run.data_split)
                         if run.eval_data else None)
             check_batch(corpus, context=table.max_len if table else run.context,
                         long_documents=run.long_documents, **run.batch)
@@ -294,6 +295,7 @@ class Run:
             typical = typical_rows(cut(lengths, table.max_len, run.long_documents), max_lens,
                                    **run.batch)
             data = {"source": corpus.source, "text_field": run.text_field,
+                    "data_split": run.data_split,
                     "seq_len": table.max_len,
                     "long_documents": run.long_documents, **run.batch,
                     "tokenizer": run.tokenizer, "vocab_size": run.vocab_size}

@@ -39,3 +39,84 @@ def test_a_record_field_named_by_text_field_trains_as_text(tmp_path, reference) 
     losses = train(tmp_path, "--data", jsonl(tmp_path / "content.jsonl", "content"),
                    "--text-field", "content")
     assert len(losses) == 2 and losses == reference
+
+
+def bracket_tokenizer(directory: Path) -> Path:
+    """A byte-level tokenizer.json whose special tokens are spelled [PAD], [BOS], [EOS]."""
+    import tokenizers
+
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE(
+        vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                           use_regex=False)
+    hf.decoder = tokenizers.decoders.ByteLevel()
+    hf.add_special_tokens(["[PAD]", "[BOS]", "[EOS]"])  # ids 256, 257, 258
+    directory.mkdir(exist_ok=True)
+    hf.save(str(directory / "tokenizer.json"))
+    return directory / "tokenizer.json"
+
+
+def test_special_tokens_come_from_tokenizer_config_or_flags(tmp_path) -> None:
+    from hotjax.data.tokenizer import SpecialTokens, load_tokenizer
+
+    bare = bracket_tokenizer(tmp_path / "bare")
+    configured = bracket_tokenizer(tmp_path / "configured")
+    (configured.parent / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"__type": "AddedToken", "content": "[BOS]"}, "eos_token": "[EOS]",
+        "pad_token": "[PAD]"}))
+    flags = SpecialTokens("[BOS]", "[EOS]", "[PAD]")
+    for tokenizer in (load_tokenizer(str(configured), None),
+                      load_tokenizer(str(bare), None, specials=flags)):
+        assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (257, 258, 256)
+    # Flags win over the file's config.
+    swapped = load_tokenizer(str(configured), None, specials=SpecialTokens(eos="[PAD]"))
+    assert (swapped.bos_id, swapped.eos_id) == (257, 256)
+
+
+def test_a_tokenizer_with_bracket_specials_trains_by_config_as_by_flags(tmp_path) -> None:
+    data = jsonl(tmp_path / "text.jsonl", "text")
+    bare = bracket_tokenizer(tmp_path / "bare")
+    configured = bracket_tokenizer(tmp_path / "configured")
+    (configured.parent / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]"}))
+    by_config = train(tmp_path, "--data", data, "--tokenizer", str(configured))
+    by_flags = train(tmp_path, "--data", data, "--tokenizer", str(bare), "--bos-token", "[BOS]",
+                     "--eos-token", "[EOS]", "--pad-token", "[PAD]")
+    assert len(by_config) == 2 and by_config == by_flags
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ((), "has no BOS token (tried <s>, <|begin_of_text|>, <|endoftext|>, <bos>; no "
+         "tokenizer_config.json beside it names one) — name it with --bos-token"),
+    (("--bos-token", "[BOS]"), "has no EOS token (tried </s>, <|end_of_text|>, <|endoftext|>, "
+                               "<eos>; no tokenizer_config.json beside it names one) — name it "
+                               "with --eos-token"),
+    (("--bos-token", "[CLS]"), "has no token '[CLS]' (--bos-token) — name one of its tokens "
+                               "with --bos-token"),
+])
+def test_a_missing_special_token_is_one_line_naming_its_flag(flags, expected, tmp_path,
+                                                              capsys) -> None:
+    from helpers import error
+
+    tokenizer = bracket_tokenizer(tmp_path / "bare")
+    message = error([*TINY_RUN[:3], "--tokenizer", str(tokenizer), *TINY_RUN[5:], *ONE_DEVICE,
+                     "--data", jsonl(tmp_path / "text.jsonl", "text"), *flags], capsys)
+    assert message == f"hotjax: error: tokenizer {tokenizer} {expected}"
+
+
+def saved_dataset(directory: Path, field: str, texts: list[str] = TEXTS) -> str:
+    """TEXTS as a Hugging Face DatasetDict saved to disk: split train, and a small one."""
+    import datasets
+
+    rows = {"id": list(range(len(texts))), field: texts}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows),
+                          "validation": datasets.Dataset.from_dict(
+                              {k: v[:3] for k, v in rows.items()})}).save_to_disk(str(directory))
+    return str(directory)
+
+
+def test_a_saved_dataset_trains_as_the_same_text_in_jsonl(tmp_path, reference) -> None:
+    losses = train(tmp_path, "--data", saved_dataset(tmp_path / "saved", "content"),
+                   "--text-field", "content")
+    assert len(losses) == 2 and losses == reference

@@ -162,7 +162,8 @@ _Spec = dict[str, tuple]
 _TOKENIZER: _Spec = {"identity": ("text",), "vocab_size": ("whole", 1, bounds.MAX_VOCAB),
                      **dict.fromkeys(("bos_id", "eos_id", "pad_id"),
                                      ("whole", 0, bounds.MAX_VOCAB))}
-_DATA: _Spec = {"source": ("text",), "text_field": ("text",), "tokenizer": ("text",),
+_DATA: _Spec = {"source": ("text",), "text_field": ("text",), "data_split": ("text",),
+                "tokenizer": ("text",),
                 "long_documents": ("text",),
                 "seq_len": ("whole", 1, bounds.MAX_SEQ_LEN),
                 "batch_tokens": ("whole", 1, bounds.MAX_COUNT),

@@ -16,6 +16,7 @@ from hotjax.config import (
     memory_size,
 )
 from hotjax.data.held_out import HELD_OUT_SHARE
+from hotjax.data.hf_datasets import DEFAULT_SPLIT
 from hotjax.distributed import HEARTBEAT_TIMEOUT_S
 from hotjax.preemption import REQUEUE_EXIT
 from hotjax.startup import SIMULATED_CPU_DEVICES
@@ -38,11 +39,14 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "devices": {"type": int, "help": "use N devices; on CPU, N simulated ones (default: all "
                 f"accelerators, or {SIMULATED_CPU_DEVICES} simulated CPUs)"},
     "data": {"help": "stdlib, shakespeare, a directory or glob ('src/**/*.py') of text files, "
-             "a text file, .jsonl/.json records, or .parquet (default: stdlib, the Python "
-             "standard library's .py files)"},
+             "a text file, .jsonl/.json records, .parquet, or a directory a Hugging Face "
+             "dataset was saved to (save_to_disk) (default: stdlib, the Python standard "
+             "library's .py files)"},
     "text_field": {"default": _RUN.text_field, "metavar": "FIELD",
-                   "help": "the field of a record (.jsonl, .json, .parquet) that holds its "
-                   "text (default: %(default)s)"},
+                   "help": "the field of a record (.jsonl, .json, .parquet, a dataset's row) "
+                   "that holds its text (default: %(default)s)"},
+    "data_split": {"metavar": "SPLIT", "help": "the split of a saved DatasetDict to read "
+                   f"(default: {DEFAULT_SPLIT})"},
     "tokenizer": {"help": "tokenizer.json, a SentencePiece .model, or 'bytes' (default: a "
                   "byte-level BPE trained on the corpus and cached)"},
     **{f"{role}_token": {"metavar": "TOKEN", "help": f"the {what} token of the --tokenizer "
@@ -140,7 +144,7 @@ assert set(OPTIONS) == {f.name for f in dataclasses.fields(RunConfig)}
 # Options of which a command takes one at most.
 EXCLUSIVE = (("strategy", "strategies"), ("batch_tokens", "batch_sequences"))
 # The options of the data a run reads, and of the model it builds, as one list each.
-DATA = ("data", "text_field", "tokenizer", "bos_token", "eos_token", "pad_token",
+DATA = ("data", "text_field", "data_split", "tokenizer", "bos_token", "eos_token", "pad_token",
         "vocab_size", "context", "long_documents", "batch_tokens", "batch_sequences")
 MODEL = ("model", "compute_dtype", "attention", "attention_block", "remat")
 # What a training run reports besides its progress: evaluations, metrics files and a trace.

@@ -201,7 +201,7 @@ def _document_lengths(args: argparse.Namespace):
     from hotjax.data import estimated_lengths, load_tokenizer, open_corpus
     from hotjax.data.tokenizer import SpecialTokens
 
-    corpus = open_corpus(args.data, text_field=args.text_field)
+    corpus = open_corpus(args.data, args.text_field, args.data_split)
     tokenizer = load_tokenizer(args.tokenizer, corpus, vocab_size=args.vocab_size,
                                specials=SpecialTokens.of(args))
     # Estimated from a sample, as `hotjax train` estimates them for `--strategies auto`.

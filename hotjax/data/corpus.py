@@ -1,5 +1,5 @@
 """Where training documents come from: an embedded corpus, a directory or glob of files, a text
-file, JSON records (`.jsonl`, `.json`) or Parquet.
+file, JSON records (`.jsonl`, `.json`), Parquet, or a Hugging Face dataset saved to disk.
 
 `open_corpus` scans the source once (to validate it, count odd files and fingerprint it) but keeps
 only an index; `Corpus.read` loads one document's text when it is needed.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hotjax.data import records
+from hotjax.data import hf_datasets, records
 from models.errors import UserError
 
 BINARY_SNIFF_BYTES = 8192  # a NUL byte this early marks a file as binary
@@ -27,7 +27,7 @@ _GLOB_CHARS = frozenset("*?[")
 _ADDED_TOKENS = 3  # per document, beyond one per byte: BOS, EOS, SentencePiece's "▁" prefix
 _FIX = (
     "pass stdlib or shakespeare, a directory or glob of text files, a text file, a .jsonl/.json "
-    "file of records, or a .parquet file"
+    "file of records, a .parquet file, or a Hugging Face dataset's save_to_disk directory"
 )
 
 
@@ -45,11 +45,12 @@ class CorpusStats:
 @dataclass(frozen=True, eq=False)
 class Corpus:
     """An index of documents. Document i is `spans_Dx3[i] = (file, a, b)`: bytes [a, b) of a
-    text or JSON-lines file, or item b of block a (a JSON file's array, a Parquet row group)."""
+    text or JSON-lines file, or item b of block a (a JSON file's array, a Parquet row group, a
+    saved dataset's record batch)."""
 
     source: str  # what the user passed, or the embedded corpus's name
     files: tuple[Path, ...]
-    kinds: tuple[str, ...]  # per file: "text", "jsonl", "json" or "parquet"
+    kinds: tuple[str, ...]  # per file: "text", "jsonl", "json", "parquet" or "dataset"
     spans_Dx3: np.ndarray  # int64
     sizes_D: np.ndarray  # int64 UTF-8 bytes of each document's text
     text_field: str  # the field of a record that holds its text
@@ -57,6 +58,7 @@ class Corpus:
     fingerprint: str  # hash of the documents' names and contents, for cache keys
     _blocks: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _rows: dict = field(default_factory=dict, repr=False)  # a saved dataset's, memory-mapped
 
     @property
     def num_documents(self) -> int:
@@ -68,6 +70,8 @@ class Corpus:
         kind = self.kinds[file]
         if kind in ("json", "parquet"):
             return self._block(file, a)[b]
+        if kind == "dataset":
+            return self._dataset(file).text(a, b)
         with self.files[file].open("rb") as f:
             f.seek(a)
             text = f.read(b - a).decode("utf-8", errors="replace")
@@ -81,7 +85,8 @@ class Corpus:
             with path.open("rb") as f:
                 line = f.read(a).count(b"\n") + 1
             return f"{path}:{line}"
-        return {"text": f"{path}", "json": f"{path}[{b}]"}.get(
+        return {"text": f"{path}", "json": f"{path}[{b}]",
+                "dataset": f"{path} (record batch {a}, row {b})"}.get(
             kind, f"{path} (row group {a}, row {b})")
 
     def subset(self, docs_N: np.ndarray, part: str) -> "Corpus":
@@ -94,6 +99,12 @@ class Corpus:
                                      + np.asarray(docs_N, np.int64).tobytes()).hexdigest()
         return replace(self, spans_Dx3=self.spans_Dx3[docs_N], sizes_D=sizes_N, stats=stats,
                        fingerprint=fingerprint)
+
+    def _dataset(self, file: int) -> hf_datasets.Rows:
+        with self._lock:
+            if file not in self._rows:
+                self._rows[file] = hf_datasets.open_rows(self.files[file], self.text_field)
+            return self._rows[file]
 
     def _block(self, file: int, block: int) -> list[str]:
         with self._lock:
@@ -131,11 +142,13 @@ def shakespeare_root() -> Path:
     return root
 
 
-def open_corpus(path: str | None, text_field: str = "text") -> Corpus:
+def open_corpus(path: str | None, text_field: str = "text", split: str | None = None) -> Corpus:
     """Index a corpus. None or "stdlib" is the standard library, "shakespeare" the plays (these
-    names win over same-named paths: write ./stdlib for a directory); else a directory (every
-    file, recursively), a glob such as `src/**/*.py`, or one file. `.jsonl` and `.parquet` files
-    hold records whose `text_field` is a document, as does a `.json` file named on its own."""
+    names win over same-named paths: write ./stdlib for a directory); else a Hugging Face
+    dataset's `save_to_disk` directory (a DatasetDict's `split`, default train), a directory
+    (every file, recursively), a glob such as `src/**/*.py`, or one file. `.jsonl` and `.parquet`
+    files hold records whose `text_field` is a document, as does a `.json` file named on its
+    own, and a dataset's rows."""
     if path is None or path == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         return _index("stdlib", root, stdlib_files(), text_field)
@@ -154,6 +167,13 @@ def open_corpus(path: str | None, text_field: str = "text") -> Corpus:
                             f"number of directories")
         return _index(path, root, files, text_field)
     root = Path(path)
+    if hf_datasets.is_saved(root):
+        directory = hf_datasets.split_of(root.resolve(), split)
+        return _index(path, root.resolve().parent, [directory], text_field,
+                      {directory: "dataset"})
+    if split is not None:
+        raise UserError(f"--data-split {split}: names a split of a saved Hugging Face dataset, "
+                        f"which {path} is not — drop --data-split")
     if root.is_dir():
         return _index(path, root, _files_under(root, "**/*"), text_field)
     if root.is_file():
@@ -181,7 +201,10 @@ def _index(source: str, root: Path, paths: list[Path], text_field: str,
         kind = (kinds or {}).get(p) or records.kind_of(p, named=False) or "text"
         name = p.relative_to(root).as_posix().encode()
         try:
-            if kind != "text":  # read in parts, never held whole
+            if kind == "dataset":  # memory-mapped, its files read in parts for the fingerprint
+                hasher.update(_named(name, 0))
+                found = hf_datasets.index(p, text_field, hasher.update)
+            elif kind != "text":  # read in parts, never held whole
                 with p.open("rb") as f:
                     hasher.update(_named(name, os.fstat(f.fileno()).st_size))
                     found = records.index(p, kind, f, text_field, hasher.update)

@@ -217,7 +217,7 @@ def _index_parquet(path: Path, text_field: str) -> Found:
             column = as_dictionary.read_row_group(block, columns=[text_field]).column(0)
             sizes_n, bad_n = [], []
             for chunk in column.chunks:
-                sizes_v, bad_v = _sizes(chunk.dictionary.cast(pa.binary()))
+                sizes_v, bad_v = sizes_of(chunk.dictionary.cast(pa.binary()))
                 low, high = pc.min_max(chunk.indices).values()
                 if low.is_valid and not 0 <= low.as_py() <= high.as_py() < len(sizes_v):
                     raise _broken(path, f"row group {block} refers past its dictionary")
@@ -241,7 +241,7 @@ def _index_parquet(path: Path, text_field: str) -> Found:
                  empty, replaced)
 
 
-def _sizes(values) -> tuple[np.ndarray, np.ndarray]:
+def sizes_of(values) -> tuple[np.ndarray, np.ndarray]:
     """Each of an Arrow binary array's values' size as text (invalid UTF-8 decoded with
     replacements), and whether it was invalid."""
     import pyarrow as pa

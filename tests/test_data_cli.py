@@ -99,6 +99,6 @@ def test_bad_input_is_one_line(flags, expected, corpus, tmp_path, capsys) -> Non
 
 def test_the_data_layer_imports_neither_jax_nor_grain_until_iterated() -> None:
     # JAX fixes the CPU device count when imported, so `hotjax train` must set it first.
-    code = ("import sys, hotjax.data, hotjax.data.cli, hotjax.data.stats; "
+    code = ("import sys, hotjax.data, hotjax.commands.data, hotjax.data.stats; "
             "print(sorted({'jax', 'grain'} & set(sys.modules)))")
     assert python("-c", code, timeout=60).stdout.strip() == "[]"

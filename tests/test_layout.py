@@ -1,6 +1,7 @@
-"""The code's rooms: no two modules import each other, however indirectly (an import inside a
-function counts: it is a dependency all the same; so does a module imported by its name, with
-`importlib.import_module`), and the packages the README names exist."""
+"""The code's rooms: no module imports from a floor above its own, no two modules import each
+other, however indirectly (an import inside a function counts: it is a dependency all the same;
+so does a module imported by its name, with `importlib.import_module`), and the packages the
+README names exist."""
 
 import ast
 import subprocess
@@ -8,7 +9,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("hotjax", "models", "sharding")
+PACKAGES = ("hotjax", "models", "sharding", "scripts")
+# The floors, lowest first: a module imports from its own floor and those below, never above. A
+# module's floor is that of the longest name here it starts with.
+FLOORS = (
+    ("models",),  # the model alone
+    ("sharding",),  # strategies: how the model is laid out on devices
+    ("hotjax",),  # the library: runs, data, checkpoints, planning
+    # The command line, thin users of the library: its commands and its two `python -m` entries
+    # (`hotjax.peak` runs `hotjax.cli.main`).
+    ("hotjax.commands", "hotjax.cli", "hotjax.peak"),
+    ("scripts",),  # the benchmarks, which may use anything
+)
 
 
 def _module(path: Path, root: Path = ROOT) -> str:
@@ -96,6 +108,56 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def _floor(module: str) -> int:
+    return max((len(name), floor) for floor, names in enumerate(FLOORS) for name in names
+               if module == name or module.startswith(f"{name}."))[1]
+
+
+def _climbs(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """The imports from a floor up to a higher one, as (importer, imported)."""
+    return sorted((module, imported) for module, imports in graph.items() for imported in imports
+                  if _floor(imported) > _floor(module))
+
+
+def test_no_import_climbs_a_floor():
+    assert _climbs(_graph()) == []
+
+
+def test_the_floor_checker_finds_every_climb():
+    graph = {
+        "models.llama": {"sharding.strategy"},
+        "sharding.table": {"hotjax.config"},
+        "hotjax.data.stats": {"hotjax.commands.options", "hotjax.config"},
+        "hotjax.checkpoint.store": {"hotjax.cli"},
+        "hotjax.run": {"models.llama", "scripts.bench_ckpt"},
+        "hotjax.commands.ckpt": {"hotjax.run", "hotjax.cli"},
+        "scripts.bench_ckpt": {"hotjax.cli", "models.llama"},
+    }
+    assert _climbs(graph) == [("hotjax.checkpoint.store", "hotjax.cli"),
+                              ("hotjax.data.stats", "hotjax.commands.options"),
+                              ("hotjax.run", "scripts.bench_ckpt"),
+                              ("models.llama", "sharding.strategy"),
+                              ("sharding.table", "hotjax.config")]
+
+
+def test_a_climb_inside_a_function_or_by_name_is_found(tmp_path):
+    """As `hotjax.data.cli` once took its options from `hotjax.commands.options`; here one
+    library module imports a command inside a function, another loads one by its name."""
+    package = tmp_path / "hotjax"
+    for folder in ("commands", "data", "checkpoint"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "commands" / "options.py").write_text("")
+    (package / "data" / "stats.py").write_text(
+        "def stats():\n    from hotjax.commands.options import add_options\n")
+    (package / "checkpoint" / "formats.py").write_text(
+        'import importlib\n\n\ndef register():\n'
+        '    importlib.import_module("hotjax.commands.options")\n')
+    assert _climbs(_graph(tmp_path)) == [("hotjax.checkpoint.formats", "hotjax.commands.options"),
+                                         ("hotjax.data.stats", "hotjax.commands.options")]
 
 
 def test_no_import_circles():

@@ -1,5 +1,5 @@
 """The checkpoint formats hotjax converts, one row each: `hotjax ckpt import-NAME` and
-`export-NAME` are built from this table (`checkpoint.cli`). Adding a format is one module (its
+`export-NAME` are built from this table (`commands.ckpt`). Adding a format is one module (its
 import and/or export function), one row here, and its test.
 
 An import function is called `(source, out, **options)`, with `config=` (the model, resolved by

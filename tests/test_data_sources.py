@@ -120,3 +120,25 @@ def test_a_saved_dataset_trains_as_the_same_text_in_jsonl(tmp_path, reference) -
     losses = train(tmp_path, "--data", saved_dataset(tmp_path / "saved", "content"),
                    "--text-field", "content")
     assert len(losses) == 2 and losses == reference
+
+
+def test_pretokenized_ids_train_as_the_same_text_tokenized(tmp_path, reference) -> None:
+    import numpy as np
+
+    from hotjax.data import ByteTokenizer
+
+    eos = ByteTokenizer().eos_id
+    ids = np.concatenate([[*t.encode(), eos] for t in TEXTS]).astype(np.uint16)
+    np.save(tmp_path / "ids.npy", ids)
+    losses = train(tmp_path, "--data", str(tmp_path / "ids.npy"))
+    assert len(losses) == 2 and losses == reference
+
+
+def test_pretokenized_ids_of_another_tokenizer_are_one_line(tmp_path, capsys) -> None:
+    import numpy as np
+    from helpers import error
+
+    np.save(tmp_path / "ids.npy", np.tile(np.array([5, 6, 7, 2], np.int32), 2000))  # EOS 2
+    message = error([*TINY_RUN, *ONE_DEVICE, "--data", str(tmp_path / "ids.npy")], capsys)
+    assert message.endswith("its documents end with id 2, but the tokenizer's EOS is 258 — "
+                            "pass the --tokenizer that made the ids")

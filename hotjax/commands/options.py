@@ -39,8 +39,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "devices": {"type": int, "help": "use N devices; on CPU, N simulated ones (default: all "
                 f"accelerators, or {SIMULATED_CPU_DEVICES} simulated CPUs)"},
     "data": {"help": "stdlib, shakespeare, a directory or glob ('src/**/*.py') of text files, "
-             "a text file, .jsonl/.json records, .parquet, or a directory a Hugging Face "
-             "dataset was saved to (save_to_disk) (default: stdlib, the Python standard "
+             "a text file, .jsonl/.json records, .parquet, a directory a Hugging Face "
+             "dataset was saved to (save_to_disk), or token ids in a .npy (1-D, each document "
+             "followed by the --tokenizer's EOS) (default: stdlib, the Python standard "
              "library's .py files)"},
     "text_field": {"default": _RUN.text_field, "metavar": "FIELD",
                    "help": "the field of a record (.jsonl, .json, .parquet, a dataset's row) "

@@ -59,12 +59,12 @@ def cut(lengths_N: np.ndarray, context: int, long_documents: str) -> np.ndarray:
 
 
 def _tokens_per_byte(corpus: Corpus, tokenizer: Tokenizer, order: np.ndarray) -> float:
-    texts, total = [], 0
+    docs, total = [], 0
     for i in order:
         if total >= RATIO_SAMPLE_BYTES:
             break
         if corpus.sizes_D[i]:
-            texts.append(corpus.read(int(i)))
+            docs.append(int(i))
             total += int(corpus.sizes_D[i])
-    tokens = sum(len(ids) for ids in tokenizer.encode_batch(texts))
-    return tokens / max(sum(len(t.encode()) for t in texts), 1)
+    tokens = sum(len(ids) for ids in corpus.encode_batch(docs, tokenizer))
+    return tokens / max(total, 1)

@@ -1,5 +1,6 @@
 """Where training documents come from: an embedded corpus, a directory or glob of files, a text
-file, JSON records (`.jsonl`, `.json`), Parquet, or a Hugging Face dataset saved to disk.
+file, JSON records (`.jsonl`, `.json`), Parquet, a Hugging Face dataset saved to disk, or token
+ids already made (`.npy`, `token_ids`).
 
 `open_corpus` scans the source once (to validate it, count odd files and fingerprint it) but keeps
 only an index; `Corpus.read` loads one document's text when it is needed.
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hotjax.data import hf_datasets, records
+from hotjax.data import hf_datasets, records, token_ids
 from models.errors import UserError
 
 BINARY_SNIFF_BYTES = 8192  # a NUL byte this early marks a file as binary
@@ -50,19 +51,35 @@ class Corpus:
 
     source: str  # what the user passed, or the embedded corpus's name
     files: tuple[Path, ...]
-    kinds: tuple[str, ...]  # per file: "text", "jsonl", "json", "parquet" or "dataset"
+    kinds: tuple[str, ...]  # per file: "text", "jsonl", "json", "parquet", "dataset", "tokens"
     spans_Dx3: np.ndarray  # int64
-    sizes_D: np.ndarray  # int64 UTF-8 bytes of each document's text
+    sizes_D: np.ndarray  # int64 UTF-8 bytes of each document's text (pre-tokenized: its ids)
     text_field: str  # the field of a record that holds its text
     stats: CorpusStats
     fingerprint: str  # hash of the documents' names and contents, for cache keys
     _blocks: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _rows: dict = field(default_factory=dict, repr=False)  # a saved dataset's, memory-mapped
+    _rows: dict = field(default_factory=dict, repr=False)  # memory-mapped, per file
 
     @property
     def num_documents(self) -> int:
         return len(self.spans_Dx3)
+
+    @property
+    def pretokenized(self) -> bool:
+        return "tokens" in self.kinds
+
+    def encode(self, i: int, tokenizer) -> list[int]:
+        """Document i's token ids: its text tokenized, or the ids it holds already."""
+        file, a, b = (int(x) for x in self.spans_Dx3[i])
+        if self.kinds[file] != "tokens":
+            return tokenizer.encode(self.read(i))
+        return self._opened(file, token_ids.open_ids).document(a, b, tokenizer)
+
+    def encode_batch(self, docs, tokenizer) -> list[list[int]]:
+        if self.pretokenized:
+            return [self.encode(int(i), tokenizer) for i in docs]
+        return tokenizer.encode_batch([self.read(int(i)) for i in docs])
 
     def read(self, i: int) -> str:
         """The text of document i; safe to call from several threads."""
@@ -71,7 +88,11 @@ class Corpus:
         if kind in ("json", "parquet"):
             return self._block(file, a)[b]
         if kind == "dataset":
-            return self._dataset(file).text(a, b)
+            return self._opened(file, lambda path: hf_datasets.open_rows(
+                path, self.text_field)).text(a, b)
+        if kind == "tokens":
+            raise UserError(f"{self.files[file]} holds token ids, not text — pass the "
+                            f"--tokenizer that made them")
         with self.files[file].open("rb") as f:
             f.seek(a)
             text = f.read(b - a).decode("utf-8", errors="replace")
@@ -86,7 +107,8 @@ class Corpus:
                 line = f.read(a).count(b"\n") + 1
             return f"{path}:{line}"
         return {"text": f"{path}", "json": f"{path}[{b}]",
-                "dataset": f"{path} (record batch {a}, row {b})"}.get(
+                "dataset": f"{path} (record batch {a}, row {b})",
+                "tokens": f"{path} (ids {a} to {b})"}.get(
             kind, f"{path} (row group {a}, row {b})")
 
     def subset(self, docs_N: np.ndarray, part: str) -> "Corpus":
@@ -100,10 +122,11 @@ class Corpus:
         return replace(self, spans_Dx3=self.spans_Dx3[docs_N], sizes_D=sizes_N, stats=stats,
                        fingerprint=fingerprint)
 
-    def _dataset(self, file: int) -> hf_datasets.Rows:
+    def _opened(self, file: int, opener):
+        """`opener(path)` of file `file`, made once (a memory-mapped dataset or id array)."""
         with self._lock:
             if file not in self._rows:
-                self._rows[file] = hf_datasets.open_rows(self.files[file], self.text_field)
+                self._rows[file] = opener(self.files[file])
             return self._rows[file]
 
     def _block(self, file: int, block: int) -> list[str]:
@@ -177,7 +200,8 @@ def open_corpus(path: str | None, text_field: str = "text", split: str | None = 
     if root.is_dir():
         return _index(path, root, _files_under(root, "**/*"), text_field)
     if root.is_file():
-        kind = records.kind_of(root, named=True) or "text"
+        kind = records.kind_of(root, named=True) or (
+            "tokens" if root.suffix.lower() == token_ids.SUFFIX else "text")
         return _index(path, root.parent, [root], text_field, {root: kind})
     raise UserError(f"corpus not found: {path} — {_FIX}")
 
@@ -204,6 +228,9 @@ def _index(source: str, root: Path, paths: list[Path], text_field: str,
             if kind == "dataset":  # memory-mapped, its files read in parts for the fingerprint
                 hasher.update(_named(name, 0))
                 found = hf_datasets.index(p, text_field, hasher.update)
+            elif kind == "tokens":
+                hasher.update(_named(name, p.stat().st_size))
+                found = token_ids.index(p, hasher.update)
             elif kind != "text":  # read in parts, never held whole
                 with p.open("rb") as f:
                     hasher.update(_named(name, os.fstat(f.fileno()).st_size))

@@ -31,7 +31,7 @@ def split(corpus: Corpus, tokenizer: Tokenizer, tokens: int) -> tuple[Corpus, Co
     order_N = np.random.default_rng(SPLIT_SEED).permutation(count)
     held, found = 0, 0
     while held < most and found < tokens:
-        found += len(tokenizer.encode(corpus.read(int(order_N[held])))) + 2
+        found += len(corpus.encode(int(order_N[held]), tokenizer)) + 2
         held += 1
     return (corpus.subset(np.sort(order_N[held:]), "training"),
             corpus.subset(np.sort(order_N[:held]), "held-out"))

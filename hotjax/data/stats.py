@@ -27,7 +27,7 @@ def document_lengths(
     lengths_D = np.zeros(corpus.num_documents, np.int64)
     for start in range(0, corpus.num_documents, TOKENIZE_CHUNK):
         docs = range(start, min(start + TOKENIZE_CHUNK, corpus.num_documents))
-        ids = tokenizer.encode_batch([corpus.read(i) for i in docs])
+        ids = corpus.encode_batch(docs, tokenizer)
         lengths_D[start:docs.stop] = [len(x) + 2 if x else 0 for x in ids]
         progress(docs.stop)
     return lengths_D
@@ -39,7 +39,7 @@ def sequence_lengths(lengths_D: np.ndarray, corpus: Corpus, tokenizer: Tokenizer
     if long_documents == "error" and (lengths_D > context).any():
         doc = int(np.argmax(lengths_D > context))
         try:
-            to_sequences(tokenizer.encode(corpus.read(doc)), tokenizer, context, long_documents)
+            to_sequences(corpus.encode(doc, tokenizer), tokenizer, context, long_documents)
         except UserError as e:
             raise UserError(f"{corpus.describe(doc)}: {e}") from None
     return cut(lengths_D[lengths_D > 0], context, long_documents)

@@ -219,7 +219,7 @@ class MiniBatches(_Iterator):
         """Document `doc` read, tokenized and cut into sequences (in Grain's reader threads)."""
         doc = int(doc)
         try:
-            ids = self.tokenizer.encode(self.corpus.read(doc))
+            ids = self.corpus.encode(doc, self.tokenizer)
             return doc, to_sequences(ids, self.tokenizer, self.context, self.long_documents)
         except UserError as e:
             raise UserError(f"{self.corpus.describe(doc)}: {e}") from None

@@ -214,6 +214,9 @@ def default_cache_dir() -> Path:
 
 def train_bpe(corpus: Corpus, vocab_size: int, cache_dir: Path) -> HFTokenizer:
     """A byte-level BPE trained on a fixed sample of `corpus`, cached by its fingerprint."""
+    if corpus.pretokenized:
+        raise UserError(f"--data {corpus.source} holds token ids: pass the --tokenizer that "
+                        f"made them (none is trained on ids)")
     minimum = 256 + len(BPE_SPECIALS)
     if vocab_size < minimum:
         raise UserError(f"vocab size {vocab_size} is too small — a byte-level BPE needs {minimum}")

@@ -12,7 +12,7 @@ import sys
 import typing
 from collections.abc import Sequence
 
-from hotjax.commands import ckpt, data, generate, launch, plan, strategy, train
+from hotjax.commands import ckpt, config_file, data, generate, launch, plan, strategy, train
 from hotjax.commands.options import run_config as _run_config
 from hotjax.config import RunConfig
 from hotjax.preemption import REQUEUE_EXIT, Preempted
@@ -25,11 +25,13 @@ COMMANDS = (train, strategy, data, plan, ckpt, generate, launch)
 
 def run_config(argv: Sequence[str]) -> RunConfig:
     """The run `hotjax train` with these arguments (starting with "train") makes."""
-    return _run_config(_parser().parse_args(argv))
+    return _run_config(_parse(argv))
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, its errors (an unknown flag, `--steps abc`) in hotjax's one-line form."""
+
+    commands: argparse._SubParsersAction  # the top parser's: each command's parser
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"hotjax: error: {message}: see {self.prog} --help\n")
@@ -40,14 +42,28 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(commands)
+    parser.commands = commands
     return parser
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The arguments; a command's `--config FILE.toml` gives the defaults its flags override."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    path = getattr(args, config_file.DEST, None)
+    if path is None:
+        return args
+    command = parser.commands.choices[args.command]
+    found = config_file.read(path, command)
+    command.set_defaults(**found)
+    return config_file.flags_win(parser.parse_args(argv), found)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if getattr(args, "target", None) is None:
-        quiet_plugin_without_a_driver()
     try:
+        args = _parse(argv)
+        if getattr(args, "target", None) is None:
+            quiet_plugin_without_a_driver()
         code = args.handler(args)  # an exit code, or None for success
     except UserError as e:
         print(f"hotjax: error: {e}", file=sys.stderr)

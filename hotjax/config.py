@@ -14,8 +14,21 @@ from pathlib import Path
 
 from models.bounds import MAX_SEQ_LEN, MAX_STEP, MAX_VOCAB, host_memory
 from models.errors import UserError
+from models.optimizers import (
+    BETA1,
+    BETA2,
+    CLIP_NORM,
+    DECAY_FRACTION,
+    EPS,
+    LR,
+    MIN_LR_RATIO,
+    OPTIMIZERS,
+    SCHEDULE,
+    SCHEDULES,
+    WARMUP_STEPS,
+    WEIGHT_DECAY,
+)
 from models.optimizers import DEFAULT as DEFAULT_OPTIMIZER
-from models.optimizers import LR, OPTIMIZERS, WARMUP_STEPS
 
 DEFAULT_BATCH_TOKENS = 8192
 DEFAULT_MODEL = "small"
@@ -65,6 +78,15 @@ class RunConfig:
     optimizer: str = DEFAULT_OPTIMIZER  # an entry of `models.optimizers.OPTIMIZERS`
     lr: float = LR
     warmup_steps: int | None = None  # default: DEFAULT_WARMUP_STEPS, or --steps if fewer
+    schedule: str = SCHEDULE  # the learning rate's shape: `models.optimizers.SCHEDULES`
+    decay_steps: int | None = None  # the horizon: where the rate reaches its minimum; --steps
+    min_lr_ratio: float = MIN_LR_RATIO
+    decay_fraction: float = DECAY_FRACTION  # WSD: the share after the warmup that decays
+    weight_decay: float = WEIGHT_DECAY
+    clip_norm: float = CLIP_NORM
+    beta1: float = BETA1
+    beta2: float = BETA2
+    eps: float = EPS
     metrics_jsonl: str | None = None
     log_every: int = 10
     eval_data: str | None = None  # held-out documents; default: a split of `data` (`evaluates`)
@@ -80,6 +102,7 @@ class RunConfig:
     save_every: int | None = None  # default: save the last step only
     resume_from: str | None = None  # a step directory, or a checkpoint directory's latest
     weights_only: bool = False  # resume the checkpoint's weights alone: a fresh optimizer, step 0
+    new_schedule: bool = False  # resume onto another learning-rate schedule than the checkpoint's
     keep_last: int = 3
     keep_every: int | None = None  # also keep every step that is a multiple of this
 
@@ -96,7 +119,8 @@ class RunConfig:
                                  ("--eval-tokens", self.eval_tokens, 1),
                                  ("--save-every", self.save_every, 1),
                                  ("--keep-last", self.keep_last, 1),
-                                 ("--keep-every", self.keep_every, 1)):
+                                 ("--keep-every", self.keep_every, 1),
+                                 ("--decay-steps", self.decay_steps, 1)):
             at_least(flag, value, low)
         if self.seed >= 2**32:
             raise UserError(f"--seed {self.seed}: choose a seed from 0 to 2**32 - 1")
@@ -107,24 +131,51 @@ class RunConfig:
                 ("--context", self.context, MAX_SEQ_LEN, "MAX_SEQ_LEN"),
                 ("--attention-block", self.attention_block, MAX_SEQ_LEN, "MAX_SEQ_LEN"),
                 ("--loss-scale-period", self.loss_scale_period, MAX_STEP, "MAX_STEP"),
-                ("--warmup-steps", self.warmup_steps, MAX_STEP, "MAX_STEP")):
+                ("--warmup-steps", self.warmup_steps, MAX_STEP, "MAX_STEP"),
+                ("--decay-steps", self.decay_steps, MAX_STEP, "MAX_STEP")):
             at_most(flag, value, high, bound)
         fits_host_memory(self.batch_tokens, self.batch_sequences, self.context)
         for flag, value in (("--lr", self.lr), ("--initial-loss-scale", self.initial_loss_scale),
-                            ("--device-memory", self.device_memory)):
+                            ("--device-memory", self.device_memory), ("--eps", self.eps)):
             positive(flag, value)
+        self._check_optimizer()
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
             raise UserError(f"--warmup-steps {self.warmup_steps}: warm up within the run: give "
                             f"0 to --steps ({self.steps})")
-        if self.optimizer not in OPTIMIZERS:
-            raise UserError(f"--optimizer {self.optimizer}: choose one of "
-                            f"{', '.join(OPTIMIZERS)}")
         if self.weights_only and not (self.resume_from or self.ckpt_dir):
             raise UserError("--weights-only needs a checkpoint: pass --resume-from")
+        if self.new_schedule and not (self.resume_from or self.ckpt_dir):
+            raise UserError("--new-schedule needs a checkpoint to resume: pass --resume-from")
         if self.save_every and not self.ckpt_dir:
             raise UserError("--save-every needs --ckpt-dir: pass the directory to save into")
         self.loss_scaling  # noqa: B018 - a static --loss-scale is checked here, at the edge
         self.traced  # noqa: B018 - and --trace-steps
+
+    def _check_optimizer(self) -> None:
+        """The optimizer's and the schedule's settings, each in its range."""
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"--optimizer {self.optimizer}: choose one of "
+                            f"{', '.join(OPTIMIZERS)}")
+        if self.schedule not in SCHEDULES:
+            raise UserError(f"--schedule {self.schedule}: choose one of {', '.join(SCHEDULES)}")
+        within = "from 0 up to, not including, 1"
+        for flag, value, ok, fix in (
+                ("--beta1", self.beta1, 0 <= self.beta1 < 1, within),
+                ("--beta2", self.beta2, 0 <= self.beta2 < 1, within),
+                ("--weight-decay", self.weight_decay, 0 <= self.weight_decay < math.inf,
+                 "0 or more"),
+                ("--min-lr-ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1,
+                 "from 0 to 1 (the rate at the horizon over the peak --lr)"),
+                ("--decay-fraction", self.decay_fraction, 0 <= self.decay_fraction <= 1,
+                 "from 0 to 1 (WSD: the share of the steps after the warmup that decay)")):
+            if not ok:
+                raise UserError(f"{flag} {value}: pass a number {fix}")
+        if not self.clip_norm > 0:  # inf: no clipping
+            raise UserError(f"--clip-norm {self.clip_norm}: pass a gradient norm above 0 (inf: "
+                            f"no clipping)")
+        if self.decay_steps is not None and self.decay_steps < self.warmup:
+            raise UserError(f"--decay-steps {self.decay_steps}: the horizon counts the warmup: "
+                            f"pass at least --warmup-steps ({self.warmup})")
 
     @property
     def evaluates(self) -> bool:

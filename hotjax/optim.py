@@ -1,6 +1,7 @@
 """The optimizer a run trains with (AdamW, Lion or Adafactor: `models.optimizers` declares each),
-with linear warmup and cosine decay, after global-norm clipping; for fp16 compute, behind a loss
-scale that skips the updates whose gradients overflowed."""
+with linear warmup and a decay (cosine, linear, none or WSD: `models.optimizers.SCHEDULES`), after
+global-norm clipping; for fp16 compute, behind a loss scale that skips the updates whose
+gradients overflowed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,22 @@ import optax
 
 from models.errors import UserError
 from models.llama import Params
-from models.optimizers import DEFAULT, LR, WARMUP_STEPS, Optimizer, named
+from models.optimizers import (
+    BETA1,
+    BETA2,
+    CLIP_NORM,
+    DECAY_FRACTION,
+    DEFAULT,
+    EPS,
+    LR,
+    MIN_LR_RATIO,
+    SCHEDULE,
+    SCHEDULES,
+    WARMUP_STEPS,
+    WEIGHT_DECAY,
+    Optimizer,
+    named,
+)
 
 LOSS_SCALING = ("off", "dynamic", "static")
 # Overflowed steps in a row after which Optax applies the update anyway (so that a run gone
@@ -27,12 +43,15 @@ class OptimConfig:
     lr: float = LR
     warmup_steps: int = WARMUP_STEPS
     total_steps: int = 200
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-5  # as LLaMA 2 (Touvron et al. 2023, §2.2)
-    clip_norm: float = 1.0
+    schedule: str = SCHEDULE  # an entry of `models.optimizers.SCHEDULES`
+    min_lr_ratio: float = MIN_LR_RATIO
+    decay_steps: int | None = None  # the horizon, where the rate reaches its minimum: total_steps
+    decay_fraction: float = DECAY_FRACTION  # WSD's
+    weight_decay: float = WEIGHT_DECAY
+    b1: float = BETA1
+    b2: float = BETA2
+    eps: float = EPS
+    clip_norm: float = CLIP_NORM
     # Loss scaling (for fp16 compute): "dynamic" starts at `loss_scale`, halves it on overflow
     # and doubles it after `loss_scale_period` steps without one; "static" keeps it.
     loss_scaling: str = "off"
@@ -41,6 +60,8 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         named(self.name)
+        if self.schedule not in SCHEDULES:
+            raise UserError(f"schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if self.loss_scaling not in LOSS_SCALING:
             raise UserError(f"loss scaling {self.loss_scaling!r}: choose one of "
                             f"{', '.join(LOSS_SCALING)}")
@@ -53,12 +74,26 @@ class OptimConfig:
         """What the optimizer is and what state it keeps."""
         return named(self.name)
 
-    def schedule(self) -> optax.Schedule:
-        """Linear warmup to `lr`, cosine decay to `lr * min_lr_ratio` by `total_steps`."""
+    @property
+    def shape(self) -> dict[str, object]:
+        """What decides the learning rate at every step: the schedule's name, peak, warmup,
+        horizon and minimum (and WSD's decay fraction)."""
         warmup = min(self.warmup_steps, self.total_steps)
-        curve = optax.warmup_cosine_decay_schedule(
-            init_value=0.0, peak_value=self.lr, warmup_steps=warmup,
-            decay_steps=max(self.total_steps, warmup + 1), end_value=self.lr * self.min_lr_ratio)
+        shape = {"schedule": self.schedule, "lr": self.lr, "warmup_steps": warmup}
+        if self.schedule != "constant":
+            shape |= {"decay_steps": self.decay_steps or self.total_steps,
+                      "min_lr_ratio": self.min_lr_ratio}
+        if self.schedule == "wsd":
+            shape["decay_fraction"] = self.decay_fraction
+        return shape
+
+    def lr_schedule(self) -> optax.Schedule:
+        """The `schedule` shape (`models.optimizers.SCHEDULES`): linear warmup to `lr`, then
+        down to `lr * min_lr_ratio` at the horizon, `decay_steps` (default `total_steps`)."""
+        warmup = min(self.warmup_steps, self.total_steps)
+        curve = SCHEDULES[self.schedule](self.lr, self.lr * self.min_lr_ratio, warmup,
+                                         self.decay_steps or self.total_steps,
+                                         self.decay_fraction)
         # Counted from 1, so that the first update is not a zero-learning-rate no-op.
         return lambda count: curve(count + 1)
 
@@ -69,7 +104,7 @@ def make_optimizer(cfg: OptimConfig, axes: Params) -> optax.GradientTransformati
                               is_leaf=lambda x: isinstance(x, tuple))
     tx = optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
-        cfg.optimizer.build(cfg.schedule(), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+        cfg.optimizer.build(cfg.lr_schedule(), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                             weight_decay=cfg.weight_decay, mask=decay_mask),
     )
     if cfg.loss_scaling == "off":

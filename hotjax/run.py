@@ -85,6 +85,11 @@ def resumed_config(path: str | Path, **overrides) -> RunConfig:
         "optimizer": optim.get("name", RunConfig.optimizer),
         "lr": optim.get("lr", RunConfig.lr), "warmup_steps": optim.get("warmup_steps"),
         "steps": optim.get("total_steps", RunConfig.steps),
+        **{field: optim.get(saved, getattr(RunConfig, field)) for field, saved in (
+            ("schedule", "schedule"), ("decay_steps", "decay_steps"),
+            ("min_lr_ratio", "min_lr_ratio"), ("decay_fraction", "decay_fraction"),
+            ("weight_decay", "weight_decay"), ("clip_norm", "clip_norm"), ("beta1", "b1"),
+            ("beta2", "b2"), ("eps", "eps"))},
         "loss_scale": scaling if scaling != "static" else str(optim["loss_scale"]),
         "initial_loss_scale": optim.get("loss_scale", RunConfig.initial_loss_scale),
         "loss_scale_period": optim.get("loss_scale_period", RunConfig.loss_scale_period),
@@ -160,6 +165,18 @@ def model_config(run: RunConfig, model: LlamaConfig, vocab_size: int) -> LlamaCo
                         f"more than this machine's {memory / 2**30:,.1f} GiB of memory — pass a "
                         f"tokenizer of fewer ids, or a narrower model")
     return config
+
+
+def optim_config(run: RunConfig) -> OptimConfig:
+    """The optimizer, its settings, learning-rate schedule and loss scaling `run` trains with."""
+    scaling, scale = run.loss_scaling
+    return OptimConfig(name=run.optimizer, lr=run.lr, warmup_steps=run.warmup,
+                       total_steps=run.steps, schedule=run.schedule,
+                       min_lr_ratio=run.min_lr_ratio, decay_steps=run.decay_steps,
+                       decay_fraction=run.decay_fraction, weight_decay=run.weight_decay,
+                       b1=run.beta1, b2=run.beta2, eps=run.eps, clip_norm=run.clip_norm,
+                       loss_scaling=scaling, loss_scale=scale,
+                       loss_scale_period=run.loss_scale_period)
 
 
 def named_model(name: str) -> LlamaConfig:
@@ -266,7 +283,7 @@ class Run:
             table = None if run.strategies == AUTO else strategy_table(run, len(devices))
             resume = run.resume_from or (run.ckpt_dir and dirs.latest(run.ckpt_dir))
             name, model = _model(run, resume)
-            scaling, scale = run.loss_scaling  # checked before the slow set-up
+            optim = optim_config(run)  # checked before the slow set-up
             corpus = open_corpus(run.data, run.text_field, run.data_split)
             held_out = (open_corpus(run.eval_data, run.text_field, run.data_split)
                         if run.eval_data else None)
@@ -282,10 +299,6 @@ class Run:
             lengths = estimated_lengths(corpus, tokenizer)
             if table is None:
                 table = planned_table(run, model, devices, lengths, console)
-            optim = OptimConfig(name=run.optimizer, lr=run.lr, warmup_steps=run.warmup,
-                                total_steps=run.steps,
-                                loss_scaling=scaling, loss_scale=scale,
-                                loss_scale_period=run.loss_scale_period)
             # Each process reads its share of the documents; all then hold the same batches.
             share = (Share(jax.process_index(), jax.process_count(), distributed.gather)
                      if jax.process_count() > 1 else None)
@@ -310,7 +323,8 @@ class Run:
                 lock.release()
             raise
         made.lengths, made.held_out = lengths, held_out
-        made.weights_only = run.weights_only
+        made.weights_only, made.new_schedule, made.config = (run.weights_only,
+                                                             run.new_schedule, run)
         return made
 
     @functools.cached_property
@@ -330,7 +344,8 @@ class Run:
     def record(self) -> dict:
         """What each checkpoint of this run records beside its arrays."""
         record = run_record(self.trainer.home, tokenizer=self.tokenizer, seed=self.seed,
-                            table=self.table, data=self._data)
+                            table=self.table, data=self._data,
+                            run=self.config and dataclasses.asdict(self.config))
         if not isinstance(self.optimizer, OptimConfig):
             record["optimizer"] = {"source": "optax", "loss_scaling": "off"}
         return record
@@ -340,13 +355,18 @@ class Run:
         return self.trainer.init(self.seed if seed is None else seed)
 
     weights_only = False  # `initial_state` restores the checkpoint's weights alone
+    new_schedule = False  # and onto a learning-rate schedule other than the checkpoint's
+    config: RunConfig | None = None  # the options it was built from (`from_config`)
 
-    def restore(self, path: str | Path, weights_only: bool = False) -> tuple[TrainState, int]:
+    def restore(self, path: str | Path, weights_only: bool = False,
+                new_schedule: bool = False) -> tuple[TrainState, int]:
         """The state saved at `path` (a step directory, or a checkpoint directory's latest) on
         this run's devices and home strategy, and its step; mini-batches that keep a position
         continue where that run's were. `weights_only`: its weights alone, a fresh optimizer
-        at step 0."""
-        resumed = restore_state(path, self.trainer.home, self.record, weights_only=weights_only)
+        at step 0; `new_schedule`: onto this run's learning-rate schedule where it differs
+        from the checkpoint's (else refused)."""
+        resumed = restore_state(path, self.trainer.home, self.record, weights_only=weights_only,
+                                new_schedule=new_schedule)
         if resumed.data is not None and hasattr(self.batches, "set_state"):
             self.batches.set_state(resumed.data)
         self.console.print(f"resumed from {resumed.path} (step {resumed.step})")
@@ -356,7 +376,7 @@ class Run:
         """Where training starts: the checkpoint `resume_from` names, else the latest in
         `ckpt_dir`, else a fresh state at step 0."""
         if self.resume_path:
-            return self.restore(self.resume_path, self.weights_only)
+            return self.restore(self.resume_path, self.weights_only, self.new_schedule)
         return self.init(), 0
 
     def compile(self) -> None:

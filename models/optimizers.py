@@ -18,6 +18,13 @@ from models.errors import UserError
 # The defaults of every run's optimizer settings (`hotjax.optim.OptimConfig`, `RunConfig`).
 LR = 1e-3
 WARMUP_STEPS = 10
+WEIGHT_DECAY = 0.1
+CLIP_NORM = 1.0  # of the gradients' global norm
+BETA1, BETA2 = 0.9, 0.95
+EPS = 1e-5  # as LLaMA 2 (Touvron et al. 2023, §2.2)
+SCHEDULE = "cosine"
+MIN_LR_RATIO = 0.1  # the rate at the decay's end, over the peak
+DECAY_FRACTION = 0.2  # WSD: the share of the steps after the warmup that decay
 # optax.adafactor's: a weight whose two largest dimensions are both this long keeps its second
 # moment as row and column statistics.
 FACTOR_MIN = 128
@@ -101,6 +108,52 @@ ADAFACTOR = Optimizer(
     optax_state="FactoredState")
 OPTIMIZERS = {o.name: o for o in (ADAMW, LION, ADAFACTOR)}
 DEFAULT = ADAMW.name
+
+
+def _cosine(peak: float, end: float, warmup: int, horizon: int, fraction: float) -> Any:
+    import optax
+
+    del fraction
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(horizon, warmup + 1), end)
+
+
+def _linear(peak: float, end: float, warmup: int, horizon: int, fraction: float) -> Any:
+    import optax
+
+    del fraction
+    return _after_warmup(peak, warmup, optax.linear_schedule(peak, end,
+                                                             max(horizon - warmup, 1)))
+
+
+def _constant(peak: float, end: float, warmup: int, horizon: int, fraction: float) -> Any:
+    import optax
+
+    del end, horizon, fraction
+    return _after_warmup(peak, warmup, optax.constant_schedule(peak))
+
+
+def _wsd(peak: float, end: float, warmup: int, horizon: int, fraction: float) -> Any:
+    import optax
+
+    decaying = max(round(fraction * (horizon - warmup)), 1)
+    stable = max(horizon - warmup - decaying, 0)
+    return _after_warmup(peak, warmup, optax.join_schedules(
+        [optax.constant_schedule(peak), optax.linear_schedule(peak, end, decaying)], [stable]))
+
+
+def _after_warmup(peak: float, warmup: int, after: Any) -> Any:
+    """Linear warmup from 0 to `peak` over `warmup` steps, then `after` (counted from 0)."""
+    import optax
+
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+# The learning rate's shapes (--schedule), each (peak, end, warmup, horizon, WSD's decay
+# fraction) -> an optax schedule over update counts: linear warmup to the peak, then to `end`
+# (the peak times --min-lr-ratio) at the horizon (--decay-steps) by a cosine, a line, not at all
+# (constant), or (WSD: warmup, stable, decay) held at the peak until a line over the last
+# `fraction` of the steps after the warmup. Adding a shape is one entry.
+SCHEDULES = {"cosine": _cosine, "linear": _linear, "constant": _constant, "wsd": _wsd}
 
 
 def named(name: str) -> Optimizer:

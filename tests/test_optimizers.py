@@ -6,7 +6,9 @@ line unless only its weights are restored."""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import TINY
 
@@ -19,7 +21,7 @@ from hotjax.optim import OptimConfig, make_optimizer
 from hotjax.train import Trainer
 from models.errors import UserError
 from models.llama import PRESETS, abstract_params, param_axes
-from models.optimizers import FACTOR_MIN, OPTIMIZERS
+from models.optimizers import FACTOR_MIN, OPTIMIZERS, SCHEDULES
 from sharding.report import state_bytes
 from sharding.strategy import Strategy
 from sharding.table import StrategyTable
@@ -131,3 +133,47 @@ def test_another_optimizers_checkpoint_is_refused_unless_only_its_weights_are_as
     for want, got in zip(jax.tree.leaves(params), jax.tree.leaves(_host(resumed.state.params)),
                          strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+# lr 1, warmup 2, horizon 10, minimum 0.1, WSD decaying the last half after the warmup: the rate
+# at steps 1, 2, 6, 8, 10 and 12 (after the horizon), by each shape's formula.
+SHAPE = {"lr": 1.0, "warmup_steps": 2, "total_steps": 12, "decay_steps": 10,
+         "min_lr_ratio": 0.1, "decay_fraction": 0.5}
+SHAPE_STEPS = np.array([1, 2, 6, 8, 10, 12])
+SHAPE_RATES = {"cosine": [0.5, 1, 0.55, 0.1 + 0.45 * (1 + np.cos(0.75 * np.pi)), 0.1, 0.1],
+               "linear": [0.5, 1, 0.55, 0.325, 0.1, 0.1],
+               "constant": [0.5, 1, 1, 1, 1, 1],
+               "wsd": [0.5, 1, 1, 0.55, 0.1, 0.1]}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_schedules_rate_at_a_step_is_its_formulas(schedule):
+    rate = OptimConfig(schedule=schedule, **SHAPE).lr_schedule()
+    np.testing.assert_allclose(rate(SHAPE_STEPS - 1), SHAPE_RATES[schedule], rtol=1e-6)
+    if schedule == "cosine":  # optax's own, as the run counts steps from 1
+        optax_rate = optax.warmup_cosine_decay_schedule(0.0, 1.0, 2, 10, 0.1)
+        np.testing.assert_allclose(rate(SHAPE_STEPS - 1), optax_rate(SHAPE_STEPS), rtol=1e-6)
+
+
+def test_the_flags_settings_reach_adamws_update():
+    from hotjax.cli import run_config
+    from hotjax.run import optim_config
+
+    flags = ["--schedule", "constant", "--warmup-steps", "0", "--lr", "0.5", "--beta1", "0.8",
+             "--beta2", "0.7", "--eps", "0.25", "--clip-norm", "1.5"]
+    params = {"w": jnp.full((2, 3), 2.0), "norm": jnp.full((3,), 2.0)}
+    grads = {"w": jnp.full((2, 3), 1.0), "norm": jnp.full((3,), -1.0)}  # norm 3: clipped to 1.5
+    axes = {"w": ("embed", "mlp"), "norm": ("norm",)}
+    for decay in (0.0, 0.1):
+        optim = optim_config(run_config(["train", *flags, "--weight-decay", str(decay)]))
+        tx = make_optimizer(optim, axes)
+        updates, state = tx.update(grads, tx.init(params), params)
+        clipped = jax.tree.map(lambda g: g * 1.5 / 3.0, grads)
+        adam = optax.tree_utils.tree_get(state, "ScaleByAdamState")
+        # The first moments, (1 - b1) g and (1 - b2) g^2; bias-corrected, g and g^2 again.
+        np.testing.assert_allclose(adam.mu["w"], 0.2 * clipped["w"], rtol=1e-6)
+        np.testing.assert_allclose(adam.nu["norm"], 0.3 * clipped["norm"] ** 2, rtol=1e-6)
+        for name in params:
+            g = clipped[name]
+            want = -0.5 * (g / (jnp.abs(g) + 0.25) + decay * params[name] * (name == "w"))
+            np.testing.assert_allclose(updates[name], want, rtol=1e-6)

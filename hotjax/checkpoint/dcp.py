@@ -349,7 +349,7 @@ def export_dcp(path: str | Path, out: str | Path, *, naming: str = "hf",
     model = tensors("params", getattr(torch, dtype))
     state: dict[str, Any] = {"model": model} if naming == "hf" else dict(model)
     if step is not None:
-        lr = float(optim.schedule()(step))
+        lr = float(optim.lr_schedule()(step))
         flat: dict[str, Any] = {}
         for field in source.state_fields:
             flat.update({f"state.{name}.{field}": x

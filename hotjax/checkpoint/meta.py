@@ -17,6 +17,8 @@ Free of JAX and Orbax, so `inspect` and the shard importer's workers stay light.
     strategy_table  the run's strategy table, home included, as `StrategyTable.to_dict()` writes it
                     (`sharding.table.parse_table` loads it back), or null
     written_from    the layout that wrote it (for `inspect` only; restore never reads it)
+    run             the options of the `hotjax train` that wrote it, every one's final value
+                    (`RunConfig`'s fields; `inspect` prints them as a --config file), or null
     fingerprints    {item: {array path: uint32}}: see `checkpoint.fingerprint`; one for every array
     fingerprint_version  how they were summed (`FINGERPRINT_VERSION`); absent: 1
 """
@@ -30,7 +32,7 @@ from typing import Any
 from hotjax.version import __version__
 from models import bounds
 from models.errors import UserError
-from models.optimizers import DEFAULT, OPTIMIZERS
+from models.optimizers import DEFAULT, OPTIMIZERS, SCHEDULE, SCHEDULES
 
 FORMAT = "hotjax-checkpoint/1"
 META_FILE = Path("meta") / "metadata"  # where Orbax's JSON handler puts the `meta` item
@@ -54,11 +56,12 @@ def record(*, step: int, source: str, items: list[str], model: dict[str, Any],
            data: dict[str, Any] | None = None,
            optimizer: dict[str, Any] | None = None, strategy_table: dict[str, Any] | None = None,
            written_from: dict[str, Any] | None = None,
-           fingerprints: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+           fingerprints: dict[str, dict[str, int]] | None = None,
+           run: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"format": FORMAT, "hotjax_version": __version__, "step": step, "source": source,
             "items": items, "model": model, "seed": seed, "tokenizer": tokenizer, "data": data,
             "optimizer": optimizer, "strategy_table": strategy_table,
-            "written_from": written_from, "fingerprints": fingerprints or {}}
+            "written_from": written_from, "run": run, "fingerprints": fingerprints or {}}
 
 
 def tokenizer_record(tokenizer: Any) -> dict[str, Any]:
@@ -132,7 +135,7 @@ def _check(meta: dict[str, Any], where: str) -> None:
             bounds.text(meta[field], field, where, DAMAGED, limit=_TEXT_LIMIT)
     if meta.get("seed") is not None:
         bounds.whole(meta["seed"], "seed", 0, 2**32 - 1, where, DAMAGED)
-    for field in ("strategy_table", "written_from"):
+    for field in ("strategy_table", "written_from", "run"):
         if meta.get(field) is not None:
             bounds.mapping(meta[field], field, where, DAMAGED)
     _check_fields(meta.get("tokenizer"), "tokenizer", _TOKENIZER, where)
@@ -144,10 +147,12 @@ def _check(meta: dict[str, Any], where: str) -> None:
     if optimizer.get("loss_scaling") == "static" and "loss_scale" not in optimizer:
         raise UserError(f"{where}: optimizer has static loss scaling but no loss_scale: "
                         f"{DAMAGED}")
-    name = optimizer.get("name", DEFAULT)
-    if name not in OPTIMIZERS:
-        raise UserError(f"{where}: optimizer.name is {bounds.show(name)}, not one of "
-                        f"{', '.join(OPTIMIZERS)}: written by a newer hotjax, or {DAMAGED}")
+    for field, choices, default in (("name", OPTIMIZERS, DEFAULT),
+                                    ("schedule", SCHEDULES, SCHEDULE)):
+        chosen = optimizer.get(field, default)
+        if chosen not in choices:
+            raise UserError(f"{where}: optimizer.{field} is {bounds.show(chosen)}, not one of "
+                            f"{', '.join(choices)}: written by a newer hotjax, or {DAMAGED}")
     betas = optimizer.get("betas")
     if betas is not None and not (isinstance(betas, list) and len(betas) == 2):
         raise UserError(f"{where}: optimizer.betas is {bounds.show(betas)}, not a pair of "
@@ -170,12 +175,14 @@ _DATA: _Spec = {"source": ("text",), "text_field": ("text",), "data_split": ("te
                 "batch_sequences": ("whole", 1, bounds.MAX_COUNT),
                 "vocab_size": ("whole", 1, bounds.MAX_VOCAB), "seed": ("whole", 0, 2**32 - 1)}
 _OPTIMIZER: _Spec = {"name": ("text",), "source": ("text",), "loss_scaling": ("text",),
-                     "warmup_steps": ("whole", 0, bounds.MAX_STEP),
+                     "schedule": ("text",), "warmup_steps": ("whole", 0, bounds.MAX_STEP),
                      "total_steps": ("whole", 1, bounds.MAX_STEP),
+                     "decay_steps": ("whole", 1, bounds.MAX_STEP),
                      "loss_scale_period": ("whole", 1, bounds.MAX_STEP),
                      "loss_scale": ("real", 0.0),
                      "clip_norm": ("real", 0.0, math.inf),  # inf: no clipping
-                     **dict.fromkeys(("lr", "min_lr_ratio", "weight_decay", "b1", "b2", "eps",
+                     **dict.fromkeys(("lr", "min_lr_ratio", "decay_fraction", "weight_decay",
+                                      "b1", "b2", "eps",
                                       "weight_decay_matrix", "weight_decay_norm"),
                                      ("real", -math.inf))}
 

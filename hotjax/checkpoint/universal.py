@@ -54,7 +54,7 @@ def export_universal(path: str | Path, out: str | Path) -> Path:
                     if field == "fp32":
                         torch.save(torch.tensor(float(step)), zero / name / "step.pt")
                 del x
-        group = {"lr": float(optim.schedule()(step)), "betas": (optim.b1, optim.b2),
+        group = {"lr": float(optim.lr_schedule()(step)), "betas": (optim.b1, optim.b2),
                  **({"eps": optim.eps} if "eps" in optim.optimizer.settings else {}),
                  "params": []}
         shapes = dict(hf_tensor_shapes(config))

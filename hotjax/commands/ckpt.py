@@ -138,6 +138,19 @@ def _print_table(record: dict[str, Any] | None, console: Any) -> None:
     console.print(escape(text.rstrip()))
 
 
+def _print_run(options: dict[str, Any] | None, console: Any) -> None:
+    """The options of the run that wrote it, as the file `hotjax train --config` reads."""
+    from rich.markup import escape
+
+    from hotjax.commands import config_file
+
+    if options is None:
+        console.print("[bold]run options[/]: none recorded")
+        return
+    console.print("[bold]run options[/] (TOML, as --config reads them):")
+    console.print(escape(config_file.toml(options).rstrip()))
+
+
 def _print(info: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -158,6 +171,7 @@ def _print(info: dict[str, Any]) -> None:
     line("data", info.get("data"))
     line("data position", info.get("data_position"))
     line("optimizer", info.get("optimizer"))
+    _print_run(info.get("run"), console)
     table = Table(title="arrays")
     for column in ("item", "array", "shape", "dtype"):
         table.add_column(column)

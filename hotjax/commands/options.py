@@ -20,7 +20,7 @@ from hotjax.data.hf_datasets import DEFAULT_SPLIT
 from hotjax.distributed import HEARTBEAT_TIMEOUT_S
 from hotjax.preemption import REQUEUE_EXIT
 from hotjax.startup import SIMULATED_CPU_DEVICES
-from models.optimizers import OPTIMIZERS
+from models.optimizers import OPTIMIZERS, SCHEDULES
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 
 _RUN = RunConfig()  # the defaults
@@ -63,8 +63,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "context": {"type": int, "default": _RUN.context,
                 "help": "row length in tokens with --strategy (a table sets its own; default: "
                 "%(default)s)"},
-    "steps": {"type": int, "default": _RUN.steps},
-    "seed": {"type": int, "default": _RUN.seed},
+    "steps": {"type": int, "default": _RUN.steps, "metavar": "N",
+              "help": "optimizer steps to train to, counted from the run's start (a resume "
+              "continues to the same N; default: %(default)s)"},
+    "seed": {"type": int, "default": _RUN.seed, "help": "initialises the parameters and "
+             "orders the data (default: %(default)s)"},
     "batch_tokens": {"type": int, "help": "real tokens per optimizer step: the next documents "
                      f"up to this many (default: {DEFAULT_BATCH_TOKENS})"},
     "batch_sequences": {"type": int, "help": "or sequences per optimizer step"},
@@ -93,11 +96,41 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "attention_block": {"type": int, "default": _RUN.attention_block, "metavar": "TOKENS",
                         "help": "block edge of the blockwise attention kernel (default: the "
                         "platform's)"},
+    # The optimizer, its settings and its learning rate's schedule (`OPTIMIZATION`).
     "optimizer": {"choices": tuple(OPTIMIZERS), "default": _RUN.optimizer,
                   "help": "the optimizer (default: %(default)s)"},
-    "lr": {"type": float, "default": _RUN.lr, "help": "peak learning rate"},
-    "warmup_steps": {"type": int, "help": "linear warmup, 0 to --steps (default: "
-                     f"{DEFAULT_WARMUP_STEPS}, or --steps if fewer)"},
+    "lr": {"type": float, "default": _RUN.lr, "help": "peak learning rate, reached at the "
+           "warmup's end (default: %(default)s)"},
+    "warmup_steps": {"type": int, "metavar": "N", "help": "linear warmup from 0, 0 to --steps "
+                     f"(default: {DEFAULT_WARMUP_STEPS}, or --steps if fewer)"},
+    "schedule": {"choices": tuple(SCHEDULES), "default": _RUN.schedule,
+                 "help": "the learning rate after the warmup: down to --min-lr-ratio at the "
+                 "horizon (--decay-steps) by a cosine or a line, constant, or WSD (warmup, "
+                 "stable, decay: held, then a line over the last --decay-fraction of the "
+                 "steps; default: %(default)s)"},
+    "decay_steps": {"type": int, "metavar": "N", "help": "the schedule's horizon: the step "
+                    "where the rate reaches its minimum, the warmup counted (default: --steps;"
+                    " past it the rate stays there)"},
+    "min_lr_ratio": {"type": float, "default": _RUN.min_lr_ratio, "metavar": "R",
+                     "help": "the rate at the horizon over the peak --lr, 0 to 1 (default: "
+                     "%(default)s)"},
+    "decay_fraction": {"type": float, "default": _RUN.decay_fraction, "metavar": "F",
+                       "help": "--schedule wsd: the share of the steps after the warmup that "
+                       "decay, 0 to 1 (default: %(default)s)"},
+    "weight_decay": {"type": float, "default": _RUN.weight_decay, "metavar": "W",
+                     "help": "decoupled weight decay of the matrices (not the norm scales), "
+                     "times the learning rate (default: %(default)s)"},
+    "clip_norm": {"type": float, "default": _RUN.clip_norm, "metavar": "NORM",
+                  "help": "clip the gradients' global norm to this (inf: no clipping; "
+                  "default: %(default)s)"},
+    "beta1": {"type": float, "default": _RUN.beta1, "metavar": "B1",
+              "help": "AdamW's and Lion's first moment decay, 0 to below 1 (default: "
+              "%(default)s; Adafactor has its own)"},
+    "beta2": {"type": float, "default": _RUN.beta2, "metavar": "B2",
+              "help": "AdamW's second moment decay (Lion's update interpolation), 0 to "
+              "below 1 (default: %(default)s)"},
+    "eps": {"type": float, "default": _RUN.eps, "help": "AdamW's epsilon, above 0 (default: "
+            "%(default)s)"},
     "metrics_jsonl": {"metavar": "PATH", "help": "one JSON object per step: its loss, learning "
                       "rate (lr), tokens seen, seconds, ... and any evaluation (eval_loss)"},
     "log_every": {"type": int, "default": _RUN.log_every, "help": "print a line every N steps"},
@@ -136,6 +169,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "weights_only": {"action": "store_true", "help": "resume the checkpoint's weights alone: a "
                      "fresh optimizer (another optimizer's checkpoint too), from step 0 and the "
                      "data's beginning"},
+    "new_schedule": {"action": "store_true", "help": "resume onto this run's learning-rate "
+                     "schedule where it differs from the checkpoint's (--steps, --lr, "
+                     "--schedule, ...: else refused)"},
     "keep_last": {"type": int, "default": _RUN.keep_last, "metavar": "N",
                   "help": "keep the newest N checkpoints (default: %(default)s)"},
     "keep_every": {"type": int, "metavar": "K",
@@ -148,6 +184,9 @@ EXCLUSIVE = (("strategy", "strategies"), ("batch_tokens", "batch_sequences"))
 DATA = ("data", "text_field", "data_split", "tokenizer", "bos_token", "eos_token", "pad_token",
         "vocab_size", "context", "long_documents", "batch_tokens", "batch_sequences")
 MODEL = ("model", "compute_dtype", "attention", "attention_block", "remat")
+# The optimizer, its settings and the learning rate's schedule.
+OPTIMIZATION = ("optimizer", "lr", "warmup_steps", "schedule", "decay_steps", "min_lr_ratio",
+                "decay_fraction", "weight_decay", "clip_norm", "beta1", "beta2", "eps")
 # What a training run reports besides its progress: evaluations, metrics files and a trace.
 TRACKING = ("metrics_jsonl", "log_every", "eval_data", "eval_every", "eval_tokens",
             "tensorboard", "wandb", "trace_steps")

@@ -9,7 +9,9 @@ import contextlib
 import time
 from typing import TYPE_CHECKING
 
+from hotjax.commands import config_file
 from hotjax.commands.options import (
+    OPTIMIZATION,
     OPTIONS,
     TRACKING,
     add_options,
@@ -32,15 +34,18 @@ if TYPE_CHECKING:
 
 SUMMARY_WIDTH = 160  # characters of the summary written to a file or pipe
 UNEVEN = 1.05  # data shards' imbalance (busiest over mean work) worth a word in the summary
-CHECKPOINTS = ("ckpt_dir", "save_every", "resume_from", "weights_only", "keep_last",
-               "keep_every")
+CHECKPOINTS = ("ckpt_dir", "save_every", "resume_from", "weights_only", "new_schedule",
+               "keep_last", "keep_every")
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser(
         "train", help="train a LLaMA model (default: the small preset on the Python stdlib)")
     train.set_defaults(handler=_train)
-    add_options(train, *(name for name in OPTIONS if name not in CHECKPOINTS + TRACKING))
+    config_file.add_option(train)
+    add_options(train, *(name for name in OPTIONS
+                         if name not in CHECKPOINTS + TRACKING + OPTIMIZATION))
+    add_options(train.add_argument_group("optimizer and learning-rate schedule"), *OPTIMIZATION)
     add_options(train.add_argument_group("evaluation and tracking"), *TRACKING)
     add_process_options(train)
     ckpt = train.add_argument_group("checkpoints")
@@ -184,7 +189,7 @@ def _loop(assembled: Run, run: RunConfig, state, start: int, save, stop,
 
     history: list[dict] = []
     # The schedule's rate at each step's update (the optimizer counts updates from 0).
-    lr_S = (np.asarray(assembled.optimizer.schedule()(np.arange(start, run.steps)))
+    lr_S = (np.asarray(assembled.optimizer.lr_schedule()(np.arange(start, run.steps)))
             if isinstance(assembled.optimizer, OptimConfig) else None)
     held_out = (take(assembled.minibatches(assembled.held_out), run.eval_tokens)
                 if run.evaluates else [])

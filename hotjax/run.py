@@ -118,10 +118,11 @@ def strategy_table(run: RunConfig, num_devices: int | None = None) -> StrategyTa
 
 
 def planned_table(run: RunConfig, config: LlamaConfig, devices: Sequence[jax.Device],
-                  lengths: np.ndarray, console: Console) -> StrategyTable:
+                  lengths: np.ndarray, console: Console) -> tuple[StrategyTable, float]:
     """`--strategies auto`: the table `hotjax plan` chooses for this machine's devices (its
     profile measured once and cached), the corpus's estimated lengths and the batch size,
-    each bucket checked by XLA's memory analysis on `devices` as the trainer checks it."""
+    each bucket checked by XLA's memory analysis on `devices` as the trainer checks it; and
+    its predicted seconds a step."""
     from hotjax.planning.wall import xla_bytes
 
     if run.strategy:
@@ -130,8 +131,8 @@ def planned_table(run: RunConfig, config: LlamaConfig, devices: Sequence[jax.Dev
     found = plan_lib.plan_checked(search, typical, run.context,
                                   xla_bytes(config, devices, search.optimizer))
     console.print(f"--strategies auto: planned on profile {search.profile.name}, predicted "
-                  f"{found.seconds * 1e3:,.1f} ms per step")
-    return found.table("--strategies auto")
+                  f"{found.seconds * 1e3:,.1f} ms per step; {found.why}", markup=False)
+    return found.table("--strategies auto"), found.seconds
 
 
 def plan_search(run: RunConfig, config: LlamaConfig, num_devices: int, lengths: np.ndarray,
@@ -147,7 +148,8 @@ def plan_search(run: RunConfig, config: LlamaConfig, num_devices: int, lengths: 
     count = run.batch.get("batch_sequences") or max(
         round(run.batch["batch_tokens"] / sequences.mean()), 1)
     search = plan_lib.Search(config, profile, num_devices, int(budget),
-                             optimizer=optimizers.named(run.optimizer))
+                             optimizer=optimizers.named(run.optimizer),
+                             fill=plan_lib.Fill(sequences, **run.batch))
     return search, plan_lib.typical_batch(sequences, count)
 
 
@@ -297,8 +299,9 @@ class Run:
             if run.evaluates and held_out is None:  # documents the training never sees
                 corpus, held_out = split(corpus, tokenizer, run.eval_tokens)
             lengths = estimated_lengths(corpus, tokenizer)
+            predicted = None
             if table is None:
-                table = planned_table(run, model, devices, lengths, console)
+                table, predicted = planned_table(run, model, devices, lengths, console)
             # Each process reads its share of the documents; all then hold the same batches.
             share = (Share(jax.process_index(), jax.process_count(), distributed.gather)
                      if jax.process_count() > 1 else None)
@@ -325,6 +328,7 @@ class Run:
         made.lengths, made.held_out = lengths, held_out
         made.weights_only, made.new_schedule, made.config = (run.weights_only,
                                                              run.new_schedule, run)
+        made.predicted_seconds = predicted
         return made
 
     @functools.cached_property
@@ -357,6 +361,7 @@ class Run:
     weights_only = False  # `initial_state` restores the checkpoint's weights alone
     new_schedule = False  # and onto a learning-rate schedule other than the checkpoint's
     config: RunConfig | None = None  # the options it was built from (`from_config`)
+    predicted_seconds: float | None = None  # a planned table's step (`--strategies auto`)
 
     def restore(self, path: str | Path, weights_only: bool = False,
                 new_schedule: bool = False) -> tuple[TrainState, int]:

@@ -195,16 +195,15 @@ class Trainer:
             # A 1F1B bucket runs all its micro-steps in one schedule: the smallest micro-batches
             # (one row per data shard) hold the least and leave the smallest bubble.
             return shards, peak(1) <= available
-        # No more rows than a typical mini-batch fills (else MAX_MICRO_UNITS units).
-        most = (MAX_MICRO_UNITS if typical_rows is None
-                else max(1, int(typical_rows[i] // shards)))
+        filled = None if typical_rows is None else typical_rows[i]
         # Peak memory grows linearly with the rows: fit the line through one and two units of
-        # `shards` rows, take the most that fit, then step down until XLA agrees.
+        # `shards` rows, size the micro-step within it (`micro_units`), then step down until
+        # XLA agrees.
         one = peak(1)
-        if one > available or most == 1:
+        if one > available or micro_units(filled, shards, MAX_MICRO_UNITS) == 1:
             return shards, one <= available
         per_unit = max(peak(2) - one, 1)
-        units = min(most, 1 + int((available - one) // per_unit))
+        units = micro_units(filled, shards, 1 + int((available - one) // per_unit))
         while units > 1 and peak(units) > available:
             units -= 1
         return units * shards, True
@@ -432,6 +431,20 @@ def check_finite(metrics: Mapping, step: int) -> None:
     raise UserError(f"step {step}: the loss is {loss:g} and the gradient norm {norm:g}: training "
                     f"diverged, and nothing of this step was saved: lower --lr (or raise "
                     f"--warmup-steps) and resume from the last checkpoint")
+
+
+def micro_units(rows: float | None, shards: int, fit: int) -> int:
+    """Units of `shards` rows a micro-step holds in a bucket where a typical mini-batch fills
+    `rows` rows and `fit` units fit the memory: no more than those rows fill in whole units (at
+    least one; None: MAX_MICRO_UNITS), so that a micro-step computes no row the mini-batches
+    leave empty, and the rows spread evenly over the fewest micro-steps that hold them (42 rows
+    over 8 shards: two of 24, not of 40). The trainer sizes its micro-steps by it, and the
+    planner its buckets (`hotjax.planning.search`)."""
+    if rows is None:
+        return max(1, min(fit, MAX_MICRO_UNITS))
+    most = max(1, min(fit, int(rows // shards)))
+    steps = max(1, math.ceil(rows / (most * shards)))
+    return max(1, math.ceil(rows / shards / steps))
 
 
 def best_order(costs: dict[tuple[int, int], float], n: int, home: int = -1) -> list[int]:

@@ -184,6 +184,7 @@ def _loop(assembled: Run, run: RunConfig, state, start: int, save, stop,
 
     from hotjax.data.held_out import take
     from hotjax.optim import OptimConfig
+    from hotjax.planning.search import PREDICTION_STEPS, prediction_check
     from hotjax.tracking import Trace
     from hotjax.train import check_finite
 
@@ -224,6 +225,12 @@ def _loop(assembled: Run, run: RunConfig, state, start: int, save, stop,
             history.append(record)
             for sink in sinks:
                 sink.write(record)
+            if assembled.predicted_seconds and len(history) == 1 + PREDICTION_STEPS:
+                # The first step (its documents' shapes compile) left out.
+                off = prediction_check(assembled.predicted_seconds,
+                                       [r["seconds"] for r in history[1:]])
+                if off:
+                    progress.console.print(off, markup=False, highlight=False)
             status = _status(metrics, record["tokens_per_s"])
             progress.update(task, advance=1, status=status)
             if step % run.log_every == 0 or step == run.steps:

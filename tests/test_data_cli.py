@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import error, python, write_table
+from helpers import error, python, records, write_table
 from test_data import write_files
 
 from hotjax.cli import main
@@ -26,7 +26,8 @@ def stats(capsys, *flags: str) -> dict:
 
 
 def test_stats_account_for_every_token(corpus, capsys) -> None:
-    report = stats(capsys, "--data", str(corpus), "--buckets", "16,64")
+    report = stats(capsys, "--data", str(corpus), "--buckets", "16,64",
+                   "--long-documents", "truncate")
     documents = np.array([n + 2 for n in LENGTHS if n])  # 5, 10, 12, 16, 32, 42, 64, 102
     sequences = np.minimum(documents, 64)
     assert report["corpus"]["documents"] == 9 and report["corpus"]["empty"] == 1
@@ -53,6 +54,21 @@ def test_split_documents_lose_no_token(corpus, capsys) -> None:
     assert report["tokens"]["in_sequences"] == report["tokens"]["documents"]
     assert report["tokens"]["sequences"] == 9 and report["tokens"]["truncated"] == 0
     assert [b["max_len"] for b in report["buckets"]] == [8, 16, 32, 64]
+
+
+def test_stats_and_train_count_the_same_tokens_by_default(corpus, tmp_path, capsys) -> None:
+    """By default both split documents over the context: a step of every token the stats
+    count reads the whole corpus once (documents of 102 tokens at a context of 64)."""
+    report = stats(capsys, "--data", str(corpus), "--context", "64")
+    total = sum(n + 2 for n in LENGTHS if n)
+    assert report["long_documents"] == "split"
+    assert report["tokens"]["in_sequences"] == total == 283
+    metrics = tmp_path / "metrics.jsonl"
+    assert main(["train", "--model", "tiny", "--tokenizer", "bytes", "--data", str(corpus),
+                 "--devices", "1", "--strategy", "data=1", "--context", "64", "--steps", "1",
+                 "--batch-tokens", str(total), "--compute-dtype", "float32",
+                 "--metrics-jsonl", str(metrics)]) == 0
+    assert records(metrics)[-1]["tokens_seen"] == total
 
 
 def test_buckets_come_from_the_strategy_table(corpus, tmp_path, capsys) -> None:

@@ -21,10 +21,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     stats = actions.add_parser(
         "stats", help="token-length histogram, bucket shares and padding waste of a corpus")
     stats.set_defaults(handler=_stats)
-    add_options(stats, "data")
-    stats.add_argument("--text-field", default="text",
-                       help="the field of a record that holds its text (default: %(default)s)")
-    add_options(stats, "tokenizer", "vocab_size")
+    add_options(stats, "data", "text_field", "data_split", "tokenizer", "bos_token", "eos_token",
+                "pad_token", "vocab_size")
     stats.add_argument("--context", type=int, help="longest sequence in tokens (default: the "
                        f"table's largest bucket, else {_RUN.context})")
     buckets = stats.add_mutually_exclusive_group()
@@ -32,9 +30,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                          help="take the buckets from a strategy table")
     buckets.add_argument("--buckets", metavar="N,N,...", help="bucket lengths, e.g. 512,2048 "
                          "(default: the context / 8, / 4, / 2 and the context)")
-    stats.add_argument("--long-documents", choices=LONG_DOCUMENTS, default="truncate",
+    stats.add_argument("--long-documents", choices=LONG_DOCUMENTS, default=_RUN.long_documents,
                        help="documents over the context: truncate them (as HotSPa does), split "
-                       "them into context-length pieces, or stop with an error")
+                       "them into context-length pieces, or stop with an error (default: "
+                       "%(default)s, as hotjax train)")
     stats.add_argument("--json", action="store_true", help="print one JSON document instead")
     stats.add_argument("--plot", metavar="OUT.png", help="also save the histograms as a PNG")
 
@@ -44,6 +43,7 @@ def _stats(args: argparse.Namespace) -> None:
 
     from hotjax.data import load_tokenizer, open_corpus
     from hotjax.data.stats import corpus_stats, document_lengths
+    from hotjax.data.tokenizer import SpecialTokens
 
     at_least("--vocab-size", args.vocab_size, 1)
     at_most("--vocab-size", args.vocab_size, MAX_VOCAB, "MAX_VOCAB")
@@ -51,8 +51,9 @@ def _stats(args: argparse.Namespace) -> None:
     if args.plot and not _writable(args.plot):
         raise UserError(f"--plot {args.plot}: its directory does not exist: create it or "
                         f"choose another path")
-    corpus = open_corpus(args.data, text_field=args.text_field)
-    tokenizer = load_tokenizer(args.tokenizer, corpus, vocab_size=args.vocab_size)
+    corpus = open_corpus(args.data, args.text_field, args.data_split)
+    tokenizer = load_tokenizer(args.tokenizer, corpus, vocab_size=args.vocab_size,
+                               specials=SpecialTokens.of(args))
     console = Console(stderr=True)
     with console.status(f"tokenizing {corpus.num_documents} documents") as status:
         lengths_D = document_lengths(corpus, tokenizer, lambda done: status.update(

@@ -103,7 +103,8 @@ def test_resume_of_a_ckpt_dir_without_tokenizer_continues_its_own(trained, tmp_p
     shutil.copytree(trained, directory / "2")
     monkeypatch.setenv("HOTJAX_CACHE", str(tmp_path / "cache"))  # no BPE cached anywhere
     flags = [flag for flag in RUN if flag not in ("--vocab-size", "400")]
-    assert main([*flags, "--steps", "3", "--ckpt-dir", str(directory)]) == 0
+    # One step past the checkpoint's last (its schedule ended at 2), on a schedule to 3.
+    assert main([*flags, "--steps", "3", "--new-schedule", "--ckpt-dir", str(directory)]) == 0
     assert meta_lib.read(directory / "3")["tokenizer"] == meta_lib.read(trained)["tokenizer"]
     assert not list((tmp_path / "cache").rglob("bpe-*.json"))  # nothing trained
 

@@ -46,8 +46,8 @@ def test_typical_batch_takes_evenly_spaced_quantiles():
 
 def test_the_search_finds_the_fastest_table_brute_force_finds(search, lengths):
     """Every table of up to two buckets over the candidate boundaries and every strategy per
-    bucket, priced bucket by bucket: none computes faster than the plan."""
-    found = plan.plan(search, lengths, CONTEXT, max_buckets=2)
+    bucket, priced bucket by bucket: none computes faster than the dynamic program's table."""
+    found = plan.fastest(search, lengths, CONTEXT, max_buckets=2)
     cuts = plan.boundaries(lengths, CONTEXT)
     assert cuts == [512, 1024, CONTEXT]
     best = np.inf
@@ -74,6 +74,83 @@ def test_buckets_fit_the_budget_and_a_budget_too_small_is_one_line(lengths):
     assert tight.seconds >= roomy.seconds
     with pytest.raises(plan.UserError, match="fits 0.0 GiB per device.*raise the memory budget"):
         plan.plan(plan.Search(TINY, profile, 8, 2**20), lengths, CONTEXT)
+
+
+def _long_tailed(batch_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """A long-tailed sample of sequence lengths (lognormal, median 300) and the typical batch
+    `plan_search` draws from it for mini-batches of `batch_tokens`."""
+    rng = np.random.default_rng(3)
+    sample = np.minimum(np.ceil(rng.lognormal(np.log(300), 1.6, 2000)).astype(int) + 2, CONTEXT)
+    return sample, plan.typical_batch(sample, round(batch_tokens / sample.mean()))
+
+
+def test_a_table_is_planned_only_where_it_gains_more_than_the_cost_models_error(monkeypatch):
+    """Short documents under ZeRO-1 and the rest under ZeRO-2 is the fastest table here; it is
+    planned when its predicted gain over the best single strategy exceeds MARGIN, and otherwise
+    that strategy alone is, and the plan says why."""
+    sample, typical = _long_tailed(4 * CONTEXT)
+    search = plan.Search(TINY, load_profile("a800-4x8"), 2, 80 * GiB,
+                         fill=plan.Fill(sample, batch_tokens=4 * CONTEXT))
+    table = plan.fastest(search, typical, CONTEXT, 4)
+    single = plan.fastest(search, typical, CONTEXT, 1)
+    gain = single.seconds / table.seconds
+    assert len(table.buckets) > 1 and gain > 1
+    monkeypatch.setattr(plan, "MARGIN", gain * 1.01)
+    kept = plan.plan(search, typical, CONTEXT)
+    assert kept.buckets == single.buckets and kept.seconds == single.seconds
+    assert kept.why.startswith(f"one strategy, {single.buckets[0].strategy}: the best table")
+    assert f"only {gain:.3f}x as fast, within the cost model's error" in kept.why
+    monkeypatch.setattr(plan, "MARGIN", gain / 1.01)
+    switched = plan.plan(search, typical, CONTEXT)
+    assert switched.buckets == table.buckets
+    assert switched.why.startswith(f"a table of {len(table.buckets)} buckets: predicted "
+                                   f"{gain:.3f}x the best single strategy")
+
+
+def test_micro_steps_hold_no_more_rows_than_the_mini_batches_fill():
+    """The typical batch of a long-tailed corpus packs 5 rows of CONTEXT, the run's
+    mini-batches of 4 x CONTEXT tokens fill 4 (a typical mini-batch of the whole sample, as the
+    trainer counts it): under fsdp=2 the planned micro-step holds 4 rows, the trainer's own
+    sizing (`micro_units`), not 6 (5 rows rounded up to the shards, a third of them empty).
+    Mini-batches half the size fill 2 rows, and a micro-step holds 2."""
+    from hotjax.train import micro_units
+
+    sample, typical = _long_tailed(4 * CONTEXT)
+    (zero1,) = [s for s in plan.candidate_strategies(TINY, 2) if str(s) == "fsdp2 [zero1]"]
+    profile = load_profile("a800-4x8")
+    for batch_tokens, rows in ((4 * CONTEXT, 4), (2 * CONTEXT, 2)):
+        fill = plan.Fill(sample, batch_tokens=batch_tokens)
+        search = plan.Search(TINY, profile, 2, 80 * GiB, [zero1], fill=fill)
+        (bucket,) = plan.fixed_table(search, typical, [(CONTEXT, zero1)]).buckets
+        assert bucket.rows == 5 and bucket.micro_rows == rows
+        assert rows == 2 * micro_units(fill.rows(0, CONTEXT), 2, 64)
+        assert all(b.micro_rows <= rows for b in plan.plan(search, typical, CONTEXT).buckets)
+
+
+def test_the_trainer_and_the_planner_size_micro_steps_by_one_rule():
+    """No more rows than a typical mini-batch fills, spread over the fewest micro-steps."""
+    from hotjax.train import MAX_MICRO_UNITS, micro_units
+
+    assert micro_units(4.0, 2, 64) == 2  # 4 rows over 2 shards: one micro-step of 4
+    assert micro_units(5.0, 2, 64) == 2  # not 3: a micro-step of 6 rows leaves one empty
+    assert micro_units(42.0, 8, 64) == 3  # two micro-steps of 24 rows, not of 40 (80 slots)
+    assert micro_units(42.0, 8, 2) == 2  # what fits in memory bounds it
+    assert micro_units(12.0, 8, 64) == 1 and micro_units(0.3, 8, 64) == 1
+    assert micro_units(None, 8, 100) == MAX_MICRO_UNITS
+
+
+def test_a_run_far_off_its_predicted_step_says_so_in_one_line():
+    """The first steps' median against the plan's prediction: within the cost model's error
+    either way, nothing; past it, one line with both and their ratio."""
+    assert plan.prediction_check(1.0, [0.95, 1.08, 2.0]) is None
+    assert plan.prediction_check(1.0, [0.93, 0.92, 0.5]) is None
+    line = plan.prediction_check(1.8935, [4.2, 5.1, 7.9])
+    assert line == ("--strategies auto: steps took 5,100.0 ms (median of 3), 2.69x the 1,893.5 "
+                    "ms the plan predicted, past the cost model's error (1.10x): the plan may "
+                    "not be the fastest here; time a single --strategy against it")
+    assert "\n" not in line
+    assert plan.prediction_check(1.0, [0.8, 0.85, 0.9]).startswith(
+        "--strategies auto: steps took 850.0 ms (median of 3), 0.85x")
 
 
 def test_masking_documents_never_costs_more_than_concatenating_them(search, lengths):
@@ -155,7 +232,8 @@ def test_bad_input_is_one_line(flags, message, tmp_path):
 def test_strategies_auto_plans_for_this_machine_and_trains_like_one_device(tmp_path,
                                                                            monkeypatch, capsys):
     """`--strategies auto` plans with this machine's cached profile (here the A800 numbers for
-    one node of the 8 simulated devices) and trains the same losses as one device."""
+    one node of the 8 simulated devices) and trains the same losses as one device; its steps,
+    far slower on CPU than A800s, are reported off the prediction after the warm-up."""
     monkeypatch.setenv("HOTJAX_CACHE", str(tmp_path / "cache"))
     cached = profile_path()
     assert cached.relative_to(tmp_path / "cache").parts == (
@@ -169,6 +247,7 @@ def test_strategies_auto_plans_for_this_machine_and_trains_like_one_device(tmp_p
     stale.write_text(text.replace("a800-4x8", "stale"))
     same = ["--model", "tiny", "--tokenizer", "bytes", "--compute-dtype", "float32",
             "--context", "512", "--batch-tokens", "2048"]
+    monkeypatch.setattr(plan, "PREDICTION_STEPS", 1)  # checked after one warm-up step and one
     run = ["train", *same, "--steps", "2"]
     losses = {}
     for name, flags in (("auto", ["--strategies", "auto", "--ckpt-dir", str(tmp_path / "ck")]),
@@ -176,7 +255,9 @@ def test_strategies_auto_plans_for_this_machine_and_trains_like_one_device(tmp_p
         metrics = tmp_path / f"{name}.jsonl"
         assert main([*run, *flags, "--metrics-jsonl", str(metrics)]) == 0
         losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    assert "--strategies auto: planned on profile a800-4x8" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--strategies auto: planned on profile a800-4x8" in err
+    assert err.count("--strategies auto: steps took") == 1
     np.testing.assert_allclose(losses["auto"], losses["one device"], rtol=0, atol=1e-5)
     # The table trained (as its checkpoint records it) is the one `hotjax plan` writes for the
     # same flags, home included.

@@ -26,10 +26,12 @@ from models.pipeline import SCHEDULES, filled_microbatches, gpipe, one_f_one_b
 Array = jax.Array
 # Logical axis names: strategies map these to mesh axes. `seq` is the residual stream's
 # sequence axis, `inner_seq` the one inside attention and the MLP (when split, keys and values
-# go round a ring).
+# go round a ring). `attn_heads` and `attn_kv_heads` name mesh axes of `inner_seq` that only
+# the attention kernel trades for a split of its query and K/V heads (Ulysses' all-to-all).
 PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm")
 ACTIVATION_AXES = ("batch", "seq", "inner_seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
-                   "vocab", "stages")  # stages: a pipeline's stage buffer, always on `stage`
+                   "vocab", "attn_heads", "attn_kv_heads",
+                   "stages")  # stages: a pipeline's stage buffer, always on `stage`
 Constrain = Callable[[Array, tuple[str | None, ...]], Array]
 # (logits [B, T, V], targets [B, T]) -> (loss sum, target count)
 Loss = Callable[[Array, Array], tuple[Array, Array]]

@@ -23,6 +23,9 @@ ACTIVATIONS = {
     "attention keys / values": ("batch", "inner_seq", "kv_heads", "head_dim"),
     "MLP hidden": ("batch", "inner_seq", "mlp"),
     "logits": ("batch", "inner_seq", "vocab"),
+    # Inside the attention kernel, the heads an all-to-all splits for the sequence (Ulysses).
+    "attention heads for the sequence": ("attn_heads",),
+    "attention K/V heads for the sequence": ("attn_kv_heads",),
 }
 FP32 = 4
 
@@ -135,8 +138,7 @@ def _gradients(strategy: Strategy, grad_bytes: int) -> dict[str, Any]:
 
 
 def _attention(strategy: Strategy, config: LlamaConfig, platform: str) -> dict[str, Any]:
-    split = ways(strategy.activation_spec((None, "inner_seq")), strategy.axes)
-    ring = split[1] if len(split) > 1 else 1  # K/V go round the ranks splitting the sequence
+    ring = strategy.ring  # K/V go round the ranks splitting the sequence inside attention
     choose = functools.partial(choose_backend, config.attention, platform, ring=ring > 1,
                                packed=True, dtype=config.dtype)
     kernel, note = choose()

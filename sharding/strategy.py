@@ -92,7 +92,10 @@ class Rules:
 _STAGE = {"layers": "stage"}
 _DP = {"batch": ("data", "fsdp")}
 _FSDP = {**_STAGE, "embed": "fsdp"}
+_CONTEXT_FSDP = {**_STAGE, "embed": ("fsdp", "context")}  # the state split over data x context
 _CONTEXT = {**_DP, "seq": "context", "inner_seq": "context"}  # K/V go round a ring
+# Inside attention only, the sequence's split over context becomes one of the heads.
+_ULYSSES = {**_CONTEXT, "attn_heads": "context", "attn_kv_heads": "context"}
 _TP_PARAMS = {**_FSDP, "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
               "vocab": "tensor"}
 _TP = {**_CONTEXT, "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
@@ -114,6 +117,18 @@ RULE_SETS: dict[str, Rules] = {
     "fsdp": _rules("fsdp", _FSDP, _DP),
     # Context parallelism: activations split on the sequence; K/V passed round a ring.
     "context": _rules("context", _FSDP, _CONTEXT),
+    # ... with only the optimizer state split over fsdp x context (ZeRO-1, as Megatron's
+    # distributed optimizer shards it over data x context parallel ranks).
+    "context-zero1": _rules("context-zero1", _STAGE, _CONTEXT, optimizer=_CONTEXT_FSDP),
+    # ... with parameters, gradients and optimizer state split over fsdp x context (FSDP over
+    # the ring's ranks too, as torchtitan's data x context mesh does).
+    "context-fsdp": _rules("context-fsdp", _CONTEXT_FSDP, _CONTEXT),
+    # DeepSpeed-Ulysses: the sequence split over context outside attention; an all-to-all
+    # trades it for a split of the heads, attention runs on whole rows (any kernel, no ring),
+    # and an all-to-all trades back. Heads divide by the context size (fewer K/V heads than
+    # ranks are gathered whole instead).
+    "ulysses": _rules("ulysses", _FSDP, _ULYSSES),
+    "ulysses-fsdp": _rules("ulysses-fsdp", _CONTEXT_FSDP, _ULYSSES),
     # Megatron tensor parallelism: attention by heads, the MLP by its hidden axis, embedding and
     # LM head by vocabulary (so full logits are never gathered).
     "megatron": _rules("megatron", _TP_PARAMS, _TP),
@@ -192,6 +207,7 @@ class Strategy:
                             f"choose rules that use it, or drop the axis")
         if stages > 1:
             _check_pipeline(strategy, where)
+        _check_exchange(strategy, where)
         return strategy
 
     @classmethod
@@ -263,10 +279,36 @@ class Strategy:
 
     @property
     def ring(self) -> int:
-        """Devices a context ring passes K/V round: the ways attention's sequence (`inner_seq`)
-        is split, whichever mesh axes the rules split it over (1: no ring)."""
-        split = ways(self.activation_spec((None, "inner_seq")), self.axes)
+        """Devices a context ring passes K/V round: the ways attention's sequence is split
+        inside the kernel (`attention_specs`), whichever mesh axes the rules split it over (1:
+        no ring)."""
+        split = ways(self.attention_specs()[0], self.axes)
         return split[1] if len(split) > 1 else 1
+
+    @property
+    def exchange_axes(self) -> tuple[str, ...]:
+        """Mesh axes (of size > 1) over which attention trades its sequence split for a head
+        split by an all-to-all (Ulysses; the rules' `attn_heads`)."""
+        return as_tuple(_part(self.activation_spec(("attn_heads",)), 0))
+
+    def attention_specs(self) -> tuple[PartitionSpec, PartitionSpec]:
+        """Queries' and K/V's layout ([B, T, N, H], [B, S, K, H]) inside the attention kernel:
+        as the activation rules place them, with the `exchange_axes` moved from the sequence
+        to the query heads, and to the K/V heads where `attn_kv_heads` maps them (else K/V
+        are gathered whole over them)."""
+        exchange = self.exchange_axes
+
+        def inside(heads: str, exchanged: str) -> PartitionSpec:
+            spec = self.activation_spec(("batch", "inner_seq", heads, "head_dim"))
+            seq = tuple(a for a in as_tuple(_part(spec, 1)) if a not in exchange)
+            moved = as_tuple(_part(self.activation_spec((exchanged,)), 0))
+            parts = [_part(spec, 0), _joined(seq), _joined((*as_tuple(_part(spec, 2)), *moved)),
+                     _part(spec, 3)]
+            while parts and parts[-1] is None:
+                parts.pop()
+            return PartitionSpec(*parts)
+
+        return inside("heads", "attn_heads"), inside("kv_heads", "attn_kv_heads")
 
     def param_spec(self, axes: Sequence[str | None]) -> PartitionSpec:
         return _spec(axes, self.rules.params, self.axes)
@@ -308,6 +350,21 @@ def _check_pipeline(strategy: Strategy, where: str) -> None:
                         f"other axes")
 
 
+def _check_exchange(strategy: Strategy, where: str) -> None:
+    """An all-to-all trades the sequence's split for the heads': `attn_heads` may map only
+    mesh axes that split `inner_seq`, and `attn_kv_heads` only those of `attn_heads`."""
+    rules = strategy.rules
+    seq = set(as_tuple(_part(strategy.activation_spec((None, "inner_seq")), 1)))
+    for logical, allowed, of in (("attn_heads", seq, "inner_seq"),
+                                 ("attn_kv_heads", set(strategy.exchange_axes), "attn_heads")):
+        extra = [a for a in as_tuple(_part(strategy.activation_spec((logical,)), 0))
+                 if a not in allowed]
+        if extra:
+            raise UserError(f"{where}: rules {rules.name!r} map {logical} to {extra[0]}, which "
+                            f"does not split {of}: an all-to-all trades the sequence's split "
+                            f"for the heads', so map {extra[0]} to {of} too, or drop it")
+
+
 def canonical_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
     """Node-major device order: every strategy's mesh is a reshape of this one list."""
     devices = jax.devices() if devices is None else devices
@@ -323,11 +380,18 @@ def _spec(axes: Sequence[str | None], mapping: AxisMap, sizes: Mapping[str, int]
         # A mesh axis shards at most one dimension; size-1 axes are left out of the spec.
         mesh_axes = tuple(a for a in lookup.get(logical, ()) if a not in taken and sizes[a] > 1)
         taken.update(mesh_axes)
-        parts.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1
-                     else mesh_axes)
+        parts.append(_joined(mesh_axes))
     while parts and parts[-1] is None:
         parts.pop()
     return PartitionSpec(*parts)
+
+
+def _part(spec: PartitionSpec, dim: int) -> str | tuple[str, ...] | None:
+    return spec[dim] if len(spec) > dim else None
+
+
+def _joined(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def ways(spec: PartitionSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
@@ -370,30 +434,32 @@ def fit_to_model(strategy: Strategy, config: LlamaConfig) -> tuple[Strategy, tup
     """The strategy adapted to the model's head counts, and notes on what was adapted.
 
     With GQA and `tensor` larger than the K/V head count, each K/V head is replicated over
-    `tensor / n_kv_heads` ranks, as Megatron does.
+    `tensor / n_kv_heads` ranks, as Megatron does; likewise over the ranks of a Ulysses
+    all-to-all (`attn_heads`), where K/V are then gathered whole, not exchanged.
     """
     if config.n_layers % strategy.stages:
         raise UserError(f"{strategy}: {config.n_layers} layers do not split into "
                         f"{strategy.stages} pipeline stages: choose a stage count that divides "
                         f"{config.n_layers}")
-    tensor = strategy.axes["tensor"]
-    rules = strategy.rules
-    heads_on_tensor = any(logical in ("heads", "kv_heads") and "tensor" in axes
-                          for logical, axes in rules.params + rules.activations)
-    if tensor == 1 or not heads_on_tensor:
+    q, _ = strategy.attention_specs()
+    axes = as_tuple(_part(q, 2))  # those splitting the heads inside the attention kernel
+    n = math.prod(strategy.axes[a] for a in axes)
+    if n == 1:
         return strategy, ()
-    if config.n_heads % tensor:
+    names, size = "·".join(f"{a}={strategy.axes[a]}" for a in axes), "·".join(axes)
+    if config.n_heads % n:
         raise UserError(f"{strategy}: {config.n_heads} attention heads do not split over "
-                        f"tensor={tensor}: choose a tensor size that divides {config.n_heads}")
-    if config.n_kv_heads % tensor == 0:
+                        f"{names}: choose a {size} size that divides {config.n_heads}")
+    if config.n_kv_heads % n == 0:
         return strategy, ()
-    if tensor % config.n_kv_heads:
+    if n % config.n_kv_heads:
         raise UserError(f"{strategy}: {config.n_kv_heads} K/V heads neither split over nor "
-                        f"replicate evenly across tensor={tensor}: choose a tensor size that "
+                        f"replicate evenly across {names}: choose a {size} size that "
                         f"divides or is a multiple of {config.n_kv_heads}")
-    note = (f"{config.n_kv_heads} K/V heads < tensor={tensor}: each K/V head is replicated over "
-            f"{tensor // config.n_kv_heads} tensor ranks")
-    return dataclasses.replace(strategy, rules=strategy.rules.without("kv_heads")), (note,)
+    note = (f"{config.n_kv_heads} K/V heads < {names}: each K/V head is replicated over "
+            f"{n // config.n_kv_heads} {size} ranks")
+    rules = strategy.rules.without("kv_heads").without("attn_kv_heads")
+    return dataclasses.replace(strategy, rules=rules), (note,)
 
 
 class Layout:
@@ -447,11 +513,9 @@ class Layout:
 
     @property
     def attention(self) -> AttentionSharding:
-        """Where attention runs: per device, queries as the activation rules place them, K/V
-        heads likewise, and the sequence on a ring when `inner_seq` is split."""
-        spec = self.strategy.activation_spec
-        return AttentionSharding(self.mesh, spec(("batch", "inner_seq", "heads", "head_dim")),
-                                 spec(("batch", "inner_seq", "kv_heads", "head_dim")),
+        """Where attention runs: per device, queries and K/V as `Strategy.attention_specs`
+        places them, the sequence on a ring where it stays split."""
+        return AttentionSharding(self.mesh, *self.strategy.attention_specs(),
                                  self.strategy.balanced)
 
     @property

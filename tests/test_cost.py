@@ -458,8 +458,8 @@ def _bus_bytes(compiled_text: str, layers: int) -> dict[str, float]:
     for line in compiled_text.splitlines():
         if line and not line[0].isspace():
             entry = line.startswith("ENTRY")
-        found = re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter|collective-permute)"
-                          r"(-start)?\(", line)
+        found = re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter|collective-permute|"
+                          r"all-to-all)(-start)?\(", line)
         if not found or "replica_groups={{0},{1}}" in line:
             continue
         result, op, start = found.groups()
@@ -508,3 +508,53 @@ def test_collectives_are_priced_as_the_compiler_emits_them(devices, platform, ru
     assert time.tensor * bandwidth == pytest.approx(priced, rel=0.1)
     assert hlo["dtypes"] == ({"f32"} if platform == "cpu" else {"bf16", "f32"})
     assert ("reduce-scatter" in hlo) == (platform == "gpu" and rules == "megatron-sp")
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_ulysses_all_to_alls_are_priced_as_the_compiler_emits_them(devices, remat):
+    """A 2-layer `small` micro-step on context=2 under Ulysses (XLA:CPU, fp32 on the wire):
+    per layer q, k, v (4 rows x 128 tokens x 8 query, 4 K/V heads of 32) and the output are
+    exchanged forward and back, and without remat the saved q, k, v once more; under remat
+    "full" the recompute exchanges all four again. Each moves half its bytes over two ranks."""
+    config = as_trained(preset("small"), compute_dtype="bfloat16", remat=remat, n_layers=2)
+    strategy = Strategy.parse("context=2,rules=ulysses")
+    shape = (4, 256)
+    hlo = _bus_bytes(bucket_step(config, strategy, tuple(devices[:2])).compiled(shape).as_text(),
+                     config.n_layers)
+    q = kv = 4 * 128 * 8 * 32 * 4  # bytes of one device's q, and of its k and v together
+    passes = {"none": 3 * (q + kv) + 2 * q, "full": 3 * (q + kv + q)}[remat]
+    assert hlo["all-to-all"] == config.n_layers * passes / 2
+    profile = parse_profile(_profile(("platform",), "cpu"), "test.toml")
+    time = micro_step_time(config, strategy, shape, profile)
+    assert time.tensor * 100e9 == pytest.approx(hlo["all-to-all"])
+    assert time.ring == 0.0  # no ring: attention runs on whole rows, a quarter of the heads
+
+
+def test_ulysses_gathers_kv_heads_fewer_than_its_ranks_and_splits_the_attention_by_heads():
+    """On context=8 the `small` model's 4 K/V heads cannot be exchanged: each rank gathers
+    them whole (once a forward) and reduces their gradients, and exchanges q and the output;
+    attention costs what a ring's does over whole rows, split eight ways by heads."""
+    config = as_trained(preset("small"), compute_dtype="bfloat16", remat="none", n_layers=2)
+    profile = parse_profile(_profile(), "test.toml")  # GPU: bf16 on the wire, 80 GB/s at 8
+    shape = (8, 1024)
+    ulysses = micro_step_time(config, Strategy.parse("context=8,rules=ulysses"), shape, profile)
+    q = 8 * 128 * 8 * 32 * 2  # one device's q (8 rows x 128 tokens x 8 heads of 32, bf16)
+    kv = 2 * 8 * 1024 * 4 * 32 * 2  # k and v whole
+    moved = (3 * q + 2 * q) * 7 / 8 + kv * 7 / 8 + kv * 7 / 8  # all-to-alls, gather, scatter
+    assert ulysses.tensor * 80e9 == pytest.approx(config.n_layers * moved)
+    one = micro_step_time(config, Strategy.parse("data=1"), shape, profile)
+    assert ulysses.attention == pytest.approx(one.attention / 8)
+
+
+def test_every_rule_set_is_a_planned_candidate_and_priced():
+    """Each entry of `RULE_SETS` (but `auto`, Megatron's placement under another name) is a
+    candidate on 8 devices, and the cost model prices it: nothing else names them."""
+    from hotjax.planning.search import candidate_strategies
+    from sharding.strategy import RULE_SETS
+
+    tiny = dataclasses.replace(preset("tiny"), vocab_size=256)
+    profile = load_profile("a800-4x8")
+    candidates = candidate_strategies(tiny, 8)
+    assert {s.rules.name for s in candidates} == set(RULE_SETS) - {"auto"}
+    for strategy in candidates:
+        assert micro_step_time(tiny, strategy, (8, 1024), profile).seconds > 0

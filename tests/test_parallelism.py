@@ -51,6 +51,10 @@ STRATEGIES = [
     ("data=2,fsdp=2,tensor=2", CONFIG),
     ("data=2,context=2,tensor=2,rules=megatron-sp", CONFIG),
     ("tensor=8", GQA2),  # K/V heads replicated over the tensor group
+    ("context=8,rules=context-fsdp", CONFIG),
+    ("fsdp=2,context=4,rules=context-zero1", CONFIG),
+    ("fsdp=2,context=4,rules=ulysses-fsdp", CONFIG),  # K/V heads exchanged
+    ("context=8,rules=ulysses", CONFIG),  # 4 K/V heads over 8 ranks: gathered whole
 ]
 
 

@@ -134,8 +134,7 @@ def test_an_axis_the_chosen_rules_do_not_use_is_rejected(text, axis, rules):
     (" , ", "' , '", "give at least one mesh axis"),
     ("rules=dp", "rules=dp", "give at least one mesh axis"),
     ("data=8,rules=zero", "'zero'",
-     "choose one of dp, zero1, zero2, fsdp, context, megatron, megatron-sp, auto, or give an "
-     "inline table"),
+     f"choose one of {', '.join(RULE_SETS)}, or give an inline table"),
     ("data=8,rules=tp", "'tp'", "choose one of dp, zero1"),
 ])
 def test_bad_strategy_text_is_a_user_error_naming_the_item_and_the_fix(text, named, fix):
@@ -455,6 +454,7 @@ TINY_AXES = param_axes(TINY)
 WQ, W_DOWN = TINY_AXES["layers"]["wq"], TINY_AXES["layers"]["w_down"]
 EMBED, LM_HEAD = TINY_AXES["embed"], TINY_AXES["lm_head"]
 # Megatron-style splits on every axis its parameters use: fsdp on `embed`, tensor on the rest.
+FC = ("fsdp", "context")  # the state split over data x context
 FSDP_AND_TENSOR = (P(None, "fsdp", "tensor"), P(None, "tensor", "fsdp"), P("tensor", "fsdp"),
                    P("fsdp", "tensor"))
 
@@ -465,8 +465,7 @@ def test_the_tiny_axes_the_rule_set_tests_rely_on():
 
 
 def test_the_named_rule_sets_and_auto_is_megatron():
-    assert list(RULE_SETS) == ["dp", "zero1", "zero2", "fsdp", "context", "megatron",
-                               "megatron-sp", "auto"]
+    assert list(RULE_SETS)[-1] == "auto"
     assert all(rules.name == name for name, rules in RULE_SETS.items())
     auto, megatron = RULE_SETS["auto"], RULE_SETS["megatron"]
     assert (auto.params, auto.activations, auto.grads, auto.optimizer) == (
@@ -482,6 +481,11 @@ def test_the_named_rule_sets_and_auto_is_megatron():
      P("fsdp")),
     ("context", "fsdp=2,context=4", P(None, "fsdp"), P(None, None, "fsdp"), P(None, "fsdp"),
      P("fsdp")),
+    ("context-zero1", "fsdp=2,context=4", P(), P(), P(), P()),
+    ("context-fsdp", "fsdp=2,context=4", P(None, FC), P(None, None, FC), P(None, FC), P(FC)),
+    ("ulysses", "fsdp=2,context=4", P(None, "fsdp"), P(None, None, "fsdp"), P(None, "fsdp"),
+     P("fsdp")),
+    ("ulysses-fsdp", "fsdp=2,context=4", P(None, FC), P(None, None, FC), P(None, FC), P(FC)),
     ("megatron", "data=2,tensor=4", P(None, None, "tensor"), P(None, "tensor"), P("tensor"),
      P(None, "tensor")),
     ("megatron", "fsdp=2,context=2,tensor=2", *FSDP_AND_TENSOR),
@@ -520,6 +524,60 @@ def test_zero1_splits_only_the_optimizer_state_over_fsdp():
     assert strategy.optimizer_spec(LM_HEAD) == P("fsdp")
     assert strategy.optimizer_spec(W_DOWN) == P(None, None, "fsdp")
     assert strategy.activation_spec(("batch", "seq", "embed")) == P(("data", "fsdp"))
+
+
+def test_context_zero1_splits_only_the_optimizer_state_over_fsdp_and_context():
+    """Megatron's distributed optimizer: parameters and gradients whole on every rank of the
+    data x context group, the optimizer state split over all of them."""
+    strategy = Strategy.parse("fsdp=2,context=4,rules=context-zero1")
+
+    assert strategy.param_spec(EMBED) == strategy.grad_spec(EMBED) == P()
+    assert strategy.optimizer_spec(EMBED) == P(None, FC)
+    assert strategy.optimizer_spec(W_DOWN) == P(None, None, FC)
+    assert strategy.activation_spec(("batch", "seq", "embed")) == P("fsdp", "context")
+    assert strategy.ring == 4
+
+
+def test_ulysses_trades_the_sequence_split_for_the_heads_inside_attention_only():
+    strategy = Strategy.parse("fsdp=2,context=4,rules=ulysses")
+
+    assert strategy.activation_spec(("batch", "seq", "embed")) == P("fsdp", "context")
+    assert strategy.activation_spec(("batch", "inner_seq", "mlp")) == P("fsdp", "context")
+    assert strategy.attention_specs() == (P("fsdp", None, "context"), P("fsdp", None, "context"))
+    assert strategy.exchange_axes == ("context",) and strategy.ring == 1
+    assert Strategy.parse("fsdp=2,context=4,rules=context").attention_specs()[0] == P(
+        "fsdp", "context")
+
+
+def test_ulysses_gathers_kv_heads_fewer_than_its_ranks_and_says_so():
+    fitted, notes = fit_to_model(Strategy.parse("context=8,rules=ulysses"), TINY)
+
+    assert notes == ("4 K/V heads < context=8: each K/V head is replicated over 2 context "
+                     "ranks",)
+    assert fitted.attention_specs() == (P(None, None, "context"), P())
+
+
+@pytest.mark.parametrize("text, config, message", [
+    ("context=8,rules=ulysses", dataclasses.replace(TINY, n_heads=4, n_kv_heads=4),
+     "context8 [ulysses]: 4 attention heads do not split over context=8: choose a context size "
+     "that divides 4"),
+    ("context=4,rules=ulysses", dataclasses.replace(TINY, n_heads=12, n_kv_heads=3),
+     "context4 [ulysses]: 3 K/V heads neither split over nor replicate evenly across "
+     "context=4: choose a context size that divides or is a multiple of 3"),
+    ("context=8,rules=ulysses,balanced=true", TINY, "a balanced chunk order needs the sequence "
+     "split over a context axis larger than 1 (a ring)"),
+])
+def test_a_ulysses_layout_that_does_not_fit_is_one_line(text, config, message):
+    with pytest.raises(UserError) as e:
+        fit_to_model(Strategy.parse(text), config)
+    assert message in str(e.value)
+
+
+def test_attn_heads_may_map_only_axes_that_split_the_sequence():
+    with pytest.raises(UserError, match="rules 'inline' map attn_heads to data, which does "
+                                        "not split inner_seq: .* map data to inner_seq too"):
+        Strategy.create({"data": 2, "context": 2}, {"activations": {
+            "batch": "data", "seq": "context", "inner_seq": "context", "attn_heads": "data"}})
 
 
 def test_zero2_splits_the_gradients_and_the_optimizer_state_over_fsdp():

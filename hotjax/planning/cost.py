@@ -42,6 +42,13 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   tests/test_cost.py). The kernel sends a chunk before computing the one it holds, so on GPU
   the ring hides behind attention: only what exceeds the attention time is exposed. XLA:CPU
   runs each send to completion (`SERIAL_RING`).
+- Ulysses (DeepSpeed-Ulysses: Jacobs et al. 2023, arXiv:2309.14509), in the `tensor` term
+  with the other collectives of a head split: per layer q, k and v all-to-all'd from the
+  sequence split to the head split and the output back, in each forward and transposed in the
+  backward, and without remat the saved q, k, v once more (`_exchange`, checked against the
+  HLO in tests/test_cost.py); K/V heads fewer than the ranks are all-gathered whole instead
+  and their gradients reduced. An all-to-all moves (n-1)/n of each device's tensor, at the
+  profile's all-gather bandwidth. Attention then runs on whole rows, 1/n of the heads each.
 - FSDP (ZeRO-3): the weights are all-gathered over the fsdp axes layer by layer in the forward
   pass, and again in the backward under remat (with remat "none" XLA keeps the gathered layers),
   one all-gather per weight array, each paying the profile's latency.
@@ -130,7 +137,11 @@ BATCH_ARRAYS = 4  # tokens, segment ids, positions, targets
 # convention of nccl-tests): time = latency + factor · bytes / bus bandwidth.
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
-    "reduce-scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0}
+    "reduce-scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0,
+    "all-to-all": lambda n: (n - 1) / n}
+# Collectives a profile does not measure, priced at the bandwidth of one it does: an all-to-all
+# moves (n-1)/n of each device's tensor over every link at once, as an all-gather does.
+PRICED_AS = {"all-to-all": "all-gather"}
 # Bytes per element XLA holds matmul operands and activations in, where it widens the compute
 # dtype: XLA:CPU runs bf16 and fp16 dots in fp32. Elsewhere: the compute dtype's size.
 HELD_BYTES = {"cpu": 4}
@@ -228,6 +239,8 @@ class Shares:
     gathered_arrays: int  # weight arrays gathered apart, one all-gather each (a layer's per layer)
     tensor_axes: tuple[str, ...]  # mesh axes splitting heads or the MLP (tensor parallelism)
     ring_axes: tuple[str, ...]  # mesh axes splitting attention's sequence (a context ring)
+    exchange_axes: tuple[str, ...]  # those an all-to-all trades for the heads (Ulysses)
+    kv_exchanged: bool  # K/V heads exchanged too (else gathered whole over `exchange_axes`)
     sequence_parallel: bool  # the residual stream split over tensor axes too
 
 
@@ -288,13 +301,16 @@ def _layout(config: LlamaConfig, strategy: Strategy) -> tuple[Strategy, dict[str
         compute_mesh_axes |= _mesh_axes(compute)
     token_axes = _mesh_axes(act(("batch", "inner_seq")))
     tensor_axes = _mesh_axes(act(("heads",))) | _mesh_axes(act(("mlp",)))
+    q, kv = strategy.attention_specs()
     return strategy, count, {
         "token_axes": _ordered(token_axes),
         "scatter_axes": _ordered(token_axes & grad_mesh_axes),
         "gather_axes": _ordered(param_mesh_axes - compute_mesh_axes - {"stage"}),
         "gathered_arrays": gathered_arrays,
         "tensor_axes": _ordered(tensor_axes),
-        "ring_axes": _ordered(_mesh_axes(act(("inner_seq",)))),
+        "ring_axes": _ordered(_mesh_axes(PartitionSpec(*q[1:2]))),
+        "exchange_axes": strategy.exchange_axes,
+        "kv_exchanged": bool(_mesh_axes(PartitionSpec(*kv[2:3])) & set(strategy.exchange_axes)),
         "sequence_parallel": bool(_mesh_axes(act(("seq",))) & tensor_axes)}
 
 
@@ -468,19 +484,19 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
         s.inner_tokens * s.layers)
     head_matmuls = 3 * s.inner_tokens * gemms(((D, V / s.vocab_ways),)) / _head_share(
         s, config.pipeline_schedule)
-    context = _size(fitted, s.ring_axes)
+    context, exchange = _size(fitted, s.ring_axes), _size(fitted, s.exchange_axes)
     block, _ = attention_kernel(config, profile.platform, shape[1], context)
     pairs = s.rows * visible_pairs(shape[1], context, fitted.balanced, block)
-    attention = ((attention_forwards + 2.5) * 4 * H * N / s.head_ways * pairs * s.layers
-                 / (profile.peak_flops * profile.attention_efficiency))
+    attention = ((attention_forwards + 2.5) * 4 * H * N / (s.head_ways * exchange) * pairs
+                 * s.layers / (profile.peak_flops * profile.attention_efficiency))
 
     def collective(name: str, nbytes: float, axes: tuple[str, ...], count: int = 1) -> float:
         """`count` collectives moving `nbytes` in all over the devices of `axes`."""
         n = math.prod(fitted.axes[a] for a in axes)
         if n == 1:
             return 0.0
-        bandwidth = profile.bandwidth(name, n, _crosses_nodes(fitted, axes,
-                                                              profile.devices_per_node))
+        bandwidth = profile.bandwidth(PRICED_AS.get(name, name), n,
+                                      _crosses_nodes(fitted, axes, profile.devices_per_node))
         return count * profile.collective_latency + BUS_FACTOR[name](n) * nbytes / bandwidth
 
     wide = profile.platform in WIDE_WIRE
@@ -495,7 +511,9 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     # The embedding's reduction, the LM head's input gradient (fp32, from the fp32 logits), and
     # under sequence parallelism three gathers about them.
     tensor = layer_tensor + reduction + collective(
-        reduce, s.inner_tokens * D * FP32, s.tensor_axes) + 3 * gather
+        reduce, s.inner_tokens * D * FP32, s.tensor_axes) + 3 * gather + s.layers * _exchange(
+        s, config, attention_forwards, collective, wire, exchange,
+        "all-reduce" if wide else "reduce-scatter")
 
     chunk_kv = 2 * s.rows * shape[1] / context * K * H / s.kv_ways
     ring = s.layers * (2 * (context - 1) * collective("send", chunk_kv * wire, s.ring_axes)
@@ -548,6 +566,25 @@ def _tensor_collectives(platform: str, remat: str, staged: bool) -> tuple[int, i
     up, five reductions where XLA:GPU sums first and reduces two."""
     reductions = 4 + (remat == "full") + staged + 3 * (platform in WIDE_WIRE)
     return reductions, 6 + 2 * staged
+
+
+def _exchange(s: Shares, config: LlamaConfig, forwards: int, collective: Callable,
+              wire: int, ranks: int, reduce: str) -> float:
+    """Seconds of one layer's Ulysses all-to-alls (read off the HLO, XLA:CPU): q, k, v to the
+    head split and the output back, in each forward and transposed backward; without remat
+    the backward exchanges the saved q, k, v again. K/V heads fewer than the ranks are
+    gathered whole instead, once a forward, and their gradients reduced once."""
+    axes = s.exchange_axes
+    q = s.inner_tokens * config.n_heads * config.head_dim / s.head_ways * wire
+    kv = 2 * s.inner_tokens * config.n_kv_heads * config.head_dim / s.kv_ways * wire
+    exchanged = q + kv * s.kv_exchanged
+    seconds = ((forwards + 1 + (config.remat == "none")) * collective("all-to-all", exchanged, axes)
+               + (forwards + 1) * collective("all-to-all", q, axes))
+    if s.kv_exchanged:
+        return seconds
+    whole = kv * ranks
+    return (seconds + forwards * collective("all-gather", whole, axes)
+            + collective(reduce, whole, axes))
 
 
 def _exposed(ring: float, attention: float, overlaps: bool) -> float:

@@ -523,16 +523,19 @@ def state_times(args: argparse.Namespace, root: Path) -> dict:
     record = meta_lib.record(step=0, source="bench", items=[], model=config.to_dict())
 
     disk = [disk_baseline(root, nbytes) for _ in range(args.repeats)]
-    ckpt = root / "ck"
-    checkpoints = store.Checkpoints(ckpt, keep_last=1)
     saves, blocked = [], []
-    for step in range(1, args.repeats + 2):  # the first save compiles: not counted
+    for repeat in range(args.repeats + 1):  # the first save compiles: not counted
+        # Each save a step-1 checkpoint of its own: a checkpoint's step is its state's count.
+        ckpt = root / f"ck-{repeat}"
+        checkpoints = store.Checkpoints(ckpt, keep_last=1)
         started = time.perf_counter()
-        blocked.append(checkpoints.save(step, state.params, state.opt_state, record, None))
+        blocked.append(checkpoints.save(1, state.params, state.opt_state, record, None))
         checkpoints.wait()
         saves.append(time.perf_counter() - started)
+        checkpoints.close()
+        if repeat < args.repeats:
+            shutil.rmtree(ckpt)
     saves, blocked = saves[1:], blocked[1:]
-    checkpoints.close()
     disk_bytes = _bytes(ckpt)
 
     def restore_s(strategy: str, count: int) -> float:

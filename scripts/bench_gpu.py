@@ -21,7 +21,10 @@ Parts, each its own process (a failure or a hang in one loses nothing of the oth
 - `mfu`: a Llama-3.2-1B-shaped model (16 layers, 2048 wide, vocabulary 128,256, tied
   embeddings) trained by hotjax's own `Trainer` on one GPU, bf16, 16,384 tokens a step of rows
   of 2,048 and of 8,192 tokens (three documents a row): model FLOPs (`models.work`, recompute
-  not counted) per second over the GPU's dense bf16 peak.
+  not counted) per second over the GPU's dense bf16 peak, attention counted as 3.5 forwards
+  (hotjax's cost model) and as 3 (MaxText's and PaLM's convention). `--model 8b-width-4`:
+  four layers of Llama-3-8B's width instead; `--seq-lens`, `--remat` as named; `--trace`:
+  two more steps under JAX's profiler, their kernels summed by name and by kind.
 - `profile`: `hotjax plan --measure`'s measurement on this GPU, beside `h100-1x8.toml`.
 - `calibrate`: the cost model against this GPU. The profile is measured as `profile` does; then
   the 1B model's gradient micro-step (the bucket step the trainer runs, no optimizer) at 16,384
@@ -61,6 +64,12 @@ PEAK_PROFILES = {"H100": "h100-1x8", "H200": "h100-1x8", "A100": "a800-4x8", "A8
 KERNEL_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128}
 ONE_B = {"vocab_size": 128256, "dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8,
          "ffn_dim": 8192, "head_dim": 64, "tie_embeddings": True, "rope_theta": 500000.0}
+# mfu's models: the 1B shape, and four layers of Llama-3-8B's width (its micro-step's matmuls
+# are the 8B's own, the vocabulary's share of FLOPs larger).
+MFU_MODELS = {"1b": ONE_B,
+              "8b-width-4": {"vocab_size": 128256, "dim": 4096, "n_layers": 4, "n_heads": 32,
+                             "n_kv_heads": 8, "ffn_dim": 14336, "head_dim": 128,
+                             "tie_embeddings": False, "rope_theta": 500000.0}}
 
 
 def _device():
@@ -345,7 +354,9 @@ def cudnn(args) -> dict:
 
 
 def mfu(args) -> dict:
-    from bench_strategies import bench_one, synthetic_batch
+    import tempfile
+
+    from bench_strategies import TRACED_STEPS, bench_one, synthetic_batch
 
     from hotjax.optim import OptimConfig
     from models.llama import LlamaConfig, as_trained, preset
@@ -353,32 +364,94 @@ def mfu(args) -> dict:
     from sharding.strategy import Strategy
 
     device = _device()
-    model = preset("tiny") if args.quick else LlamaConfig(**ONE_B)
+    model = preset("tiny") if args.quick else LlamaConfig(**MFU_MODELS[args.model])
     config = as_trained(model, compute_dtype="bfloat16" if device.platform == "gpu"
-                        else "float32", attention=args.attention)
+                        else "float32", attention=args.attention, remat=args.remat)
     per_token, per_pair = training_flops(config)
+    per_pair_3 = per_pair * 3 / 3.5  # attention counted as 3 forwards (MaxText, PaLM)
     batch_tokens = 1024 if args.quick else args.batch_tokens
     peak = _peak_tflops(device.device_kind)
     results = []
-    for seq_len in ((128, 512) if args.quick else (2048, 8192)):
-        batch = synthetic_batch(batch_tokens // seq_len, seq_len, model.vocab_size)
+    for seq_len in ((128, 512) if args.quick else args.seq_lens):
+        batch = synthetic_batch(max(batch_tokens // seq_len, 1), seq_len, model.vocab_size)
         pairs = _document_pairs(batch.segment_ids)
         entry = {"seq_len": seq_len, "rows": batch.tokens.shape[0],
                  "real_tokens": batch.real_tokens, "pairs": pairs}
-        try:
-            entry |= bench_one(config, OptimConfig(warmup_steps=1, total_steps=8),
-                               Strategy.parse("data=1"), batch, (device,), 3, [])
-            flops = per_token * batch.real_tokens + per_pair * pairs
-            entry["model_tflops"] = flops / entry["step_s"] / 1e12
-            entry["mfu"] = entry["model_tflops"] / peak if peak else None
-        except Exception as e:  # noqa: BLE001
-            entry |= {"status": "failed", "error": f"{type(e).__name__}: "
-                      f"{str(e).splitlines()[0][:300] if str(e) else ''}"}
+        with tempfile.TemporaryDirectory() as traced:
+            try:
+                entry |= bench_one(config, OptimConfig(warmup_steps=1, total_steps=8),
+                                   Strategy.parse("data=1"), batch, (device,), 3, [],
+                                   trace_dir=traced if args.trace else None)
+                flops = per_token * batch.real_tokens + per_pair * pairs
+                entry["model_tflops"] = flops / entry["step_s"] / 1e12
+                entry["mfu"] = entry["model_tflops"] / peak if peak else None
+                flops_3 = per_token * batch.real_tokens + per_pair_3 * pairs
+                entry["mfu_attention_3"] = flops_3 / entry["step_s"] / 1e12 / peak \
+                    if peak else None
+                entry["attention_share"] = per_pair * pairs / flops
+                stats = device.memory_stats() or {}  # the allocator's peak, this process's
+                entry["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
+                if args.trace:
+                    entry["kernels"] = kernel_breakdown(traced, TRACED_STEPS)
+            except Exception as e:  # noqa: BLE001
+                entry |= {"status": "failed", "error": f"{type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:300] if str(e) else ''}"}
         results.append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k != "notes"}), file=sys.stderr,
               flush=True)
     return {"device": device.device_kind, "versions": _versions(), "peak_tflops": peak,
-            "attention": args.attention, "params": config.num_params(), "results": results}
+            "attention": args.attention, "model": "tiny" if args.quick else args.model,
+            "remat": args.remat, "params": config.num_params(), "results": results}
+
+
+def kernel_breakdown(trace_dir: str, steps: int, top: int = 40) -> dict:
+    """Where a traced step's device time went: the kernels of JAX's profiler trace under
+    `trace_dir` summed by name (per step), the `top` longest, and their sums by kind (matmul,
+    attention, the rest of XLA's fusions, copies). On a machine without a device plane (CPU),
+    the planes found and nothing else."""
+    from collections import defaultdict
+
+    import jax
+
+    (path,) = Path(trace_dir).rglob("*.xplane.pb")
+    planes = list(jax.profiler.ProfileData.from_file(str(path)).planes)
+    devices = [p for p in planes if p.name.startswith("/device:")]
+    if not devices:
+        return {"planes": [p.name for p in planes]}
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    every = list(devices[0].lines)
+    # The kernels are on the streams' lines; the derived ones (XLA's modules and ops, steps)
+    # repeat them.
+    lines = [line for line in every if line.name.startswith("Stream")] or [
+        line for line in every if line.name not in ("XLA Modules", "XLA Ops", "Steps")]
+    for line in lines:
+        for event in line.events:
+            by_name[event.name][0] += 1
+            by_name[event.name][1] += event.duration_ns / 1e6
+    kinds: dict[str, float] = defaultdict(float)
+    for name, (_, ms) in by_name.items():
+        kinds[_kernel_kind(name)] += ms / steps
+    longest = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"plane": devices[0].name, "lines": [line.name for line in every],
+            "lines_summed": [line.name for line in lines], "steps": steps,
+            "busy_ms_per_step": sum(ms for _, ms in by_name.values()) / steps,
+            "by_kind_ms_per_step": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top": [{"name": name[:160], "kind": _kernel_kind(name), "calls": calls // steps,
+                     "ms_per_step": ms / steps} for name, (calls, ms) in longest]}
+
+
+def _kernel_kind(name: str) -> str:
+    """A GPU kernel's kind by its name: cuBLAS/CUTLASS matmuls, cuDNN or Triton attention,
+    copies and memsets, and XLA's own fusions (elementwise and reductions) for the rest."""
+    lowered = name.lower()
+    if any(k in lowered for k in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")):
+        return "matmul"
+    if any(k in lowered for k in ("cudnn", "fmha", "flash", "attention", "_forward_kernel",
+                                  "_backward_kernel")):
+        return "attention"
+    if "memcpy" in lowered or "memset" in lowered or "copy" in lowered:
+        return "copy"
+    return "fusion"
 
 
 def profile(args) -> dict:
@@ -559,6 +632,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="mfu: tokens a step (default: %(default)s)")
     parser.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
                         help="mfu: the attention kernel asked for (default: %(default)s)")
+    parser.add_argument("--model", default="1b", choices=sorted(MFU_MODELS),
+                        help="mfu: the model's shape (default: %(default)s)")
+    parser.add_argument("--seq-lens", type=lambda text: [int(n) for n in text.split(",")],
+                        default=[2048, 8192], help="mfu: row lengths, comma-separated "
+                        "(default: 2048,8192)")
+    parser.add_argument("--remat", default="none", help="mfu: the remat policy "
+                        "(default: %(default)s)")
+    parser.add_argument("--trace", action="store_true", help="mfu: trace two more steps and "
+                        "report the kernels they ran, summed by name and kind")
     parser.add_argument("--blockwise", action="store_true",
                         help="kernels: also time the blockwise XLA kernel")
     parser.add_argument("--profile", help="calibrate: a `profile --json` report to predict "
@@ -591,9 +673,15 @@ def _table(part: str, found: dict) -> str:
         for r in found["results"]:
             lines.append(f"T={r['seq_len']}: " + (
                 f"{r['step_s'] * 1e3:.0f} ms/step, {r['tokens_per_s']:,.0f} tok/s, "
-                f"{r['model_tflops']:.0f} TFLOP/s, MFU {r['mfu']:.1%}"
+                f"{r['model_tflops']:.0f} TFLOP/s, MFU {r['mfu']:.1%} (attention as 3.5 "
+                f"forwards), {r['mfu_attention_3']:.1%} (as 3); attention "
+                f"{r['attention_share']:.1%} of the FLOPs"
                 if r.get("status") == "ok" and r.get("mfu") is not None else
                 r.get("error", r.get("status", ""))))
+            kernels = r.get("kernels", {})
+            if "by_kind_ms_per_step" in kernels:
+                lines.append(f"  device busy {kernels['busy_ms_per_step']:.1f} ms/step: " + ", ".join(
+                    f"{kind} {ms:.1f}" for kind, ms in kernels["by_kind_ms_per_step"].items()))
     elif part == "calibrate":
         GB = 1e9
         lines.append(f"{'rows x T':>10} {'remat':>5} {'ms':>8} {'pred ms':>15} {'ratio':>11}"

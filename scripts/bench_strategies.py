@@ -55,6 +55,7 @@ DOCS_PER_ROW = 3
 MiB = 2**20
 # Recorded by JAX for each program looked up in the persistent compilation cache.
 CACHE_MISS = "/jax/compilation_cache/cache_misses"
+TRACED_STEPS = 2  # bench_one's steps under the profiler, after the timed ones
 HOST_MEMORY_SHARE = 0.8  # of the host's available memory that simulated devices may plan to use
 QUICK = {"model": "tiny", "seq_lens": "64,128", "batch_tokens": 1024, "steps": 1,
          "strategies": "data=8,rules=dp; fsdp=2,context=4,rules=context; stage=2,data=4"}
@@ -92,9 +93,11 @@ def host_available_bytes() -> int | None:
 
 def bench_one(config: LlamaConfig, optim: OptimConfig, strategy: Strategy, batch: Batch,
               devices: tuple[jax.Device, ...], steps: int, cache_misses: list[str],
-              micro_rows: int | None = None) -> dict:
+              micro_rows: int | None = None, trace_dir: str | None = None) -> dict:
     """Compile seconds, XLA memory and median step seconds of one strategy on one batch, in
-    micro-steps of `micro_rows` rows (None: one micro-step holding every row).
+    micro-steps of `micro_rows` rows (None: one micro-step holding every row). With
+    `trace_dir`, two more steps after the timed ones run under JAX's profiler, its trace
+    written there (the timed steps pay nothing for it).
 
     Simulated CPU devices share the host's memory: a step whose planned peak would exhaust it
     is compiled and measured by XLA, but not run.
@@ -139,6 +142,11 @@ def bench_one(config: LlamaConfig, optim: OptimConfig, strategy: Strategy, batch
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - started)
     step_s = statistics.median(times[1:])
+    if trace_dir is not None:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(TRACED_STEPS):
+                state, metrics, _ = trainer.step(state, minibatch)
+            jax.block_until_ready((state, metrics))
     return result | {"status": "ok", "warmup_s": times[0], "step_s": step_s,
                      "step_s_each": times[1:], "loss": float(metrics["loss"]),
                      "tokens_per_s": batch.real_tokens / step_s}

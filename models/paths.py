@@ -1,5 +1,5 @@
 """File names read from a checkpoint, kept inside its directory: the one check of every name an
-index, tracker or metadata file gives (`hotjax.checkpoint.untrusted` and `models.hf` use it)."""
+index, tracker or metadata file gives (`hotjax.checkpoint.formats` and `models.hf` use it)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from helpers import capped, capped_hotjax, error, one_line
 
-from hotjax.checkpoint import deepspeed, megatron, megatron_core
 from hotjax.checkpoint import meta as meta_lib
+from hotjax.checkpoint.formats import deepspeed, megatron, megatron_core
 from hotjax.data import ByteTokenizer, MiniBatches, open_corpus
 from hotjax.data.corpus import check_batch
 from hotjax.data.records import MAX_DOCUMENT_BYTES
@@ -538,7 +538,7 @@ def test_fuzzed_tokenizers_and_parquet_footers_end_clean_or_in_one_line_in_a_cap
 # cannot allocate would abort the process rather than raise.
 _RESTORE_EACH = """
 import json, sys
-from hotjax.checkpoint import convert, store
+from hotjax.checkpoint import describe, store
 from models.errors import UserError
 from models.llama import abstract_params, preset
 out = open(sys.argv[1], "w", buffering=1)
@@ -546,7 +546,7 @@ targets = {"params": abstract_params(preset("tiny"))}
 for case in json.load(open(sys.argv[2])):
     out.write("start " + case + "\\n")
     try:
-        convert.describe(case)
+        describe.describe(case)
         store.restore(case, targets)
         out.write("ok\\n")
     except UserError as e:

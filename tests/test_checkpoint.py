@@ -1,9 +1,9 @@
 """Universal checkpoints in one process: restore onto any layout and dtype, async saves that
 donated steps cannot disturb, what is kept, `inspect`, Hugging Face round trips, bad inputs."""
 
+import ast
 import dataclasses
 import hashlib
-import importlib
 import json
 import os
 import shutil
@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from helpers import TINY, hotjax
 
-from hotjax.checkpoint import convert, dirs, fingerprint, store
+from hotjax.checkpoint import dirs, fingerprint, formats, store
 from hotjax.checkpoint import meta as meta_lib
-from hotjax.checkpoint.formats import FORMATS
+from hotjax.checkpoint.formats import fakes, hf
+from hotjax.checkpoint.formats.spec import Format
 from hotjax.checkpoint.lock import LOCK_FILE
 from hotjax.checkpoint.training import restore_state
 from hotjax.cli import main
@@ -195,10 +196,10 @@ def test_inspect_shows_step_arrays_metadata_and_the_writing_layout(run_checkpoin
 def test_hugging_face_round_trip_and_training_from_the_import(devices, tmp_path,
                                                                fsdp_checkpoint):
     path, host = fsdp_checkpoint
-    convert.export_hf(path, tmp_path / "hf")
+    hf.export_hf(path, tmp_path / "hf")
     model = load_hf_checkpoint(tmp_path / "hf")
     assert model.config.vocab_size == TINY.vocab_size
-    convert.import_hf(tmp_path / "hf", tmp_path / "ck")
+    hf.import_hf(tmp_path / "hf", tmp_path / "ck")
     targets = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
                            abstract_params(TINY))
     restored = store.restore(tmp_path / "ck", {"params": targets})
@@ -226,7 +227,7 @@ def test_vocabulary_padding_is_dropped_on_export_and_restored_as_zeros(devices, 
                              tokenizer={"identity": "bytes", "vocab_size": 259, "bos_id": 257,
                                         "eos_id": 258, "pad_id": 256})
     store.save_weights(tmp_path / "ck", params, record)
-    convert.export_hf(tmp_path / "ck", tmp_path / "hf")
+    hf.export_hf(tmp_path / "ck", tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 259
     wider = dataclasses.replace(TINY, vocab_size=512)
     shardings = _trainer("fsdp=8", devices, wider).home.state_shardings.params
@@ -373,19 +374,41 @@ def test_ckpt_command_errors_are_one_line(argv, expected, tmp_path, run_checkpoi
     assert len(errors) == 1 and errors[0].startswith("hotjax: error:") and expected in errors[0]
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_each_format_of_the_table_is_a_command_running_its_modules_functions(fmt, capsys):
-    module = importlib.import_module(f"hotjax.checkpoint.{fmt.module}")
+@pytest.mark.parametrize("fmt", formats.every(), ids=lambda f: f.name)
+def test_each_format_is_a_command_running_its_modules_functions(fmt, capsys):
     for kind, function in (("import", fmt.imports), ("export", fmt.exports)):
         if function is None:
             continue
-        assert callable(getattr(module, function))
+        assert callable(function)
         with pytest.raises(SystemExit) as done:
             main(["ckpt", f"{kind}-{fmt.name}", "--help"])
         assert done.value.code == 0
         shown = capsys.readouterr().out
         assert all(o.flag in shown
                    for o in (fmt.import_options if kind == "import" else fmt.export_options))
+
+
+def test_a_format_is_one_module_in_the_formats_list():
+    """Adding a format is its module and one entry in `formats.MODULES`: the list names exactly
+    the modules of the folder that declare a `FORMAT`, each a `Format` of its own name whose
+    functions are the module's own; loading them starts neither JAX nor torch."""
+    folder = Path(formats.__file__).parent
+    declaring = {f"{formats.__name__}.{f.stem}" for f in folder.glob("*.py")
+                 if any(isinstance(node, ast.Assign) and [t.id for t in node.targets
+                                                          if isinstance(t, ast.Name)] == ["FORMAT"]
+                        for node in ast.parse(f.read_text()).body)}
+    assert set(formats.MODULES) == declaring and len(formats.MODULES) == len(declaring)
+    names = [f.name for f in formats.every()]
+    assert len(set(names)) == len(names)
+    for module_name, fmt in zip(formats.MODULES, formats.every(), strict=True):
+        assert isinstance(fmt, Format) and (fmt.imports or fmt.exports)
+        assert all(f.__module__ == module_name for f in (fmt.imports, fmt.exports, fmt.rows)
+                   if f is not None)
+    code = ("import sys; from hotjax.checkpoint import formats; formats.every(); "
+            "print(sorted({'jax', 'torch', 'orbax'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_ckpt_errors_exit_2_without_a_traceback_in_a_new_process(tmp_path):
@@ -460,14 +483,11 @@ def test_megatron_imports_hold_a_few_tensors_at_a_time_not_the_checkpoint(source
     # checkpoint's stacked fc1, gate and up together, which torch's DCP reader holds three
     # times while reading it) or of ours (w_gate); filling the whole output before writing
     # held the checkpoint once. (torch alone is 0.24 GB, in both imports.)
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-    import bench_ckpt  # its Megatron writers: random weights, Megatron's names and layout
-
     def write(directory: Path, model: LlamaConfig) -> list:
         if source == "megatron-core":
-            bench_ckpt.write_megatron_core(directory, model)
+            fakes.write_megatron_core(directory, model)
             return ["import-megatron-core", directory]
-        bench_ckpt.write_megatron(directory, model, tp=2, pp=2)
+        fakes.write_megatron(directory, model, tp=2, pp=2)
         return ["import-shards", "--format", "megatron", directory, "--workers", "1"]
 
     growth, nbytes, w_gate = import_growth(tmp_path, write)

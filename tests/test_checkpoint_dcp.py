@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
 
-from hotjax.checkpoint import dcp, store
 from hotjax.checkpoint import meta as meta_lib
+from hotjax.checkpoint import store
+from hotjax.checkpoint.formats import dcp
 from hotjax.checkpoint.training import restore_state
 from hotjax.cli import main
 from hotjax.data import Batch, MiniBatch

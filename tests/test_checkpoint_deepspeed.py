@@ -166,7 +166,7 @@ def _error(argv: list[str], capsys) -> str:
 
 def _rewrite(file: Path, change) -> None:
     """A DeepSpeed .pt file rewritten with `change` applied to what it holds."""
-    from hotjax.checkpoint.deepspeed import load_pt
+    from hotjax.checkpoint.formats.deepspeed import load_pt
 
     loaded = load_pt(file)  # memory-mapped: written beside, then renamed over the file
     change(loaded)
@@ -232,13 +232,11 @@ def test_a_zero2_import_holds_a_few_tensors_at_a_time_not_the_rank_files(tmp_pat
     # read stayed in memory, and the import grew by 1.4 times the checkpoint (0.94 GB).
     from test_checkpoint import import_growth
 
+    from hotjax.checkpoint.formats import fakes  # ZeRO-2: random weights and moments
     from models.hf import config_to_hf
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-    import bench_ckpt  # its ZeRO-2 writer: random weights and moments, DeepSpeed's layout
-
     def write(directory: Path, model) -> list:
-        bench_ckpt.write_zero(directory, model, dp=4)
+        fakes.write_zero(directory, model, dp=4)
         (directory / "config.json").write_text(json.dumps(config_to_hf(model, "float32")))
         return ["import-deepspeed", directory]
 

@@ -10,7 +10,8 @@ import pytest
 from helpers import TINY
 from safetensors.numpy import save_file
 
-from hotjax.checkpoint import foreign, store
+from hotjax.checkpoint import store
+from hotjax.checkpoint.formats import foreign, shards
 from hotjax.checkpoint.manifest import load as load_manifest
 from hotjax.cli import main
 from models.errors import UserError
@@ -145,7 +146,7 @@ def test_tp2_pp2_zero_shard_set_imports_to_exactly_the_original_arrays(suffix, t
                                                                         params):
     manifest = write_shard_set(tmp_path, suffix, params)
     if suffix == "npz":  # through the API, and (safetensors) through the command line
-        foreign.import_shards(manifest, tmp_path / "out", workers=2)
+        shards.import_shards(manifest, tmp_path / "out", workers=2)
     else:
         assert main(["ckpt", "import-shards", str(manifest), str(tmp_path / "out"),
                      "--workers", "2"]) == 0
@@ -230,7 +231,7 @@ def test_missing_rank_file_is_named_and_nothing_is_written(tmp_path, params):
     manifest = write_shard_set(tmp_path, "safetensors", params)
     (tmp_path / "tp1_pp1_dp1.safetensors").unlink()
     with pytest.raises(UserError) as e:
-        foreign.import_shards(manifest, tmp_path / "out", workers=1)
+        shards.import_shards(manifest, tmp_path / "out", workers=1)
     _one_line(e, tmp_path / "tp1_pp1_dp1.safetensors")
     assert not (tmp_path / "out").exists()
 
@@ -241,6 +242,6 @@ def test_an_existing_output_is_never_overwritten(tmp_path, params):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(UserError) as e:
-        foreign.import_shards(manifest, out, workers=1)
+        shards.import_shards(manifest, out, workers=1)
     _one_line(e, out)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from hotjax.checkpoint import foreign, megatron, model, store
+from hotjax.checkpoint import model, store
+from hotjax.checkpoint.formats import foreign, megatron, shards
 from hotjax.checkpoint.manifest import load as load_manifest
 from hotjax.cli import main
 from models.errors import UserError
@@ -244,7 +245,7 @@ def test_a_hand_written_manifest_of_the_same_files_imports_the_same_tensors(chec
     from_files = _converted(derived)
     assert by_hand.keys() == from_files.keys() == shapes.keys()
     assert all(np.array_equal(by_hand[name], from_files[name]) for name in shapes)
-    out = foreign.import_shards(manifest, tmp_path / "out", workers=1)
+    out = shards.import_shards(manifest, tmp_path / "out", workers=1)
     restored = _restored(out)
     assert restored.meta["step"] == ITERATION
     assert _same(restored.arrays[store.PARAMS], params)

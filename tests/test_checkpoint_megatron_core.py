@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from hotjax.checkpoint import dcp, dirs, torch_state
+from hotjax.checkpoint import dirs
 from hotjax.checkpoint import meta as meta_lib
+from hotjax.checkpoint.formats import dcp, pivot
 from hotjax.cli import main
 from models.hf import config_to_hf
 from models.llama import LlamaConfig
@@ -114,7 +115,7 @@ def test_a_tp2_run_imports_to_its_modules_weights_and_its_optimizers_moments(fmt
     assert main(["ckpt", "import-megatron-core", str(runs / "tp2" / fmt),
                  str(tmp_path / "ck")]) == 0
     assert "step 2, parameters, AdamW moments" in capsys.readouterr().out
-    config, _, params, step, state = torch_state.read_for_export(tmp_path / "ck")
+    config, _, params, step, state = pivot.read_for_export(tmp_path / "ck")
     assert (config.n_heads, config.n_kv_heads, config.ffn_dim, config.vocab_size,
             config.tie_embeddings) == (N, K, F, run.VOCAB, False)
     locals_ = _locals(runs / "tp2", 2, 1)
@@ -136,7 +137,7 @@ def test_a_data_parallel_run_with_bucketed_optimizer_state_imports_its_moments(r
     iteration = runs / "dp2" / "dp_reshardable" / f"iter_{run.ITERATION:07d}"
     assert main(["ckpt", "import-megatron-core", str(iteration), str(tmp_path / "ck")]) == 0
     assert "step 2, parameters, AdamW moments" in capsys.readouterr().out
-    config, _, params, step, state = torch_state.read_for_export(tmp_path / "ck")
+    config, _, params, step, state = pivot.read_for_export(tmp_path / "ck")
     assert config.tie_embeddings and "lm_head" not in params and step == 2
     locals_ = _locals(runs / "dp2", 1, 2)
     total = sum(x.numel() for n, x in locals_[0].items() if "/" not in n)
@@ -146,7 +147,7 @@ def test_a_data_parallel_run_with_bucketed_optimizer_state_imports_its_moments(r
     assert main(["ckpt", "import-megatron-core", str(iteration), str(tmp_path / "weights"),
                  "--weights-only"]) == 0
     assert "parameters only" in capsys.readouterr().out
-    _, _, params, step, state = torch_state.read_for_export(tmp_path / "weights")
+    _, _, params, step, state = pivot.read_for_export(tmp_path / "weights")
     assert step is None and state is None and _check(params, locals_, 1) == total
 
 

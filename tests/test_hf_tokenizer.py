@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from helpers import error
 
-from hotjax.checkpoint import convert, dirs, store
+from hotjax.checkpoint import dirs, store
 from hotjax.checkpoint import meta as meta_lib
+from hotjax.checkpoint.formats import hf
 from hotjax.checkpoint.tokenizer import carried
 from hotjax.cli import main
 from hotjax.data import ByteTokenizer
@@ -80,7 +81,7 @@ def test_export_hf_loads_in_transformers_with_hotjax_ids_and_logits(trained, exp
 
 def test_resume_from_the_import_of_an_export_keeps_its_tokenizer_and_vocabulary(
         trained, exported, tmp_path):
-    imported = convert.import_hf(exported, tmp_path / "imported")
+    imported = hf.import_hf(exported, tmp_path / "imported")
     ours = _own(trained)
     assert _own(imported).encode(TEXT) == ours.encode(TEXT)
     # No --tokenizer, and the default --vocab-size (8192): the import's tokenizer all the same.
@@ -126,13 +127,13 @@ def test_export_of_a_byte_tokenizer_checkpoint_gives_the_byte_ids_in_transformer
     store.save_weights(tmp_path / "ck", params, meta_lib.record(
         step=0, source="test", items=[store.PARAMS], model=config.to_dict(),
         tokenizer=meta_lib.tokenizer_record(bytes_)))
-    convert.export_hf(tmp_path / "ck", tmp_path / "hf")
+    hf.export_hf(tmp_path / "ck", tmp_path / "hf")
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert theirs(TEXT)["input_ids"] == bytes_.encode(TEXT)
     assert theirs.bos_token_id == bytes_.bos_id
     assert theirs.decode(bytes_.encode(TEXT)) == TEXT
     # Imported back, it is a tokenizer.json of the same ids, carried by the import.
-    imported = convert.import_hf(tmp_path / "hf", tmp_path / "imported")
+    imported = hf.import_hf(tmp_path / "hf", tmp_path / "imported")
     assert _own(imported).encode(TEXT) == bytes_.encode(TEXT)
     assert (imported / "tokenizer" / "tokenizer.json").is_file()
 

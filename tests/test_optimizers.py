@@ -14,7 +14,7 @@ from helpers import TINY
 
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint import store
-from hotjax.checkpoint.torch_state import ExportSource
+from hotjax.checkpoint.formats.pivot import ExportSource
 from hotjax.checkpoint.training import restore_state
 from hotjax.data import Batch, MiniBatch
 from hotjax.optim import OptimConfig, make_optimizer

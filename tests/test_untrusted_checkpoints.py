@@ -243,7 +243,7 @@ def test_a_pickled_object_that_unpacks_to_gigabytes_is_refused_before_it_is_read
     refused from the archive's directory, never decompressed."""
     import zipfile
 
-    from hotjax.checkpoint.untrusted import MAX_OBJECT_BYTES
+    from hotjax.checkpoint.formats.torch_load import MAX_OBJECT_BYTES
 
     source = tmp_path / "ck"
     iteration = _megatron_core(source)
@@ -266,7 +266,7 @@ def test_an_index_that_is_not_an_object_is_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("step", [float("nan"), -3.0, 2.5, "two"])
 def test_a_deepspeed_adam_step_that_is_no_step_count_is_one_line(step, tmp_path):
-    from hotjax.checkpoint.deepspeed import _step_number
+    from hotjax.checkpoint.formats.deepspeed import _step_number
     from models.errors import UserError
 
     with pytest.raises(UserError, match=r"rank0\.pt: group 0's AdamW step is .*, not a whole "

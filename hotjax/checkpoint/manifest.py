@@ -3,7 +3,7 @@
 A TP/PP/ZeRO run writes one file per rank (`.npz`, `.safetensors`, or PyTorch `.pt`: tensors
 by state-dict name, in its `model` entry if it has one). The manifest (TOML or JSON, the same
 keys) describes them geometrically, after Universal Checkpointing's patterns, so that
-`checkpoint.foreign` can rebuild every logical tensor and map it to Hugging Face names:
+`checkpoint.formats.foreign` can rebuild every logical tensor and map it to Hugging Face names:
 
     format = "hotjax-shards/1"
     model = "tiny"                 # a preset; or a table of LlamaConfig fields (with an

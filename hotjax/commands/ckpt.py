@@ -1,4 +1,4 @@
-"""`hotjax ckpt`: inspect a checkpoint, and import and export it in the formats of the table
+"""`hotjax ckpt`: inspect a checkpoint, and import and export it in the formats of
 `checkpoint.formats` (Hugging Face, PyTorch DCP, DeepSpeed, Megatron, shard sets), one command
 each. (Training saves and resumes through `hotjax train --ckpt-dir / --resume-from`.)"""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 from pathlib import Path
 from typing import Any
 
-from hotjax.checkpoint.formats import EMBEDDING, FORMATS, RECORDED, Format, Option
+from hotjax.checkpoint import formats
+from hotjax.checkpoint.formats.spec import EMBEDDING, RECORDED, Format, Option
 from hotjax.startup import start_jax
 
 
@@ -24,7 +24,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     inspect.add_argument("path", help="a step directory, or a checkpoint directory (its latest)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
     inspect.set_defaults(handler=_inspect)
-    for fmt in FORMATS:
+    for fmt in formats.every():
         if fmt.imports:
             parser = sub.add_parser(f"import-{fmt.name}", help=fmt.import_help)
             parser.add_argument("source", help=fmt.source_help)
@@ -57,7 +57,7 @@ def _options(parser: argparse.ArgumentParser, options: tuple[Option, ...]) -> No
 
 def _inspect(args: argparse.Namespace) -> None:
     start_jax(1)
-    from hotjax.checkpoint.convert import describe
+    from hotjax.checkpoint.describe import describe
 
     info = describe(args.path)
     if args.json:
@@ -70,11 +70,10 @@ def _import(fmt: Format, args: argparse.Namespace) -> None:
     start_jax(1)
     from hotjax.checkpoint import model
 
-    module = importlib.import_module(f"hotjax.checkpoint.{fmt.module}")
     options = {o.dest: getattr(args, o.dest) for o in fmt.import_options}
     source = Path(args.source)
     if fmt.model:
-        rows = getattr(module, fmt.rows) if fmt.model == EMBEDDING else None
+        rows = fmt.rows if fmt.model == EMBEDDING else None
         options["config"] = model.for_import(
             args.config, args.model, beside=source, recorded=fmt.model == RECORDED,
             rows=None if rows is None else functools.partial(rows, source))
@@ -82,14 +81,13 @@ def _import(fmt: Format, args: argparse.Namespace) -> None:
         from hotjax.data import load_tokenizer
 
         options["tokenizer"] = load_tokenizer(args.tokenizer, None) if args.tokenizer else None
-    _report_import(getattr(module, fmt.imports)(source, args.out, **options))
+    _report_import(fmt.imports(source, args.out, **options))
 
 
 def _export(fmt: Format, args: argparse.Namespace) -> None:
     start_jax(1)
-    module = importlib.import_module(f"hotjax.checkpoint.{fmt.module}")
     options = {o.dest: getattr(args, o.dest) for o in fmt.export_options}
-    print(f"wrote {getattr(module, fmt.exports)(args.path, args.out, **options)}")
+    print(f"wrote {fmt.exports(args.path, args.out, **options)}")
 
 
 def _report_import(step_dir: Path) -> None:

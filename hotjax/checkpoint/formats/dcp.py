@@ -4,10 +4,10 @@ hotjax with its weights, optimizer state and step.
 
 A DCP directory is a `.metadata` file (every tensor's global shape and the chunks each rank
 wrote) and per-rank `__R_0.distcp` files. torch's own reader reassembles each tensor whatever
-the layout that wrote it; what this module adds is the naming (`torch_state.resolve`: a key is
+the layout that wrote it; what this module adds is the naming (`pivot.resolve`: a key is
 matched by its longest suffix that is a parameter's name, so wrappers and prefixes such as
 `model.`, `app.`, `_orig_mod.`, `_checkpoint_wrapped_module.` need no configuration). An import
-is a `torch_state.TorchState`, an export reads a `torch_state.ExportSource`:
+is a `pivot.TorchState`, an export reads a `pivot.ExportSource`:
 - weights: `...{name}`, in Hugging Face LLaMA naming (`model.layers.0.self_attn.q_proj.weight`)
   or torchtitan's (`layers.0.attention.wq.weight`, whose Q/K rows interleave the rotary pairs,
   Meta's convention: converted to Hugging Face's halves on the way in, back on the way out);
@@ -16,7 +16,7 @@ is a `torch_state.TorchState`, an export reads a `torch_state.ExportSource`:
   state (AdamW's `exp_avg`, `exp_avg_sq`; imports read AdamW's); hyperparameters from
   `param_groups` are recorded, not applied: the hotjax run keeps its own optimizer settings.
 
-torch is imported here only (the `torch` extra). An import reads one tensor at a time
+torch (the `torch` extra) is imported when a function runs. An import reads one tensor at a time
 (`dcp.load` of one key) and writes one parameter at a time (`store.Pending`); an export
 restores one array at a time, but torch's writer takes the whole state at once, so it holds
 the exported tensors (the checkpoint once) before it writes.
@@ -29,32 +29,21 @@ import math
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hotjax.checkpoint import dirs, untrusted
 from hotjax.checkpoint import meta as meta_lib
-from hotjax.checkpoint.torch_state import (
-    BUFFERS,
-    HEADS,
-    WRAPPERS,
-    ExportSource,
-    TorchState,
-    foreign_names,
-    halves_to_interleaved,
-    hyperparameters,
-    interleaved_to_halves,
-    resolve,
-    rotary_heads,
-    save_torch_state,
-)
+from hotjax.checkpoint.formats import torch_load
+from hotjax.checkpoint.formats.spec import EMBEDDING, Format, Option, dtype_option
 from models import bounds
 from models.errors import UserError
-from models.hf import LazyTensors, hf_tensor_shapes, hf_tensors
-from models.llama import LlamaConfig
 from models.optimizers import ADAMW
 from models.options import CHECKPOINT_NAMINGS
+
+if TYPE_CHECKING:
+    from hotjax.checkpoint.formats.pivot import TorchState
+    from models.llama import LlamaConfig
 
 NAMINGS = CHECKPOINT_NAMINGS
 MOMENTS = ADAMW.torch_names("import-dcp")  # the optimizer state an import reads
@@ -64,11 +53,9 @@ _MAX_DIMS = 8  # a LLaMA's tensors have 1 or 2 dimensions; a claim of more is da
 
 
 def _torch() -> tuple[Any, Any]:
-    try:
-        import torch
-        import torch.distributed.checkpoint as dcp
-    except ImportError:
-        raise UserError("PyTorch checkpoints need torch: pip install 'hotjax[torch]'") from None
+    torch = torch_load.need_torch("PyTorch checkpoints")
+    import torch.distributed.checkpoint as dcp
+
     return torch, dcp
 
 
@@ -84,6 +71,8 @@ class _Entry:
 
 def _components(key: str, planner_data: dict[str, Any]) -> list[str]:
     path = planner_data.get(key, (key,))
+    from hotjax.checkpoint.formats.pivot import WRAPPERS
+
     parts = [c for p in path for c in str(p).split(".")]
     return [c for c in parts if c not in WRAPPERS]
 
@@ -104,7 +93,7 @@ def read_metadata(directory: Path) -> Any:
     if not (directory / ".metadata").is_file():
         raise UserError(f"{directory}: holds no .metadata file: not a PyTorch Distributed "
                         f"Checkpoint directory (torch.distributed.checkpoint.save writes one)")
-    return untrusted.read_dcp_metadata(directory)
+    return torch_load.read_dcp_metadata(directory)
 
 
 def embedding_rows(directory: str | Path) -> int:
@@ -138,6 +127,8 @@ def claimed_shape(size: Any, key: str, where: Path) -> tuple[int, ...]:
 
 
 def _detect(keys: Iterable[list[str]], config: LlamaConfig, naming: str | None) -> str:
+    from hotjax.checkpoint.formats.pivot import resolve
+
     keys = list(keys)
     found = {n: sum(resolve(k, _inverse(config, n)) is not None for k in keys) for n in NAMINGS}
     best = naming or max(NAMINGS, key=lambda n: found[n])
@@ -151,6 +142,8 @@ def _detect(keys: Iterable[list[str]], config: LlamaConfig, naming: str | None) 
 
 
 def _inverse(config: LlamaConfig, naming: str) -> dict[str, str]:
+    from hotjax.checkpoint.formats.pivot import foreign_names
+
     return {foreign: hf for hf, foreign in foreign_names(config, naming).items()}
 
 
@@ -159,6 +152,14 @@ def read_dcp(directory: str | Path, config: LlamaConfig, naming: str | None = No
     against `config`; every problem names the checkpoint and the tensor."""
     torch, _ = _torch()
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from hotjax.checkpoint.formats.pivot import (
+        TorchState,
+        hyperparameters,
+        interleaved_to_halves,
+        rotary_heads,
+    )
+    from models.hf import LazyTensors, hf_tensor_shapes
 
     directory = Path(directory).absolute()
     metadata = read_metadata(directory)
@@ -217,6 +218,9 @@ def _entries(tensors: dict[str, Any], parts: dict[str, list[str]], config: Llama
     """Each tensor the model needs, by (field, Hugging Face name): checked to be there once, at
     its shape, with AdamW state for every weight or for none; other tensors refused unless they
     are rotary tables (or, tied, the head's copy of the embedding)."""
+    from hotjax.checkpoint.formats.pivot import BUFFERS, HEADS, foreign_names, resolve
+    from models.hf import hf_tensor_shapes
+
     names = _inverse(config, naming)
     expected = hf_tensor_shapes(config)
     entries: dict[tuple[str, str], _Entry] = {}
@@ -268,8 +272,8 @@ def load(directory: Path, state: dict[str, Any], planner: Any = None) -> None:
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=untrusted.dcp_reader(directory, metadata),
-                     planner=untrusted.dcp_planner(directory) if planner is None else planner,
+            dcp.load(state, storage_reader=torch_load.dcp_reader(directory, metadata),
+                     planner=torch_load.dcp_planner(directory) if planner is None else planner,
                      no_dist=True)
     # torch's CheckpointException, which wraps each rank's error, is a BaseException.
     except (Exception, CheckpointException) as e:  # noqa: BLE001
@@ -307,6 +311,9 @@ def import_dcp(directory: str | Path, out: str | Path, config: LlamaConfig, *,
     """A hotjax checkpoint of the DCP checkpoint in `directory`: parameters, and when the
     torch run saved them its AdamW moments and step, so that training resumes there on any
     strategy; weights only otherwise."""
+    from hotjax.checkpoint import dirs
+    from hotjax.checkpoint.formats.pivot import save_torch_state
+
     dirs.check_new_directory(out)
     directory = Path(directory).absolute()
     torch_state = read_dcp(directory, config, naming)
@@ -328,6 +335,15 @@ def export_dcp(path: str | Path, out: str | Path, *, naming: str = "hf",
     flatten_optimizer_state_dict=True))` gives it. Vocabulary padding past the recorded
     tokenizer's size is left out, as in `export-hf`."""
     torch, dcp = _torch()
+    from hotjax.checkpoint import dirs
+    from hotjax.checkpoint.formats.pivot import (
+        ExportSource,
+        foreign_names,
+        halves_to_interleaved,
+        rotary_heads,
+    )
+    from models.hf import hf_tensors
+
     out = dirs.check_new_directory(out)
     source = ExportSource.of(path)
     config, optim, step = source.config, source.optim, source.step
@@ -371,3 +387,17 @@ def export_dcp(path: str | Path, out: str | Path, *, naming: str = "hf",
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(scratch)), no_dist=True)
 
     return dirs.write_atomically(out, save)
+
+
+FORMAT = Format(
+    "dcp", imports=import_dcp, import_help="a PyTorch Distributed Checkpoint (torchtitan, FSDP2, "
+    "DTensor) to a checkpoint that resumes its training: weights, AdamW moments and step",
+    source_help="the directory torch.distributed.checkpoint.save wrote (.metadata and *.distcp)",
+    exports=export_dcp, export_help="a checkpoint to a PyTorch Distributed Checkpoint that torch "
+    "loads into any sharding of the model",
+    model=EMBEDDING, model_help="config.json beside the checkpoint", rows=embedding_rows,
+    import_options=(Option("--naming", "the tensors' names (default: detected)",
+                           (("choices", NAMINGS),)),),
+    export_options=(Option("--naming", "the tensors' names (default: %(default)s)",
+                           (("choices", NAMINGS), ("default", "hf"))),
+                    dtype_option("weights' dtype; the optimizer's state stays float32")))

@@ -11,93 +11,53 @@ step of it), or a universal directory (Universal Checkpointing's `ds_to_universa
   groups hold the r-th ceil(n/R) elements of every parameter, in `param_shapes` order.
 - universal: `zero/{name}/{fp32,exp_avg,exp_avg_sq[,step]}.pt`, whole tensors, and
   `zero/optimizer_state.pt` (param groups; the step under ZeRO-3's layout).
-(`checkpoint.universal` writes universal directories.)
+(`formats.universal` writes universal directories.)
 
-Files are read with torch's weights-only loader, memory-mapped, one parameter at a time (a rank
-file is opened again for each parameter it holds a part of, so that its pages read leave memory
-with the parameter); the few DeepSpeed classes they pickle are read as plain records, so
-DeepSpeed need not be installed.
-Names are Hugging Face's, matched by suffix (`torch_state.resolve`: wrappers such as `module.`
-need no configuration); an import is a `torch_state.TorchState`.
+Files are read with torch's weights-only loader (`torch_load`), memory-mapped, one parameter at
+a time (a rank file is opened again for each parameter it holds a part of, so that its pages
+read leave memory with the parameter); the few DeepSpeed classes they pickle are read as plain
+records (`allowed.DEEPSPEED`), so DeepSpeed need not be installed.
+Names are Hugging Face's, matched by suffix (`pivot.resolve`: wrappers such as `module.`
+need no configuration); an import is a `pivot.TorchState`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import pickle
 import re
-import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hotjax.checkpoint import dirs, torch_state, untrusted
-from hotjax.checkpoint import meta as meta_lib
-from hotjax.checkpoint.torch_state import TorchState
+from hotjax.checkpoint.formats import allowed, torch_load
+from hotjax.checkpoint.formats.spec import EMBEDDING, Format
 from models import bounds
 from models.errors import UserError
-from models.hf import LazyTensors, hf_tensor_shapes
-from models.llama import LlamaConfig
 from models.optimizers import ADAMW
+from models.paths import inside
+
+if TYPE_CHECKING:
+    from hotjax.checkpoint.formats.pivot import TorchState
+    from models.llama import LlamaConfig
 
 _TAG_BYTES = 4096  # what is read of `latest`: a step directory's name ("global_step2")
 MOMENTS = ADAMW.torch_names("import-deepspeed")  # the optimizer state an import reads
 FIELDS = ("fp32", *MOMENTS)  # a universal parameter directory's files, besides step.pt
 _OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _MODEL_FILE = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
-
-
-class _ZeroStage(int):
-    """deepspeed.runtime.zero.config.ZeroStageEnum, as the stage number."""
-
-
-class _Record:
-    """A DeepSpeed object pickled with its attributes (a loss scaler, a fragment address)."""
-
-    def __setstate__(self, state: Any) -> None:
-        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
-
-
-class _FragmentAddress(_Record):
-    numel: int
-    start: int
-
-
-_DEEPSPEED_CLASSES = [(_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-                      (_Record, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-                      (_Record, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
-                      (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address")]
-# torch's `safe_globals` sets and then restores one process-wide list: loads from several threads
-# (the import's writers) would drop each other's classes.
-_LOADING = threading.Lock()
-
-
-def _torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise UserError("DeepSpeed checkpoints need torch: pip install 'hotjax[torch]'") from None
-    return torch
+NEEDS_TORCH = "DeepSpeed checkpoints"
 
 
 def load_pt(file: Path) -> Any:
     """A DeepSpeed .pt file, tensors memory-mapped (read when touched), by torch's weights-only
-    loader; DeepSpeed's own classes become `_ZeroStage` and `_Record`."""
-    torch = _torch()
+    loader; DeepSpeed's own classes become `allowed`'s records."""
     if not file.is_file():
         raise UserError(f"{file}: no such file: copy the whole checkpoint directory")
-    try:
-        with _LOADING, torch.serialization.safe_globals(_DEEPSPEED_CLASSES):
-            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        raise UserError(f"{file}: torch's weights-only loader refuses it "
-                        f"({untrusted.refused_by_torch(e)}): not a "
-                        f"DeepSpeed checkpoint file hotjax reads") from None
-    except (RuntimeError, OSError, EOFError, ValueError) as e:
-        raise UserError(f"{file}: unreadable ({meta_lib.first_line(e)}): the file is "
-                        f"truncated or damaged") from None
+    return torch_load.load(file, allowed.DEEPSPEED, what=NEEDS_TORCH,
+                           refused=" ({detail}): not a DeepSpeed checkpoint file hotjax reads",
+                           unreadable="unreadable ({error}): the file is truncated or damaged")
 
 
 def _host(x: Any) -> np.ndarray:
@@ -178,7 +138,7 @@ def step_directory(directory: Path) -> Path:
         if (directory / latest).is_file():
             with open(directory / latest, "rb") as f:  # a tag: a short name
                 tag = f.read(_TAG_BYTES).decode(errors="replace").strip()
-            step = untrusted.inside(directory, tag, directory / latest)
+            step = inside(directory, tag, directory / latest)
             if not step.is_dir():
                 raise UserError(f"{directory / latest}: names step {tag!r}, which "
                                 f"{directory} lacks: copy the whole checkpoint directory")
@@ -382,7 +342,9 @@ def _step_number(value: Any, file: Path, group: Any) -> float:
 def _hyperparameters(state: dict[str, Any], groups: list[dict], where: Path) -> dict[str, Any]:
     """lr, betas, eps and the clipping norm; and, where the groups' parameters are known
     (group g holds param_shapes' group g), the weight decay of matrices and of norm scales;
-    checked as read from `where` (`torch_state.checked_hyperparameters`)."""
+    checked as read from `where` (`pivot.checked_hyperparameters`)."""
+    from hotjax.checkpoint.formats import pivot
+
     values: dict[tuple[str, str], Any] = {}
     found = _base_state(state).get("param_groups") or state.get("param_groups") or []
     param_groups = [g if isinstance(g, dict) else {} for g in found] if isinstance(
@@ -392,14 +354,14 @@ def _hyperparameters(state: dict[str, Any], groups: list[dict], where: Path) -> 
             if field in group:
                 values[str(g), field] = group[field]
         values[str(g), "params"] = list(groups[g]) if g < len(groups) else []
-    out = torch_state.hyperparameters(values, {n: n for g in groups for n in g}, where)
+    out = pivot.hyperparameters(values, {n: n for g in groups for n in g}, where)
     if not groups and param_groups:  # a universal directory's groups name no parameters
         out.update({f: param_groups[0][f] for f in ("lr", "eps", "betas")
                     if f in param_groups[0]})
     clip = state.get("clip_grad")
     if clip is not None and not (isinstance(clip, int | float) and clip == 0):  # 0: no clipping
         out["clip_norm"] = clip
-    return torch_state.checked_hyperparameters(out, where)
+    return pivot.checked_hyperparameters(out, where)
 
 
 def _read_universal(directory: Path) -> DeepSpeedCheckpoint:
@@ -487,17 +449,20 @@ def embedding_rows(directory: str | Path) -> int:
 def read_state(checkpoint: DeepSpeedCheckpoint, config: LlamaConfig) -> TorchState:
     """The checkpoint's weights and AdamW state under Hugging Face names, checked against
     `config`."""
-    names = torch_state.foreign_names(config, "hf")
+    from hotjax.checkpoint.formats import pivot
+    from models.hf import LazyTensors, hf_tensor_shapes
+
+    names = pivot.foreign_names(config, "hf")
     expected = hf_tensor_shapes(config)
     found: dict[str, str] = {}  # HF name -> DeepSpeed name
     for name, shape in checkpoint.shapes.items():
         parts = [c for c in name.split(".") if c not in ("module", "_orig_mod")]
-        resolved = torch_state.resolve(parts, {n: n for n in names})
+        resolved = pivot.resolve(parts, {n: n for n in names})
         where = checkpoint.path / "zero" / name if checkpoint.layout == "universal" else (
             checkpoint.path)
         if resolved is None:
-            if not name.endswith(torch_state.BUFFERS) and not (
-                    config.tie_embeddings and name.endswith(torch_state.HEADS)):
+            if not name.endswith(pivot.BUFFERS) and not (
+                    config.tie_embeddings and name.endswith(pivot.HEADS)):
                 raise UserError(f"{where}: holds parameter {name}, which a LLaMA of this config "
                                 f"lacks: pass the --config the run trained")
             continue
@@ -517,7 +482,7 @@ def read_state(checkpoint: DeepSpeedCheckpoint, config: LlamaConfig) -> TorchSta
         return LazyTensors(expected, lambda hf: checkpoint.tensor(found[hf], field))
 
     moments = None if checkpoint.step is None else {f: read(f) for f in MOMENTS}
-    return TorchState("hf", read("fp32"), moments, checkpoint.step or 0,
+    return pivot.TorchState("hf", read("fp32"), moments, checkpoint.step or 0,
                       checkpoint.hyperparameters)
 
 
@@ -525,11 +490,23 @@ def import_deepspeed(directory: str | Path, out: str | Path, config: LlamaConfig
                      tokenizer: Any = None) -> Path:
     """A hotjax checkpoint of a DeepSpeed checkpoint: its fp32 master weights, AdamW moments
     and step, so that training resumes there on any strategy."""
+    from hotjax.checkpoint import dirs
+    from hotjax.checkpoint.formats import pivot
+
     dirs.check_new_directory(out)
     checkpoint = read_deepspeed(directory)
     state = read_state(checkpoint, config)
-    return torch_state.save_torch_state(
+    return pivot.save_torch_state(
         out, state, config, source=f"import-deepspeed {checkpoint.path}",
         foreign={"format": f"deepspeed {checkpoint.layout}", "naming": "hf",
                  "data_parallel": checkpoint.dp or None, "checkpoint": str(checkpoint.path)},
         tokenizer=tokenizer)
+
+
+FORMAT = Format(
+    "deepspeed", imports=import_deepspeed, import_help="a DeepSpeed checkpoint (ZeRO-1/2/3 rank "
+    "files of any data-parallel size, or a universal directory) to a checkpoint that resumes its "
+    "training: fp32 weights, AdamW moments and step",
+    source_help="the directory engine.save_checkpoint wrote (or one step of it), or "
+    "ds_to_universal's output",
+    model=EMBEDDING, model_help="config.json beside the checkpoint", rows=embedding_rows)

@@ -1,6 +1,6 @@
 """Import of foreign shard sets: per-rank files of a TP/PP/ZeRO run (`.npz`, `.safetensors` or
-PyTorch `.pt`), described by a manifest (format: `checkpoint.manifest`; `checkpoint.megatron`
-derives one), rebuilt into logical tensors and written as a checkpoint.
+PyTorch `.pt`), described by a manifest (format: `checkpoint.manifest`; `formats.megatron`
+derives one), rebuilt into logical tensors and written as a checkpoint (`formats.shards`).
 
 The parent reads only the files' headers, checks them against the manifest and plans one task
 per logical tensor (per layer); worker processes read the slices, reassemble and cross-check
@@ -13,13 +13,11 @@ file and the tensor.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import dataclasses
 import math
 import multiprocessing
 import os
-import pickle
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,9 +26,8 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from hotjax.checkpoint import untrusted
+from hotjax.checkpoint.formats import allowed, torch_load
 from hotjax.checkpoint.manifest import Manifest, TensorSpec
-from hotjax.checkpoint.manifest import load as load_manifest
 from models.errors import UserError
 
 
@@ -107,12 +104,6 @@ def _st_dtype(name: str) -> np.dtype:
                      "I16": np.int16, "I8": np.int8, "U8": np.uint8}[name])
 
 
-# What a weights-only load of a Megatron rank file may build besides tensors: its `args`, and
-# the numpy arrays of its RNG state (`rng_state`, unless saved with --no-save-rng).
-_PT_CLASSES = [argparse.Namespace, np.ndarray, np.dtype, type(np.dtype(np.uint32)),
-               np._core.multiarray._reconstruct]
-
-
 def pt_file(file: str | Path) -> Any:
     """A PyTorch file's top-level object, cached per process, tensors memory-mapped. Loaded
     with torch's weights-only unpickler, which besides tensors and plain containers may build
@@ -121,21 +112,10 @@ def pt_file(file: str | Path) -> Any:
     key = str(file)
     if key in _open:
         return _open[key]
-    try:
-        import torch
-    except ImportError:
-        raise UserError(f"{file}: reading .pt files needs PyTorch: pip install torch") from None
-    try:
-        with torch.serialization.safe_globals(_PT_CLASSES):
-            loaded = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        detail = untrusted.refused_by_torch(e)
-        raise UserError(f"{file}: torch's weights-only loader refuses it: {detail} (hotjax "
-                        f"loads tensors, plain containers, numpy arrays and "
-                        f"argparse.Namespace only)") from None
-    except (RuntimeError, OSError, EOFError, ValueError) as e:
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"{file}: not a readable .pt file ({message})") from None
+    loaded = torch_load.load(
+        Path(file), allowed.MEGATRON_RANK_FILE, what=".pt files",
+        refused=": {detail} (hotjax loads tensors, plain containers, numpy arrays and "
+        "argparse.Namespace only)", unreadable="not a readable .pt file ({error})")
     return _open.setdefault(key, loaded)
 
 
@@ -467,17 +447,6 @@ class Converted:
             if name is None:
                 return
             self._start(name)
-
-
-def import_shards(manifest_path: str | Path, out: str | Path,
-                  workers: int | None = None) -> Path:
-    """Converts the shard set `manifest_path` describes into a weights-only checkpoint."""
-    from hotjax.checkpoint import dirs
-
-    dirs.check_new_directory(out)
-    manifest = load_manifest(manifest_path)
-    return import_manifest(manifest, out, workers, source=f"import-shards {manifest.path}",
-                           layout=manifest.describe())
 
 
 def import_manifest(manifest: Manifest, out: str | Path, workers: int | None, *, source: str,

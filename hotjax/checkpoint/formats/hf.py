@@ -1,5 +1,5 @@
-"""Hugging Face LLaMA directories to and from weights-only checkpoints, and what `inspect` shows.
-"""
+"""Hugging Face LLaMA directories (config.json, *.safetensors: the pivot's weights as files) to
+and from weights-only checkpoints."""
 
 from __future__ import annotations
 
@@ -8,29 +8,19 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jax
-import numpy as np
-
-from hotjax.checkpoint import dirs, model, store
 from hotjax.checkpoint import meta as meta_lib
-from hotjax.checkpoint import tokenizer as checkpoint_tokenizer
-from hotjax.data.tokenizer import hf_files
+from hotjax.checkpoint.formats.spec import Format, dtype_option
 from models.errors import UserError
-from models.hf import (
-    CONFIG_FILE,
-    config_from_hf,
-    hf_param_makers,
-    hf_tensors_of,
-    param_keys,
-    read_json,
-    write_hf_directory,
-)
-from models.llama import abstract_params, param_axes
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, tokenizer: Any = None) -> Path:
     """A weights-only checkpoint of a Hugging Face LLaMA directory, at step 0, carrying the
     tokenizer (loaded, else the directory's tokenizer.json or tokenizer.model if any)."""
+    from hotjax.checkpoint import dirs, store
+    from hotjax.checkpoint import tokenizer as checkpoint_tokenizer
+    from models.hf import CONFIG_FILE, config_from_hf, hf_param_makers, hf_tensors_of, read_json
+    from models.llama import abstract_params
+
     dirs.check_new_directory(out)
     hf_dir = Path(hf_dir).absolute()
     if not hf_dir.is_dir():
@@ -50,6 +40,14 @@ def export_hf(path: str | Path, out: str | Path, dtype: str = "float32") -> Path
     tokenizer's files where it carries one (`AutoTokenizer` loads them) and the BOS and EOS
     ids to generate with. Vocabulary padding past the recorded tokenizer's size is left out,
     so the two agree."""
+    import jax
+
+    from hotjax.checkpoint import dirs, model, store
+    from hotjax.checkpoint import tokenizer as checkpoint_tokenizer
+    from hotjax.data.tokenizer import hf_files
+    from models.hf import param_keys, write_hf_directory
+    from models.llama import abstract_params, param_axes
+
     out = dirs.check_new_directory(out)
     step_dir = dirs.find(path)
     meta = meta_lib.read(step_dir)
@@ -77,22 +75,8 @@ def export_hf(path: str | Path, out: str | Path, dtype: str = "float32") -> Path
     return dirs.write_atomically(out, write)
 
 
-def describe(path: str | Path) -> dict[str, Any]:
-    """A checkpoint's step, metadata, sizes and arrays (shape and dtype), read without
-    loading any array."""
-    step_dir = dirs.find(path)
-    meta = meta_lib.read(step_dir)
-    items = {}
-    for item in meta["items"]:
-        arrays = store.saved_arrays(step_dir, item)
-        items[item] = {
-            "disk_bytes": sum(f.stat().st_size for f in (step_dir / item).rglob("*")
-                              if f.is_file()),
-            "bytes": sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in arrays.values()),
-            "arrays": {name: {"shape": list(a.shape), "dtype": str(a.dtype)}
-                       for name, a in arrays.items()}}
-    siblings = dirs.steps(step_dir.parent)
-    return {"path": str(step_dir), "step": meta["step"],
-            "steps_in_directory": siblings,
-            **{k: v for k, v in meta.items() if k not in ("step", "fingerprints")},
-            "data_position": meta_lib.read_data(step_dir), "arrays": items}
+FORMAT = Format(
+    "hf", imports=import_hf, import_help="a Hugging Face LLaMA directory to a weights-only "
+    "checkpoint", source_help="the directory (config.json, *.safetensors)",
+    exports=export_hf, export_help="a checkpoint's parameters to a Hugging Face LLaMA directory",
+    export_options=(dtype_option("weights' dtype"),))

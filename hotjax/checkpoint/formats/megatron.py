@@ -1,6 +1,6 @@
 """Megatron-LM LLaMA checkpoints: the manifest (`checkpoint.manifest`) of a directory of
 `mp_rank_*/model_optim_rng.pt` rank files, derived from the files themselves, and their import
-through `checkpoint.foreign`.
+through `formats.foreign` (`hotjax ckpt import-shards --format megatron`, `formats.shards`).
 
 Megatron-Core's GPT model with LLaMA's options (`--position-embedding-type rope --normalization
 RMSNorm --swiglu --group-query-attention --disable-bias-linear`), saved in the torch format:
@@ -15,13 +15,16 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hotjax.checkpoint import foreign, untrusted
+from hotjax.checkpoint.formats import foreign
 from hotjax.checkpoint.manifest import FORMAT, Manifest, parse
 from models import bounds
 from models.errors import UserError
-from models.llama import LlamaConfig
+from models.paths import inside
+
+if TYPE_CHECKING:
+    from models.llama import LlamaConfig
 
 FILE = "model_optim_rng.pt"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -130,20 +133,6 @@ def import_megatron(directory: str | Path, out: str | Path, *, config: LlamaConf
         source=f"import-shards --format megatron {Path(directory).absolute()}")
 
 
-def import_shards(source: str | Path, out: str | Path, *, format: str = "manifest",
-                  config: LlamaConfig | None = None, workers: int | None = None) -> Path:
-    """`hotjax ckpt import-shards`: the shard set the manifest `source` describes, or (`format`
-    "megatron") the Megatron checkpoint directory `source`, as a weights-only checkpoint."""
-    if workers is not None and workers < 1:
-        raise UserError(f"--workers {workers}: pass a positive number of processes")
-    if format == "manifest":
-        if config is not None:
-            raise UserError("--config and --model go with --format megatron: a manifest names "
-                            "its model itself")
-        return foreign.import_shards(source, out, workers)
-    return import_megatron(source, out, config=config, workers=workers)
-
-
 def iteration_directory(directory: Path) -> Path:
     """`directory`, or the iteration its `latest_checkpointed_iteration.txt` names."""
     if not directory.is_dir():
@@ -163,7 +152,7 @@ def iteration_directory(directory: Path) -> Path:
     if text != "release" and int(text) > bounds.MAX_STEP:
         raise UserError(f"{tracker}: names iteration {bounds.show(int(text))}, past "
                         f"{bounds.MAX_STEP:,} (MAX_STEP): the checkpoint is damaged")
-    iteration = untrusted.inside(directory, text if text == "release" else
+    iteration = inside(directory, text if text == "release" else
                                  f"iter_{int(text):07d}", tracker)
     if not iteration.is_dir():
         raise UserError(f"{tracker}: names iteration {text}, but {iteration} is missing")
@@ -182,6 +171,8 @@ _ARG_NAMES = {"vocab_size": "the embedding's rows", "dim": "args.hidden_size",
 def config_from_args(args: argparse.Namespace, file: Path, vocab_size: int) -> LlamaConfig:
     """The model Megatron's `args` describe, with `vocab_size` rows of vocabulary, every value
     checked (`LlamaConfig.checked`)."""
+    from models.llama import LlamaConfig
+
     missing = [f for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
                if getattr(args, f, None) is None]
     if missing:
@@ -283,7 +274,7 @@ def _rank_files(iteration: Path) -> tuple[int, int, str]:
                                 f"pp={pp}, and this rank's is absent")
             if not (directory / FILE).is_file():
                 raise UserError(f"{directory / FILE}: not found")
-            untrusted.inside(iteration, f"{directory.name}/{FILE}", iteration)  # a link?
+            inside(iteration, f"{directory.name}/{FILE}", iteration)  # a link?
     escaped = iteration.name.replace("{", "{{").replace("}", "}}")
     return tp, pp, f"{escaped}/{rank}/{FILE}"
 

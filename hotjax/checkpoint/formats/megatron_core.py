@@ -31,24 +31,26 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hotjax.checkpoint import dcp, dirs, megatron, store, torch_state
-from hotjax.checkpoint.megatron import EMBED, FC1, FC2, FINAL_NORM, HEAD, NORMS, PROJ, QKV
-from hotjax.checkpoint.megatron_dist import (
+from hotjax.checkpoint.formats import dcp, megatron
+from hotjax.checkpoint.formats.megatron import EMBED, FC1, FC2, FINAL_NORM, HEAD, NORMS, PROJ, QKV
+from hotjax.checkpoint.formats.megatron_dist import (
     BUCKET,
     LAYERS,
     Buckets,
     distributed_groups,
     read_common,
 )
+from hotjax.checkpoint.formats.spec import RECORDED, Format, Option
 from models import bounds
 from models.errors import UserError
-from models.hf import NOT_FINITE
-from models.llama import LlamaConfig, abstract_params
 from models.optimizers import ADAMW
+
+if TYPE_CHECKING:
+    from models.llama import LlamaConfig
 
 BACKEND = "torch_dist"
 _STATE = re.compile(r"(?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)"
@@ -292,6 +294,9 @@ class _Unfused:
     def pending(self, field: str, reads: dict[str, Any]) -> Any:
         """The params tree of `store.Pending` leaves, each made from the tensor `reads[model
         key]()` returns (a model tensor, or Adam's `field` of it)."""
+        from hotjax.checkpoint import store
+        from models.llama import abstract_params
+
         shapes = abstract_params(self.config)
         tree: dict[str, Any] = {}
         for model_key, read in reads.items():
@@ -307,6 +312,8 @@ class _Unfused:
         return tree
 
     def _take(self, source: tuple[str, str], read: Any, path: tuple) -> np.ndarray:
+        from models.hf import NOT_FINITE
+
         if source not in self._read:
             x = read()
             field, key = source
@@ -355,6 +362,9 @@ def import_megatron_core(directory: str | Path, out: str | Path, *,
     """A hotjax checkpoint of the torch_dist checkpoint at `directory` (its root or one
     iteration's): weights, and Adam's moments and step where saved per parameter (unless
     `weights_only`); `config` defaults to the model the run's args record."""
+    from hotjax.checkpoint import dirs
+    from hotjax.checkpoint.formats import pivot
+
     dirs.check_new_directory(out)
     iteration = iteration_directory(directory)
     where = iteration / ".metadata"
@@ -411,8 +421,20 @@ def import_megatron_core(directory: str | Path, out: str | Path, *,
     foreign = {"format": f"megatron-core {BACKEND}", "naming": "megatron-core",
                "checkpoint": str(iteration), "iteration": iteration_number}
     moments = {f: trees[f] for f in moment_fields} or None
-    return torch_state.save_trees(
+    return pivot.save_trees(
         out, config, trees["weight"], moments,
         step if moments else (iteration_number or 0),
         _hyperparameters(common, iteration / "common.pt"),
         source=f"import-megatron-core {iteration}", foreign=foreign, tokenizer=tokenizer)
+
+
+FORMAT = Format(
+    "megatron-core", imports=import_megatron_core, import_help="a Megatron-Core torch_dist "
+    "checkpoint (Megatron-LM's default format, of any TP/PP/DP) to a checkpoint: weights, and "
+    "Adam's moments and step where saved per parameter",
+    source_help="the checkpoint's root (latest_checkpointed_iteration.txt names the iteration) "
+    "or one iteration's directory",
+    model=RECORDED, model_help="the model the checkpoint's args record",
+    import_options=(Option("--weights-only", "leave the optimizer state out (needed for the "
+                           "distributed optimizer's default dp_reshardable format)",
+                           (("action", "store_true"),)),))

@@ -1,7 +1,7 @@
 """Reading Megatron-Core's torch_dist files beyond plain tensors: `common.pt` (its pickled args
 and param groups, read without running any code they name), ranges of 1-D checkpoint
 tensors read alone, and Adam's state where the distributed optimizer keeps it by default, in
-`dp_reshardable` flat buckets (`Buckets`). `hotjax.checkpoint.megatron_core` imports with them.
+`dp_reshardable` flat buckets (`Buckets`). `formats.megatron_core` imports with them.
 """
 
 from __future__ import annotations
@@ -12,15 +12,17 @@ import dataclasses
 import io
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hotjax.checkpoint import dcp, untrusted
-from hotjax.checkpoint.megatron import EMBED, FC1, FC2, FINAL_NORM, HEAD, PROJ, QKV
+from hotjax.checkpoint.formats import dcp, torch_load
+from hotjax.checkpoint.formats.megatron import EMBED, FC1, FC2, FINAL_NORM, HEAD, PROJ, QKV
 from models.errors import UserError
-from models.llama import LlamaConfig
 from models.optimizers import ADAMW
+
+if TYPE_CHECKING:
+    from models.llama import LlamaConfig
 
 LAYERS = "decoder.layers."
 BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_.+"
@@ -37,7 +39,7 @@ def read_common(file: Path) -> dict[str, Any]:
     """`common.pt`'s plain content: args, iteration, the optimizer's param groups."""
     if not file.is_file():
         raise UserError(f"{file}: missing: copy the whole checkpoint directory")
-    loaded = untrusted.read_torch_save(file, file)
+    loaded = torch_load.read_torch_save(file, file)
     return loaded if isinstance(loaded, dict) else {}
 
 
@@ -70,7 +72,7 @@ def _ranges_planner(ranges: list[tuple[str, int, Any]], objects: dict[str, Any],
             return narrow_tensor_by_index(tensor, read_item.dest_offsets, read_item.lengths)
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            objects[read_item.dest_index.fqn] = untrusted.read_torch_save(value, where)
+            objects[read_item.dest_index.fqn] = torch_load.read_torch_save(value, where)
 
     return Ranges(flatten_state_dict=False)
 

@@ -1,5 +1,5 @@
-"""The torch side of a checkpoint: the state every PyTorch format (DCP, DeepSpeed, Megatron-Core)
-converts through, in both directions, and torch's names for a LLaMA's tensors.
+"""The pivot: the torch-side state every PyTorch format (DCP, DeepSpeed, Megatron-Core) converts
+through, in both directions, and torch's names for a LLaMA's tensors.
 
 The contract a format keeps:
 - An import reads its files into a `TorchState`: the weights under Hugging Face names

@@ -1,25 +1,26 @@
-"""Foreign checkpoints' pickles (DCP `.metadata` and saved objects, Megatron's `torch.save`
-files) read as data, no code they name ever run; `inside` keeps their file names inside them."""
+"""The one place a foreign checkpoint's torch files are loaded: `torch.load`'s weights-only
+loader, memory-mapped (`load`); DCP `.metadata` and saved objects (`read_dcp_metadata`,
+`dcp_reader`, `dcp_planner`); `torch.save` files of pickled objects read as data
+(`read_torch_save`). What each may build is `allowed`'s; no code a file names ever runs.
+`need_torch` is the one guard for a missing torch."""
 
 from __future__ import annotations
 
-import argparse
 import functools
 import io
 import pickle
 import re
 import sys
+import threading
 import zipfile
-from collections import OrderedDict
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, BinaryIO
 
+from hotjax.checkpoint.formats import allowed
 from hotjax.checkpoint.meta import first_line
 from models.errors import UserError
 from models.paths import inside, shown
-
-__all__ = ["dcp_planner", "dcp_reader", "inside", "read_dcp_metadata", "read_torch_save",
-           "refused_by_torch", "saved_object"]
 
 _CRAFTED = "the file is not a PyTorch checkpoint's, or was crafted; nothing was run"
 # A DCP `.metadata` lists every chunk of every tensor: a few MiB for a 70B model saved by a
@@ -29,44 +30,43 @@ MAX_METADATA_BYTES = 512 * 2**20
 MAX_OBJECT_BYTES = 64 * 2**20
 
 
-def _shown(value: object) -> str:
-    return shown(value, 80)
-
-
 def _named(text: str) -> str:
     """A `module.name` a pickle refers to, as a message shows it."""
-    return text if len(text) <= 80 and text.isprintable() else _shown(text)
+    return text if len(text) <= 80 and text.isprintable() else shown(text, 80)
+
+
+def need_torch(what: str) -> Any:
+    """torch, or a one-line error: `what` ("DeepSpeed checkpoints") need it."""
+    try:
+        import torch
+    except ImportError:
+        raise UserError(f"{what} need torch: pip install 'hotjax[torch]'") from None
+    return torch
+
+
+# torch's `safe_globals` sets and then restores one process-wide list: loads from several threads
+# (an import's writers) would drop each other's classes.
+_LOADING = threading.Lock()
+
+
+def load(file: Path, allow: Sequence[Any], *, what: str, refused: str, unreadable: str) -> Any:
+    """A `torch.save` file, tensors memory-mapped (read when touched), by torch's weights-only
+    loader, which besides tensors and plain containers builds only `allow` (`allowed`'s).
+    `what` names the checkpoints for a missing torch; a refusal is a line ending in `refused`
+    (its `{detail}` what was refused), a damaged file one ending in `unreadable` (its `{error}`
+    the loader's)."""
+    torch = need_torch(what)
+    try:
+        with _LOADING, torch.serialization.safe_globals(list(allow)):
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        raise UserError(f"{file}: torch's weights-only loader refuses it"
+                        + refused.format(detail=refused_by_torch(e))) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise UserError(f"{file}: " + unreadable.format(error=first_line(e))) from None
 
 
 # ---------------------------------------------------------------------------- DCP
-
-@functools.cache
-def _metadata_globals() -> dict[tuple[str, str], Any]:
-    """What a DCP `.metadata` names: torch's record classes, dtypes, sizes and layouts."""
-    import torch
-    from torch.distributed.checkpoint import filesystem, metadata, planner
-
-    found: dict[tuple[str, str], Any] = {}
-    for module, names in (
-            (metadata, ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                        "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                        "StorageMeta", "_MEM_FORMAT_ENCODING")),
-            (filesystem, ("_StorageInfo", "_StoragePrefix")),
-            # Megatron-Core keeps its save's plans there, to save again without planning.
-            (planner, ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
-                       "BytesIOWriteData"))):
-        found.update({(module.__name__, n): getattr(module, n) for n in names
-                      if hasattr(module, n)})
-    found.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
-    found[("torch", "Size")] = torch.Size
-    # How torch pickles a layout: a lookup among torch's layouts by name.
-    found[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    found[("collections", "OrderedDict")] = OrderedDict
-    # A checkpoint id, kept as a path that touches no file system (written on any system).
-    for system, pure in (("Posix", PurePosixPath), ("Windows", PureWindowsPath)):
-        found[("pathlib", f"{system}Path")] = found[("pathlib", f"Pure{system}Path")] = pure
-    return found
-
 
 class _MetadataUnpickler(pickle.Unpickler):
     """A DCP `.metadata` unpickler that builds torch's records and refuses anything else."""
@@ -76,7 +76,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
-        found = _metadata_globals().get((module, name))
+        found = allowed.dcp_metadata().get((module, name))
         if found is None:
             raise UserError(f"{self.where}: refers to {_named(module + '.' + name)}, which a "
                             f"checkpoint's metadata never holds: {_CRAFTED}")
@@ -215,22 +215,6 @@ class _Opaque:
         self.state = state
 
 
-def _latin1(text: object = "", encoding: object = "latin1") -> bytes:
-    """bytes as pickle protocol 2 writes them (`_codecs.encode(text, 'latin1')`)."""
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError(f"bytes of {type(text).__name__} in {_shown(encoding)}")
-    return text.encode("latin1")
-
-
-_PLAIN: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): OrderedDict, ("argparse", "Namespace"): argparse.Namespace,
-    **{("pathlib", f"{s}Path"): p for s, p in (("Posix", PurePosixPath),
-                                               ("Windows", PureWindowsPath))},
-    ("_codecs", "encode"): _latin1, ("builtins", "bytes"): _latin1,
-    ("builtins", "bytearray"): lambda *a: bytearray(_latin1(*a)),
-    **{("builtins", t.__name__): t for t in (set, frozenset, slice, complex)}}
-
-
 class _InertUnpickler(pickle.Unpickler):
     """Megatron's objects hold its own classes (`AttnBackend`, ...), which torch's weights-only
     loader refuses: these become `_Opaque`, and tensors None; only plain data is built. A
@@ -241,7 +225,7 @@ class _InertUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
-        plain = _PLAIN.get((module, name))
+        plain = allowed.PLAIN.get((module, name))
         if plain is not None:
             return plain
         if module.partition(".")[0] in sys.stdlib_module_names:

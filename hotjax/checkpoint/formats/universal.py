@@ -1,9 +1,9 @@
 """hotjax checkpoints written as Universal Checkpointing's universal directories, which DeepSpeed
 resumes with `"checkpoint": {"load_universal": true}` and `engine.load_checkpoint(dir)` under any
 ZeRO stage and data-parallel size, fp32 weights, optimizer state and step included (an export
-of a `torch_state.ExportSource`).
+of a `pivot.ExportSource`).
 
-The layout is `ds_to_universal`'s (`checkpoint.deepspeed` reads it): `latest_universal` naming
+The layout is `ds_to_universal`'s (`formats.deepspeed` reads it): `latest_universal` naming
 `global_step{N}`, which holds `zero/{name}/{fp32,step}.pt` and the optimizer's state by torch's
 names (AdamW's `exp_avg.pt`, `exp_avg_sq.pt`) per parameter under Hugging Face names,
 `zero/optimizer_state.pt`, and the model-states files DeepSpeed's loader opens (for ZeRO-1/2 and
@@ -16,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hotjax.checkpoint import dirs, store
-from hotjax.checkpoint.torch_state import ExportSource
-from models.errors import UserError
-from models.hf import hf_tensor_shapes, hf_tensors
+from hotjax.checkpoint.formats import torch_load
+from hotjax.checkpoint.formats.deepspeed import NEEDS_TORCH
+from hotjax.checkpoint.formats.spec import Format
 
 # The DeepSpeed release whose file layout this writes (its loader checks for one).
 FORMAT_VERSION = "0.19.8"
@@ -28,10 +27,11 @@ FORMAT_VERSION = "0.19.8"
 def export_universal(path: str | Path, out: str | Path) -> Path:
     """A universal directory of the hotjax checkpoint at `path`. The optimizer's lr, betas and
     eps go into its param groups; each of DeepSpeed's groups keeps its own weight decay."""
-    try:
-        import torch
-    except ImportError:
-        raise UserError("DeepSpeed checkpoints need torch: pip install 'hotjax[torch]'") from None
+    torch = torch_load.need_torch(NEEDS_TORCH)
+    from hotjax.checkpoint import dirs, store
+    from hotjax.checkpoint.formats.pivot import ExportSource
+    from models.hf import hf_tensor_shapes, hf_tensors
+
     out = dirs.check_new_directory(out)
     source = ExportSource.of(path)
     config, optim, step = source.config, source.optim, source.step or 0
@@ -75,3 +75,8 @@ def export_universal(path: str | Path, out: str | Path) -> Path:
         (scratch / "latest_universal").write_text(tag)
 
     return dirs.write_atomically(out, write)
+
+
+FORMAT = Format(
+    "universal", exports=export_universal, export_help="a checkpoint to a universal directory "
+    "that DeepSpeed resumes (load_universal) under any ZeRO stage and data-parallel size")

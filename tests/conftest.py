@@ -1,8 +1,14 @@
 """Tests run on CPU with 8 simulated devices, compiled for speed of compiling; the longest test
 files start first."""
 
+import contextlib
 import gc
 import os
+import re
+import sys
+import tempfile
+
+import pytest
 
 from hotjax import simulate_cpu_devices
 
@@ -17,12 +23,38 @@ for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitter
     if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+# JAX's CUDA plugin (installed for compiling to GPU targets, which the tests do in this process)
+# logs on a machine without a driver, as JAX loads it and as the backend starts, that it found
+# none: absl's lines from before its log is set up, which no log level hides.
+_CUDA_DRIVER_LINE = re.compile(r"cudart_stub\.cc:\d+\] Could not find cuda drivers|"
+                               r"^WARNING: All log messages before absl::InitializeLog\(\)")
 
-from hotjax.compile_cache import enable_compilation_cache  # noqa: E402
 
-enable_compilation_cache()
+@contextlib.contextmanager
+def _without_cuda_driver_lines():
+    """Whatever the block writes to stderr (file descriptor 2), less the CUDA plugin's lines
+    that there is no driver."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(x for x in lines if not _CUDA_DRIVER_LINE.search(x)))
+
+
+with _without_cuda_driver_lines():
+    import jax
+
+    from hotjax.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()  # starts the backend
 
 
 # The test files that take longest, longest first. pytest-xdist gives each worker whole files

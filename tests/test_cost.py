@@ -15,6 +15,7 @@ from hotjax.planning.cost import (
     BUS_FACTOR,
     bucket_reduction_seconds,
     document_pairs,
+    layer_elementwise_bytes,
     micro_step_memory,
     micro_step_time,
     shares,
@@ -127,13 +128,49 @@ def test_data_parallel_time_is_six_flops_per_weight_and_token_plus_causal_attent
     # the bucket all-reduces the fp32 sums over 8 devices at 450 GB/s once.
     assert time.gradients == time.tensor == time.context == time.fsdp == time.stages == \
         time.bubble == 0
-    assert time.seconds == pytest.approx(time.matmuls + time.attention)
+    assert time.seconds == pytest.approx(time.matmuls + time.attention + time.elementwise)
     assert bucket_reduction_seconds(LLAMA2_7B, Strategy.parse("data=8"), H100) == \
         pytest.approx(2 * 7 / 8 * LLAMA2_7B.num_params() * 4 / (450 * GB))
     # A sharded accumulator instead reduce-scatters the bf16 gradients every micro-step.
     sharded = micro_step_time(LLAMA2_7B, Strategy.parse("data=8"), (8, 4096), H100, "sharded")
     assert sharded.gradients == pytest.approx(7 / 8 * LLAMA2_7B.num_params() * 2 / (450 * GB))
     assert bucket_reduction_seconds(LLAMA2_7B, Strategy.parse("data=8"), H100, "sharded") == 0
+
+
+def test_elementwise_passes_are_priced_on_the_tokens_each_strategy_keeps_on_a_device():
+    """Data parallelism splits the elementwise work with the tokens; Megatron without sequence
+    parallelism repeats the residual stream's norms and adds on every tensor rank, and splits
+    only the widths it splits (MLP, heads, vocabulary); sequence parallelism splits the rest."""
+    config = dataclasses.replace(LLAMA2_7B, remat="dots")  # no saved elementwise results
+    R, T, D, F, V, L = 8, 4096, 4096, 11008, 32000, 32
+    bandwidth = 3015 * GB  # the H100 profile's estimate
+    data, megatron, sp = (micro_step_time(config, Strategy.parse(s), (R, T), H100) for s in (
+        "data=8", "tensor=8,rules=megatron", "tensor=8,rules=megatron-sp"))
+    tokens = R * T / 8  # per device under data parallelism
+    # Under remat "dots" each layer runs its forward twice: 2 x 10 + 14 residual-stream passes,
+    # 2 x 3 + 5 of the MLP's width, 2 x 2 + 2 of q's and of k's (N·H = K·H = D); bf16.
+    layer = 2 * tokens * (34 * D + 11 * F + 6 * D + 6 * D)
+    logits = 4 * 4 * tokens * V  # fp32, written, read, read and written for the gradient
+    accumulator = config.num_params() * (2 * 4 + 2)  # the fp32 sum read and written, bf16 read
+    assert data.elementwise == pytest.approx((L * layer + logits + accumulator) / bandwidth)
+    # Megatron keeps every rank's residual stream whole: 8 times the data shard's passes there.
+    residual = L * 2 * tokens * 34 * D / bandwidth
+    assert megatron.elementwise - sp.elementwise == pytest.approx(7 * residual)
+    # Sequence parallelism splits it as data parallelism does; the accumulator, split over the
+    # tensor ranks (but the norms' weights), is the rest of the difference.
+    split = shares(config, Strategy.parse("tensor=8,rules=megatron-sp"), (R, T)).grad_sum
+    assert sp.elementwise - data.elementwise == pytest.approx(
+        (split * (2 * 4 + 2) - accumulator) / bandwidth)
+    # Without remat the backward reads the elementwise results it saved, written forward, and
+    # the forward runs once.
+    none = micro_step_time(LLAMA2_7B, Strategy.parse("data=8"), (R, T), H100)
+    saved = 2 * tokens * 2 * (4 * D + 4 * F + 2 * D)  # SAVED's arrays past remat dots'
+    once = 2 * tokens * (24 * D + 8 * F + 4 * D + 4 * D)
+    assert none.elementwise - data.elementwise == pytest.approx(
+        L * (saved + once - layer) / bandwidth)
+    # A profile without the bandwidth leaves the work to its fitted matmul rate.
+    unpriced = dataclasses.replace(H100, elementwise_bandwidth=0.0)
+    assert micro_step_time(config, Strategy.parse("data=8"), (R, T), unpriced).elementwise == 0
 
 
 def test_doubling_tensor_ways_halves_compute_and_adds_the_megatron_all_reduces():
@@ -336,8 +373,9 @@ def test_groups_spanning_nodes_take_the_inter_node_bandwidth():
 
 def test_the_pipeline_bubble_is_the_gpipe_share_of_the_stage_work():
     shape = (8, 4096)
+    unpriced = dataclasses.replace(H100, elementwise_bandwidth=0.0)
     times = {m: micro_step_time(LLAMA2_7B, Strategy.parse(
-        f"stage=2,tensor=4,microbatches={m},rules=megatron"), shape, H100) for m in (2, 4)}
+        f"stage=2,tensor=4,microbatches={m},rules=megatron"), shape, unpriced) for m in (2, 4)}
     assert times[2].bubble == pytest.approx(2 * times[4].bubble)
     # The bubble's share of all iterations is models.pipeline.bubble's.
     time = times[4]
@@ -346,6 +384,13 @@ def test_the_pipeline_bubble_is_the_gpipe_share_of_the_stage_work():
     useful = time.matmuls - head + time.attention + time.tensor - head_tensor + time.stages
     share = bubble(2, 4)
     assert time.bubble == pytest.approx(share / (1 - share) * useful)
+    # The stage's elementwise passes (its 16 layers of all 8 rows, a quarter of the heads and MLP
+    # each, the residual stream whole) idle in the bubble too.
+    strategy = Strategy.parse("stage=2,tensor=4,microbatches=4,rules=megatron")
+    priced = micro_step_time(LLAMA2_7B, strategy, shape, H100)
+    layers = 16 * layer_elementwise_bytes(LLAMA2_7B, 8 * 4096, 8 * 4096, (4, 4, 4), 1, 2)
+    assert priced.bubble - time.bubble == pytest.approx(
+        share / (1 - share) * layers / H100.elementwise_bandwidth)
 
 
 def test_a_1f1b_bucket_pays_one_bubble_for_all_its_micro_steps_and_gpipe_one_each():
@@ -385,6 +430,8 @@ def test_shipped_profiles_hold_the_papers_cluster_and_an_h100_node():
     assert (H100.num_devices, H100.peak_flops) == (8, 989e12)
     # A group size not listed takes the nearest listed one.
     assert H100.bandwidth("send", 3, crosses_nodes=False) == 450 * GB
+    # The elementwise bandwidth: an estimate from each device's HBM, stated in the file.
+    assert (A800.elementwise_bandwidth, H100.elementwise_bandwidth) == (1835 * GB, 3015 * GB)
 
 
 DELETE = object()

@@ -31,6 +31,7 @@ def test_measured_profile_has_positive_figures_for_every_collective_and_group(me
     assert positive(measured.peak_flops) and measured.memory_bytes > 0
     assert 0 < measured.matmul_efficiency <= 1 and 0 < measured.attention_efficiency <= 1
     assert measured.step_overhead >= 0 and positive(measured.collective_latency)
+    assert positive(measured.elementwise_bandwidth)
     assert positive(measured.intra_node_bandwidth) and positive(measured.inter_node_bandwidth)
     assert [name for name, _ in measured.collectives] == list(COLLECTIVES)
     for _, bandwidths in measured.collectives:
@@ -65,3 +66,23 @@ def test_fit_recovers_the_matmul_rate_and_the_overhead_of_every_micro_step(measu
                                  strategy, shapes, seconds)
     assert rate == pytest.approx(0.3 * measured.peak_flops, rel=1e-9)
     assert overhead == pytest.approx(0.05, rel=1e-9)
+
+
+def test_a_measured_profile_prices_the_elementwise_work_apart_from_the_matmuls(measured):
+    """The measured elementwise bandwidth prices a micro-step's norms, residual adds, SwiGLU and
+    loss as bytes over it (the profile's TOML carries it); the fit leaves it out of the matmul
+    rate: the same step times fit a slower matmul rate where the elementwise work is not
+    priced."""
+    model = reference_model("tiny")
+    strategy = Strategy.parse("data=8,rules=dp")
+    shape = (8, 128)
+    time = micro_step_time(model, strategy, shape, measured)
+    assert positive(time.elementwise)
+    assert "elementwise_gbps" in tomllib.loads(profile_toml(measured))["device"]
+    shapes = [shape, (8 * FIT_ROWS, 128)]
+    seconds = [micro_step_time(model, strategy, s, measured).seconds for s in shapes]
+    rate, _ = fitted_step(measured, model, strategy, shapes, seconds)
+    unpriced, _ = fitted_step(dataclasses.replace(measured, elementwise_bandwidth=0.0), model,
+                              strategy, shapes, seconds)
+    assert rate == pytest.approx(measured.matmul.flat * measured.peak_flops, rel=1e-6)
+    assert unpriced < rate

@@ -28,6 +28,16 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   plus factor·bytes / bus bandwidth, with factor 2(n-1)/n for all-reduce, (n-1)/n for
   all-gather and reduce-scatter, 1 for a send (nccl-tests' bus-bandwidth convention); the
   bandwidth is the profile's for that collective, group size, and whether the group spans nodes.
+- Elementwise work (the norms, residual adds, rotary embedding, SwiGLU's activation, the
+  loss's softmax over the vocabulary, the gradient accumulator's add): memory-bound, priced as
+  the bytes its passes move (`ELEMENTWISE`: each array of a width read or written once between
+  the kernels that fuse them) over the profile's elementwise bandwidth. Each width is priced on
+  the tokens that carry it on a device: the residual stream's on `Shares.tokens`, so that
+  Megatron without sequence parallelism repeats its norms and residual adds on every tensor
+  rank (whole) while sequence parallelism, data, context and FSDP split them; the MLP's, the
+  heads' and the vocabulary's on the inner tokens, split by the tensor ways of their width. A
+  recomputed forward (remat) repeats the forward passes. Without the profile's bandwidth
+  (`elementwise_gbps`) the term is 0, and a fitted matmul rate carries that work instead.
 - Each micro-step also costs the profile's fixed overhead (dispatch, small ops, waits).
 - Tensor parallelism (Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053, §3): per layer two
   all-reduces of the [rows, T, D] activations forward and two backward, plus one at the
@@ -129,8 +139,8 @@ from sharding.transfers import TransferSchedule, boxes_from_strategy
 # measured again (`hotjax.planning.measure.profile_path`). 2: one gradient reduction per bucket,
 # pipelines without whole-stage recompute, the LM head shared by stage groups. 3: 1F1B's one
 # schedule per bucket, the embedding inside it. 4: the matmul rate fitted on micro-steps of
-# trained size.
-COST_MODEL_VERSION = 4
+# trained size. 5: the elementwise passes priced apart from the matmul rate.
+COST_MODEL_VERSION = 5
 FP32, INT32 = 4, 4
 BATCH_ARRAYS = 4  # tokens, segment ids, positions, targets
 # Of each collective's tensor, the bytes moved per device over a group of n (the bus-bandwidth
@@ -160,6 +170,28 @@ SERIAL_RING = frozenset({"cpu"})
 # Per token of one layer, the arrays of each width kept for the backward pass, by remat policy:
 # (residual stream D, MLP hidden F, query-wide N·H, K/V-wide K·H).
 SAVED = {"none": (6, 6, 3, 2), "dots": (2, 2, 1, 2), "full": (1, 0, 0, 0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Passes:
+    """Elementwise passes per token of one layer, by width (residual stream D, MLP hidden F,
+    query-wide N·H, K/V-wide K·H): arrays of that width read or written once each."""
+
+    forward: tuple[int, int, int, int]
+    backward: tuple[int, int, int, int]
+    logits: int  # per token at the head, fp32 vocabulary-wide
+    accumulator: int  # per gradient element a micro-step: the fp32 sum read and written
+
+
+# Counted by the kernels XLA fuses between a layer's matmuls. Forward: two norms (x read, h
+# written: 2 D each), two residual adds (two read, one written: 3 D each), the rotary embedding
+# of q and k (2 each), SwiGLU (gate and up read, hidden written: 3 F). Backward: each norm's
+# gradient reads x and its output's gradient and adds into the stream's (4 D), each residual
+# add's gradient passes the stream's on (3 D), SwiGLU's reads gate, up and the hidden gradient
+# and writes two (5 F), the rotary's is its forward's. The loss: the fp32 logits written, read
+# by the log-sum-exp, read and written again for their gradient. The accumulator: its fp32 sum
+# read and written (the gradient's compute-dtype read counted beside it).
+ELEMENTWISE = Passes(forward=(10, 3, 2, 2), backward=(14, 5, 2, 2), logits=4, accumulator=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,6 +429,11 @@ def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int,
         gradients=round(gradients), activations=round(activations), working=round(working))
 
 
+# The terms a micro-step's seconds sum (`MicroStepTime`'s fields of those names).
+TERMS = ("matmuls", "attention", "tensor", "context", "elementwise", "fsdp", "gradients",
+         "stages", "bubble", "overhead")
+
+
 @dataclasses.dataclass(frozen=True)
 class MicroStepTime:
     """Seconds of one micro-step, per term; `seconds` is their sum (overlap already taken)."""
@@ -409,6 +446,7 @@ class MicroStepTime:
     gradients: float  # gradient reduce-scatter / all-reduce
     stages: float  # pipeline stage transfers
     bubble: float
+    elementwise: float = 0.0  # norms, residuals, rotary, SwiGLU, the loss, the accumulator
     ring: float = 0.0  # all the ring's K/V traffic, of which `context` is exposed (not summed)
     ring_overlaps: bool = True  # the ring's sends run beside attention (`SERIAL_RING`)
     overhead: float = 0.0  # what every micro-step costs whatever its size (the profile's)
@@ -419,17 +457,19 @@ class MicroStepTime:
     def seconds(self) -> float:
         return self._seconds(self.attention, self.context)
 
+    @functools.cached_property
+    def _fixed(self) -> float:
+        """The terms but attention and the exposed ring, which an attention share changes."""
+        return sum(getattr(self, k) for k in TERMS if k not in ("attention", "context"))
+
     def _seconds(self, attention: float, context: float) -> float:
-        """The terms' sum, in `terms`' order, with `attention` and exposed ring `context` in
-        place of the micro-step's own (the planner sums millions: no copies)."""
-        return (self.matmuls + attention + self.tensor + context + self.fsdp + self.gradients
-                + self.stages + self.bubble + self.overhead)
+        """The terms' sum with `attention` and exposed ring `context` in place of the
+        micro-step's own (the planner sums millions: no copies)."""
+        return self._fixed + attention + context
 
     def terms(self) -> dict[str, float]:
         """The seconds that add up to `seconds`, by name (`ring` and `one_schedule` are not)."""
-        return {k: getattr(self, k) for k in ("matmuls", "attention", "tensor", "context",
-                                              "fsdp", "gradients", "stages", "bubble",
-                                              "overhead")}
+        return {k: getattr(self, k) for k in TERMS}
 
     def bucket_seconds(self, shares: Sequence[float]) -> float:
         """A bucket's micro-steps, one per entry of `shares` (the busiest device's attention
@@ -465,6 +505,7 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     S, M = s.stages, s.microbatches
     staged = S > 1 and config.remat == "full"  # a pipeline recomputing whole stages
     forwards = 1 + (config.remat == "full") + staged  # of each layer's matmuls
+    # Of attention and the elementwise passes: remat "dots" saves only the matmuls' outputs.
     attention_forwards = 1 + (config.remat != "none") + staged
 
     def gemms(widths: Iterable[tuple[float, float]]) -> float:
@@ -533,13 +574,42 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     stage_send = collective("send", s.tokens / M * D * wire, ("stage",))
     head_sends = 2 * (config.pipeline_schedule == "1f1b")  # to the head's groups and back
     stages = (forwards + 1 + head_sends) * M * stage_send if S > 1 else 0.0
-    per_iteration = (layer_matmuls + attention + layer_tensor + stages) / M
+
+    rate = profile.elementwise_bandwidth
+    held = HELD_BYTES.get(profile.platform, compute)
+    layer_elementwise = s.layers * layer_elementwise_bytes(
+        config, s.tokens, s.inner_tokens, (s.head_ways, s.kv_ways, s.mlp_ways),
+        attention_forwards, held) / rate if rate else 0.0
+    accumulated = s.grad_sum / (_size(fitted, s.partial_axes) if accumulate == "sharded" else 1)
+    other_elementwise = (ELEMENTWISE.logits * FP32 * s.inner_tokens * V / s.vocab_ways
+                         / _head_share(s, config.pipeline_schedule)
+                         + accumulated * (ELEMENTWISE.accumulator * FP32 + compute)
+                         ) / rate if rate else 0.0
+    per_iteration = (layer_matmuls + attention + layer_tensor + stages + layer_elementwise) / M
     return MicroStepTime(
         matmuls=layer_matmuls + head_matmuls, attention=attention, tensor=tensor,
         context=_exposed(ring, attention, overlaps), fsdp=fsdp, gradients=gradients,
-        stages=stages, bubble=(S - 1) * per_iteration if S > 1 else 0.0, ring=ring,
-        ring_overlaps=overlaps,
+        stages=stages, bubble=(S - 1) * per_iteration if S > 1 else 0.0,
+        elementwise=layer_elementwise + other_elementwise, ring=ring, ring_overlaps=overlaps,
         overhead=profile.step_overhead, one_schedule=S > 1 and config.pipeline_schedule == "1f1b")
+
+
+def layer_elementwise_bytes(config: LlamaConfig, tokens: float, inner_tokens: float,
+                            ways: tuple[int, int, int], forwards: int, itemsize: int) -> float:
+    """Bytes one layer's elementwise passes (`ELEMENTWISE`) move on a device that holds
+    `tokens` of the residual stream and `inner_tokens` inside attention and the MLP, its query
+    heads, K/V heads and MLP split `ways`, its forward run `forwards` times, in arrays of
+    `itemsize` bytes per element."""
+    head_ways, kv_ways, mlp_ways = ways
+    elements = (tokens * config.dim, inner_tokens * config.ffn_dim / mlp_ways,
+                inner_tokens * config.n_heads * config.head_dim / head_ways,
+                inner_tokens * config.n_kv_heads * config.head_dim / kv_ways)
+    # Without remat the backward reads the elementwise results it saved, beyond the matmuls'
+    # outputs (`SAVED`'s arrays past remat "dots"'): each written forward and read backward.
+    saved = [2 * max(0, kept - dots) for kept, dots in zip(SAVED[config.remat], SAVED["dots"],
+                                                           strict=True)]
+    return itemsize * sum((forwards * f + b + s) * n for f, b, s, n in zip(
+        ELEMENTWISE.forward, ELEMENTWISE.backward, saved, elements, strict=True))
 
 
 def bucket_reduction_seconds(config: LlamaConfig, strategy: Strategy, profile: Profile,

@@ -8,8 +8,8 @@ node and across nodes (a node is one process: its devices share a host, or an NV
   the matmul rate is chosen at which `hotjax.planning.cost.micro_step_time` gives the difference of
   the two times, and what the smaller step takes beyond its priced work is the overhead every
   micro-step pays (dispatch, small ops, processes waiting for each other). The cost model
-  prices matmuls, attention and collectives and nothing else, so what the step also does in
-  proportion to its tokens (norms, the loss, the accumulator, XLA's copies) is folded into the
+  prices matmuls, attention, elementwise passes and collectives and nothing else, so what the
+  step also does in proportion to its tokens beyond those (XLA's copies) is folded into the
   matmul rate. Fitted on one step, the overhead would be too: on two pinned processes (tens of
   milliseconds a step) that made the `tiny` model's matmuls look 20 times slower than they are.
   The two micro-batches hold as many tokens per process as trained micro-steps do (on CPU
@@ -22,6 +22,11 @@ node and across nodes (a node is one process: its devices share a host, or an NV
   its heads (on CPU the rate per pair hardly depends on the head width: with the `tiny` model's
   8-wide heads, rows timed with 32-wide ones made attention look 3 times faster than it runs),
   counting its work as the cost model does, over the peak.
+- Elementwise bandwidth: the model's own elementwise work of one layer (its two norms, two
+  residual adds, the rotary embedding of q and k, SwiGLU's activation), forward and backward,
+  each op a kernel of its own as the matmuls between them make it in a step, over a micro-step's
+  tokens per device; the bytes `hotjax.planning.cost.ELEMENTWISE` counts for it over its time.
+  Measured before the matmul rate is fitted, so that the rate no longer carries this work.
 - Collectives: all-reduce, all-gather, reduce-scatter and a ring `ppermute` (send) on groups of
   2, 4, ... devices, every group at once; bus bandwidth as nccl-tests and
   `hotjax.planning.cost` count it, after the latency: what each of a chain of `CHAIN` small
@@ -57,12 +62,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hotjax import distributed
 from hotjax.config import cache_root
 from hotjax.data import Batch
-from hotjax.planning.cost import BUS_FACTOR, COST_MODEL_VERSION, micro_step_time, visible_pairs
+from hotjax.planning.cost import (
+    BUS_FACTOR,
+    COST_MODEL_VERSION,
+    HELD_BYTES,
+    layer_elementwise_bytes,
+    micro_step_time,
+    visible_pairs,
+)
 from hotjax.planning.profile import COLLECTIVES, GIGA, TERA, GiB, Profile, parse_profile
 from hotjax.step import bucket_step, micro_step_inputs
 from models.attention import DEFAULT_BLOCK, AttentionSharding, attention
 from models.errors import UserError
-from models.llama import LlamaConfig, as_trained, init_params, preset
+from models.llama import LlamaConfig, as_trained, init_params, preset, rope_tables
+from models.llama import _rms_norm as rms_norm  # the model's own ops, timed alone
+from models.llama import _rotate as rotate
 from sharding.strategy import Strategy, canonical_devices
 
 SIGNIFICANT = 4  # digits kept of each measured figure: the repeats scatter more than that
@@ -145,13 +159,17 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     # Attention is timed on its own: interleaved with the larger step (8,192 tokens per device
     # on CPU) the kernel ran 2.3 times slower on two pinned processes than it runs in training
     # steps, and the fit below prices the steps' attention at its rate.
-    matmul_s, attention_s = timed_in_rounds(
+    elementwise_tokens = step_rows * work.step[1]
+    matmul_s, attention_s, elementwise_s = timed_in_rounds(
         [matmul_runner(devices, dtype, work.matmul),
-         attention_runner(devices, dtype, attention_shape)], work.repeats)
+         attention_runner(devices, dtype, attention_shape),
+         elementwise_runner(devices, model, elementwise_tokens)], work.repeats)
     steps_s = timed_in_rounds([r.run for r in references], work.repeats)
     tokens, width, out = work.matmul
     figures = {"matmul": 2 * tokens * width * out / matmul_s,
                "attention": attention_flops(attention_shape, platform) / attention_s,
+               "elementwise": elementwise_bytes(model, elementwise_tokens, platform)
+               / elementwise_s,
                "memory": device_memory_bytes(devices)}
     announce(f"latency: {CHAIN} all-reduces of {LATENCY_BYTES} bytes in a row")
     latency = collective_latency(devices, work.repeats)
@@ -194,6 +212,7 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
             # What the allocator hands a process, measured: no further fraction of it.
             "device": {"peak_tflops": _rounded(peak / TERA),
                        "memory_gib": _rounded(figures["memory"] / GiB), "allocator_fraction": 1,
+                       "elementwise_gbps": _rounded(figures["elementwise"] / GIGA),
                        **_if_positive("step_overhead_ms", overhead * 1e3)},
             "efficiency": {"matmul": _rounded(matmul_flops / peak),
                            "attention": _rounded(figures["attention"] / peak)},
@@ -332,6 +351,45 @@ def attention_flops(shape: tuple[int, int, int, int, int], platform: str) -> flo
     return 3.5 * 4 * head_dim * heads * rows * visible_pairs(tokens, 1, False, block)
 
 
+def elementwise_runner(devices: Sequence[jax.Device], config: LlamaConfig,
+                       tokens: int) -> Callable[[], None]:
+    """One layer's elementwise work (`elementwise_bytes`), forward and backward, on `tokens`
+    per device in `config`'s widths and compute dtype, every device at once: each op behind an
+    optimization barrier, as the matmuls between them are in a step (XLA would fuse the lot)."""
+    count, D, F, H = len(devices), config.dim, config.ffn_dim, config.head_dim
+    split = NamedSharding(Mesh(np.asarray(devices, dtype=object), ("devices",)),
+                          PartitionSpec("devices"))
+    T = count * tokens
+    x, gate, up, q, k, cotangent = _filled(
+        ((T, D), (T, F), (T, F), (T, config.n_heads, H), (T, config.n_kv_heads, H), (T, D)),
+        config.dtype, split)
+    cos, sin = rope_tables(config, jnp.arange(T, dtype=jnp.int32)[None] % 4096)
+    cos, sin = jax.device_put((cos[0], sin[0]), split)
+    norm = jnp.ones((D,), config.dtype)
+    barrier = jax.lax.optimization_barrier
+
+    def loss(x, gate, up, q, k, cos, sin):
+        h = barrier(rms_norm(x, norm, config.norm_eps))
+        q, k = barrier(rotate(q[None], cos[None], sin[None])), barrier(
+            rotate(k[None], cos[None], sin[None]))
+        x = barrier(x + h)
+        h = barrier(rms_norm(x, norm, config.norm_eps))
+        hidden = barrier(jax.nn.silu(gate) * up)
+        x = barrier(x + h)
+        return sum(jnp.sum(a.astype(jnp.float32)) for a in (x * cotangent, hidden, q, k))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    return lambda: jax.block_until_ready(grads(x, gate, up, q, k, cos, sin))
+
+
+def elementwise_bytes(config: LlamaConfig, tokens: int, platform: str) -> float:
+    """The bytes `elementwise_runner` moves per device as `hotjax.planning.cost` counts them
+    (a layer's passes, run forward once, without remat's saved results)."""
+    held = HELD_BYTES.get(platform, config.dtype.itemsize)
+    return layer_elementwise_bytes(dataclasses.replace(config, remat="dots"), tokens, tokens,
+                                   (1, 1, 1), 1, held)
+
+
 def collective_latency(devices: Sequence[jax.Device], repeats: int) -> float:
     """Seconds each of `CHAIN` dependent all-reduces of `LATENCY_BYTES` over all `devices`
     takes, in one program (a step's collectives come in a row, between other work)."""
@@ -406,7 +464,9 @@ def profile_toml(profile: Profile) -> str:
              f"allocator_fraction = {_in_units(profile.memory_bytes / device_bytes, 1)}"
              "  # of memory_gib, what the allocator hands a process",
              *([f"step_overhead_ms = {_in_units(profile.step_overhead, 1e-3)}"]
-               if profile.step_overhead else []), "",
+               if profile.step_overhead else []),
+             *([f"elementwise_gbps = {_in_units(profile.elementwise_bandwidth, GIGA)}"]
+               if profile.elementwise_bandwidth else []), "",
              "[efficiency]", f"matmul = {_in_units(profile.matmul_efficiency, 1)}",
              f"attention = {_in_units(profile.attention_efficiency, 1)}",
              *([f"matmul_by_size = {table(profile.matmul_by_size, 1)}"] if profile.matmul_by_size

@@ -4,9 +4,10 @@ A profile gives each device's peak matmul rate and memory, how devices group int
 share of peak the kernels reach (`efficiency`, the matmuls' optionally by GEMM size), and the bus
 bandwidth of each collective by group size, inside one node and across nodes; optionally what a
 micro-step costs whatever its size (`[device] step_overhead_ms`) and each collective besides its
-bytes (`[links] latency_us`), which show where steps are short. Measured values are written into
-the same format, so a calibrated profile is a file like the shipped ones
-(`hotjax/planning/profiles/*.toml`).
+bytes (`[links] latency_us`), which show where steps are short; and the bandwidth of the
+memory-bound elementwise work (`[device] elementwise_gbps`: norms, residual adds, the loss).
+Measured values are written into the same format, so a calibrated profile is a file like the
+shipped ones (`hotjax/planning/profiles/*.toml`).
 
 On GPU a plan fills what JAX's allocator hands out, not the device's memory: JAX preallocates
 75 % of it unless told otherwise, and hotjax tells it `ALLOCATOR_FRACTION`
@@ -129,6 +130,9 @@ class Profile:
     # micro-steps are long beside them.
     step_overhead: float = 0.0  # seconds every micro-step costs whatever its size
     collective_latency: float = 0.0  # seconds every collective costs besides its bytes
+    # Bytes/s the model's elementwise passes move (`hotjax.planning.cost.ELEMENTWISE`); 0: not
+    # priced apart (a fitted matmul rate carries that work).
+    elementwise_bandwidth: float = 0.0
 
     @property
     def matmul(self) -> MatmulEfficiency:
@@ -171,7 +175,7 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
     """A profile from its TOML form, validated: every field present, every number positive."""
     _known(data, _TOP_KEYS, source)
     device = _table(data, "device", source, ("peak_tflops", "memory_gib"),
-                    ("allocator_fraction", "step_overhead_ms"))
+                    ("allocator_fraction", "step_overhead_ms", "elementwise_gbps"))
     efficiency = _table(data, "efficiency", source, ("matmul", "attention"),
                         ("matmul_by_size",))
     links = _table(data, "links", source, ("intra_node_gbps", "inter_node_gbps"),
@@ -206,7 +210,8 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
         inter_node_bandwidth=links["inter_node_gbps"] * GIGA,
         collectives=tuple((name, _bandwidths(collectives, name, source)) for name in COLLECTIVES),
         source=source, step_overhead=device.get("step_overhead_ms", 0.0) * 1e-3,
-        collective_latency=links.get("latency_us", 0.0) * 1e-6)
+        collective_latency=links.get("latency_us", 0.0) * 1e-6,
+        elementwise_bandwidth=device.get("elementwise_gbps", 0.0) * GIGA)
 
 
 def _bandwidths(collectives: Mapping[str, Any], name: str, source: str) -> Bandwidths:

@@ -44,6 +44,7 @@ from hotjax.data import Batch
 from hotjax.optim import OptimConfig, loss_scale, make_optimizer, skipped_steps
 from models.attention import choose_backend
 from models.errors import UserError
+from models.head_loss import NO_TARGET
 from models.llama import (
     LlamaConfig,
     Params,
@@ -65,7 +66,6 @@ from sharding.strategy import (
 )
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "targets")
-NO_TARGET = -1
 SCALE = jax.ShapeDtypeStruct((), jnp.float32)
 
 
@@ -102,19 +102,6 @@ def next_token_targets(tokens_BxT: np.ndarray, segment_ids_BxT: np.ndarray) -> n
     continues_BxT1 = (next_segment_BxT1 == segment_ids_BxT[:, :-1]) & (next_segment_BxT1 > 0)
     targets_BxT[:, :-1] = np.where(continues_BxT1, tokens_BxT[:, 1:], NO_TARGET)
     return targets_BxT
-
-
-def token_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Summed cross-entropy over positions with a target, and their number."""
-    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
-    # A one-hot contraction rather than a gather: with the vocabulary split over `tensor` each
-    # rank reduces its own slice, so full logits are never gathered (vocab-parallel CE). The
-    # one-hot of NO_TARGET is all zeros, and those positions are masked out below.
-    target_BxTxV = jax.nn.one_hot(targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32)
-    target_logit_BxT = jnp.sum(logits_BxTxV * target_BxTxV, axis=-1)
-    nll_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1) - target_logit_BxT
-    valid_BxT = targets_BxT != NO_TARGET
-    return jnp.sum(jnp.where(valid_BxT, nll_BxT, 0.0)), jnp.sum(valid_BxT)
 
 
 def balanced_order(seq_len: int, ways: int) -> np.ndarray:
@@ -394,7 +381,7 @@ def _micro_step(params: Params, acc: Accumulator, batch: dict[str, jax.Array],
 
     def shard_gradients(params: Params, rows: dict[str, jax.Array]
                         ) -> tuple[Params, tuple[jax.Array, jax.Array]]:
-        return loss_and_gradients(config, params, rows, layout, token_loss, scale / slots,
+        return loss_and_gradients(config, params, rows, layout, scale / slots,
                                   chain, filled)
 
     if partial:

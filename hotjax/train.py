@@ -40,7 +40,6 @@ from hotjax.step import (
     bucket_step,
     home,
     micro_step_inputs,
-    token_loss,
 )
 from models.errors import UserError
 from models.llama import LlamaConfig, abstract_params, bind, param_axes
@@ -340,9 +339,10 @@ class Trainer:
             layout, config = bucket.layout, bucket.config
 
             def loss(params, batch):
-                logits = bind(config, params)(batch["tokens"], batch["segment_ids"],
-                                              batch["positions"], layout)
-                return token_loss(logits, batch["targets"])
+                # The training step's fused head and loss, forward only: chunked logits.
+                return bind(config, params).loss(batch["tokens"], batch["segment_ids"],
+                                                 batch["positions"], batch["targets"], 1.0,
+                                                 layout)
 
             self._forwards[key] = jax.jit(loss, in_shardings=(
                 bucket.param_shardings, {k: layout.batch_sharding for k in BATCH_KEYS}))

@@ -20,6 +20,7 @@ from flax import nnx
 from models.attention import AttentionSharding, accumulating, attention
 from models.bounds import check_model
 from models.errors import UserError
+from models.head_loss import head_loss
 from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 from models.pipeline import SCHEDULES, filled_microbatches, gpipe, one_f_one_b
 
@@ -33,8 +34,6 @@ ACTIVATION_AXES = ("batch", "seq", "inner_seq", "embed", "heads", "kv_heads", "h
                    "vocab", "attn_heads", "attn_kv_heads",
                    "stages")  # stages: a pipeline's stage buffer, always on `stage`
 Constrain = Callable[[Array, tuple[str | None, ...]], Array]
-# (logits [B, T, V], targets [B, T]) -> (loss sum, target count)
-Loss = Callable[[Array, Array], tuple[Array, Array]]
 
 
 class Placement(Protocol):
@@ -239,6 +238,25 @@ class Llama(nnx.Module):
     ) -> Array:
         """Logits [B, T, V] in fp32. Tokens attend only within their segment (document);
         `placement` lays the activations out (None: one device, or XLA's choice)."""
+        x_BxTxD, head_DxV, on_rows = self._trunk(tokens_BxT, segment_ids_BxT, positions_BxT,
+                                                 placement)
+        return final_logits(self.config, self.final_norm[...], head_DxV, x_BxTxD, on_rows)
+
+    def loss(self, tokens_BxT: Array, segment_ids_BxT: Array, positions_BxT: Array,
+             targets_BxT: Array, seed: Array, placement: Placement | None = None
+             ) -> tuple[Array, Array]:
+        """The summed cross-entropy against `targets` and the target count, the head and the
+        loss fused (`models.head_loss`): gradients are those of `seed` x the sum."""
+        x_BxTxD, head_DxV, on_rows = self._trunk(tokens_BxT, segment_ids_BxT, positions_BxT,
+                                                 placement)
+        return final_loss(self.config, self.final_norm[...], head_DxV, x_BxTxD, targets_BxT,
+                          seed, on_rows)
+
+    def _trunk(self, tokens_BxT: Array, segment_ids_BxT: Array | None,
+               positions_BxT: Array | None, placement: Placement | None
+               ) -> tuple[Array, Array, Constrain]:
+        """The residual stream after the last layer, the LM head in its compute layout, and
+        the layout the work after the layers takes."""
         cfg = self.config
         B, T = tokens_BxT.shape
         constrain = _no_constraint if placement is None else placement.constrain
@@ -265,7 +283,7 @@ class Llama(nnx.Module):
             on_rows = placement.across_stages
         head_DxV = head_weights(cfg, embed_VxD if cfg.tie_embeddings else self.lm_head[...],
                                 constrain)
-        return final_logits(cfg, self.final_norm[...], head_DxV, x_BxTxD, on_rows)
+        return x_BxTxD, head_DxV, on_rows
 
 
 def compute_embedding(cfg: LlamaConfig, embed_VxD: Array,
@@ -291,12 +309,29 @@ def head_weights(cfg: LlamaConfig, weights: Array, constrain: Constrain = _no_co
 def final_logits(cfg: LlamaConfig, final_norm_D: Array, head_DxV: Array, x_BxTxD: Array,
                  on_rows: Constrain = _no_constraint) -> Array:
     """The final norm and the LM head, laid out by `on_rows`: fp32 logits [B, T, V]."""
+    x_BxTxD, head_DxV = _head_inputs(cfg, final_norm_D, head_DxV, x_BxTxD, on_rows)
+    logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV,
+                              preferred_element_type=jnp.float32)
+    return on_rows(logits_BxTxV, ("batch", "inner_seq", "vocab"))
+
+
+def final_loss(cfg: LlamaConfig, final_norm_D: Array, head_DxV: Array, x_BxTxD: Array,
+               targets_BxT: Array, seed: Array, on_rows: Constrain = _no_constraint
+               ) -> tuple[Array, Array]:
+    """The final norm, the LM head and the cross-entropy fused (`models.head_loss`): the loss
+    sum against `targets` and the target count, gradients those of `seed` x the sum."""
+    x_BxTxD, head_DxV = _head_inputs(cfg, final_norm_D, head_DxV, x_BxTxD, on_rows)
+    return head_loss(x_BxTxD, head_DxV, targets_BxT, seed, on_rows)
+
+
+def _head_inputs(cfg: LlamaConfig, final_norm_D: Array, head_DxV: Array, x_BxTxD: Array,
+                 on_rows: Constrain) -> tuple[Array, Array]:
+    """The final norm's output and the head, laid out and in the dtype the head's matmul
+    takes."""
     x_BxTxD = on_rows(x_BxTxD, ("batch", "seq", "embed"))
     x_BxTxD = _rms_norm(x_BxTxD, final_norm_D.astype(cfg.dtype), cfg.norm_eps)
     wide = accumulating(cfg.dtype)
-    logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD.astype(wide), head_DxV.astype(wide),
-                              preferred_element_type=jnp.float32)
-    return on_rows(logits_BxTxV, ("batch", "inner_seq", "vocab"))
+    return x_BxTxD.astype(wide), head_DxV.astype(wide)
 
 
 def _block(cfg: LlamaConfig, placement: Placement | None, packed: bool) -> Callable:
@@ -462,7 +497,7 @@ def bind(config: LlamaConfig, params: Params) -> Llama:
 
 
 def loss_and_gradients(config: LlamaConfig, params: Params, rows: dict[str, Array],
-                       placement: Placement | None, loss: Loss, seed: Array, chain: int = 1,
+                       placement: Placement | None, seed: Array, chain: int = 1,
                        filled: Array | None = None) -> tuple[Params, tuple[Array, Array]]:
     """The loss sum and target count of `rows` (`tokens`, `segment_ids`, `positions`,
     `targets`) and the gradients of `seed` times the loss sum: by autodiff of the model, or
@@ -473,9 +508,9 @@ def loss_and_gradients(config: LlamaConfig, params: Params, rows: dict[str, Arra
     pipeline = None if placement is None else placement.pipeline
     if pipeline is None or config.pipeline_schedule == "gpipe":
         def scaled(params: Params) -> tuple[Array, tuple[Array, Array]]:
-            logits_BxTxV = bind(config, params)(rows["tokens"], rows["segment_ids"],
-                                                rows["positions"], placement)
-            total, count = loss(logits_BxTxV, rows["targets"])
+            total, count = bind(config, params).loss(
+                rows["tokens"], rows["segment_ids"], rows["positions"], rows["targets"], seed,
+                placement)
             return total * seed, (total, count)
 
         (_, sums), grads = jax.value_and_grad(scaled, has_aux=True)(params)
@@ -491,8 +526,8 @@ def loss_and_gradients(config: LlamaConfig, params: Params, rows: dict[str, Arra
 
     def head(p: Params, x_BxTxD: Array, targets_BxT: Array) -> tuple[Array, Array]:
         head_DxV = head_weights(cfg, p["head"], constrain)
-        return loss(final_logits(cfg, p["final_norm"], head_DxV, x_BxTxD,
-                                 placement.across_stages), targets_BxT)
+        return final_loss(cfg, p["final_norm"], head_DxV, x_BxTxD, targets_BxT, seed,
+                          placement.across_stages)
 
     def block_rows(r: dict[str, Array]) -> tuple[Array, ...]:
         return (r["segment_ids"], r["positions"], *rope_tables(cfg, r["positions"]))

@@ -114,7 +114,8 @@ def bench_one(config: LlamaConfig, optim: OptimConfig, strategy: Strategy, batch
     # Rows per micro-step, padded to split evenly (all rows by default).
     micro_rows = -(-(micro_rows or rows) // shards) * shards
     micro_steps = -(-rows // micro_rows)
-    table = StrategyTable((Bucket(seq_len, strategy, micro_rows),), str(strategy))
+    # The config's remat policy named in the table: the trainer takes a bucket's from there.
+    table = StrategyTable((Bucket(seq_len, strategy, micro_rows, config.remat),), str(strategy))
     trainer = Trainer(config, optim, table, devices)
     misses_before = len(cache_misses)
     started = time.perf_counter()

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from hotjax.optim import OptimConfig
-from hotjax.step import BucketStep, balanced_order, next_token_targets, step_memory, token_loss
+from hotjax.step import BucketStep, balanced_order, next_token_targets, step_memory
+from models.head_loss import token_loss
 from hotjax.train import Trainer
 from models.attention import (
     Tokens,

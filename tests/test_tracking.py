@@ -75,7 +75,8 @@ def test_evaluations_are_the_held_out_loss_of_the_weights_by_the_python_api(trai
 
     from hotjax.data.held_out import take
     from hotjax.run import Run
-    from hotjax.step import next_token_targets, token_loss
+    from hotjax.step import next_token_targets
+    from models.head_loss import token_loss
     from models.llama import bind
 
     evaluated = [r for r in trained.records if "eval_loss" in r]

@@ -12,7 +12,8 @@ import pytest
 
 from hotjax.data import Batch, ByteTokenizer, MiniBatch, MiniBatches, open_corpus
 from hotjax.optim import OptimConfig
-from hotjax.step import NO_TARGET, micro_step_inputs, next_token_targets, token_loss
+from hotjax.step import micro_step_inputs, next_token_targets
+from models.head_loss import NO_TARGET, token_loss
 from hotjax.train import Trainer
 from models.errors import UserError
 from models.llama import PRESETS

@@ -11,22 +11,30 @@ documents whatever its bucket lengths or packing).
   hot  the table: each length bucket under its own strategy, hot-switched between;
   auto `--strategies auto`: the table the cost model plans for these documents on this
        machine's profile, measured in the same run on the benchmark's model;
-  a    the best single strategy (of the `--candidates` that fit the budget, the most real
-       tokens/s on the first mini-batch, per CPU second on simulated devices), one bucket at
-       the context, documents packed first-fit-decreasing with document masking, its rows
-       placed on data shards by estimated work (`hotjax.balance`);
+  a    the best static strategy: of the candidates that fit the budget (default: every
+       strategy the planner knows over the devices, `candidate_strategies`), the most real
+       tokens/s measured on the first mini-batch (per CPU second on simulated devices), one
+       bucket at the context, documents packed first-fit-decreasing with document masking,
+       its rows placed on data shards by estimated work (`hotjax.balance`);
   a0   the same without that balance (rows in packing order);
   b    that strategy, one document per context-length row (padded);
   c    auto's buckets (without `--auto`, the table's), every one under that strategy: the
        ablation that keeps the buckets and drops the switching (auto/c).
+Every candidate that fits is timed on the first mini-batch (a step that compiles, then one
+timed) and priced by the cost model on the same documents; the report lists each one's measured
+and predicted step. On 8 simulated devices the complete set is some 90 strategies, each
+compiled: `--candidates` narrows it.
 `--processes 2` runs it all as two processes of one CPU device each, pinned to their own cores
-(a real 2-device cluster, where simulated devices in one process share its cores): there every
-2-device strategy the planner knows is a candidate for (a), and the hand-written table puts the
-short bucket under data parallelism and the long one under balanced context parallelism.
+(a real 2-device cluster, where simulated devices in one process share its cores): there the
+hand-written table puts the short bucket under data parallelism and the long one under balanced
+context parallelism.
 `--link RATE` (with `--processes`) joins them by a shaped link (`hotjax launch --link`: a rate,
 or a profile's link scaled to this machine's compute, like a800-4x8:inter), and
 `--device-memory wall` declares a memory wall: the budget under which the context's rows fit no
-strategy that keeps them whole, with every remat policy (`hotjax.planning.wall`).
+strategy that keeps them whole, with every remat policy, found over the complete set of
+strategies whatever `--candidates` says (`hotjax.planning.wall`). auto plans as `hotjax train
+--strategies auto` does (`hotjax.run.plan_search`): its buckets hold no more rows per
+micro-step than the run's mini-batches fill.
 Each is a `Trainer` with `device_memory`: a bucket's micro-steps hold the most rows that fit
 the budget by XLA's memory analysis; a method any part of which does not fit is an error.
 Reported per method: median wall and CPU seconds per step, the cost model's predicted step
@@ -85,13 +93,8 @@ SHORT_BUCKETS = ((8, "data=8,rules=dp"), (2, "data=2,tensor=4,rules=megatron-sp"
 # One shorter bucket in a quick run: every method's longest bucket then shares (a)'s compiled
 # micro-steps, since the home (and so the memory left) is (a)'s strategy throughout.
 QUICK_SHORT_BUCKETS = ((4, "data=8,rules=dp"),)
-CANDIDATES = ("data=8,rules=dp; tensor=8,rules=megatron-sp; "
-              "fsdp=2,context=4,rules=context,balanced=true; "
-              "context=8,rules=context,balanced=true; data=2,tensor=4,rules=megatron-sp")
-# With other device counts (`--processes N`): every N-device strategy, and a table of data
-# parallelism for the short bucket and balanced context parallelism for the long one.
-OTHER_CANDIDATES = ("data={n},rules=dp; fsdp={n},rules=fsdp; tensor={n},rules=megatron-sp; "
-                    "context={n},rules=context,balanced=true; stage={n},microbatches={n}")
+# With other device counts (`--processes N`): a table of data parallelism for the short bucket
+# and balanced context parallelism for the long one.
 OTHER_TABLE = ((8, "data={n},rules=dp"), (1, "context={n},rules=context,balanced=true"))
 PROCESS_DEVICE_MEMORY_MIB = 6144  # per process of one device, two on a 24 GiB host
 # On `tiny` in fp32 one 4096-token row needs ~3.7 GiB on one device (8 heads x 4096^2 fp32
@@ -99,10 +102,12 @@ PROCESS_DEVICE_MEMORY_MIB = 6144  # per process of one device, two on a 24 GiB h
 # while 8-way sharded strategies do; 8 devices x 1 GiB also fits a 24 GiB host.
 DEVICE_MEMORY_MIB = 1024
 # The budget still splits (a) and (b) into micro-steps. Seed 1: on Python 3.11's standard
-# library, both mini-batches then hold a document of the short bucket.
+# library, both mini-batches then hold a document of the short bucket. Two candidates for (a),
+# both timed and priced.
 QUICK = {"context": 512, "batch_tokens": 4096, "device_memory": 40 * MiB, "steps": 1,
-         "tokenizer": "bytes", "strategy": "fsdp=2,context=4,rules=context,balanced=true",
-         "switch_method": "device_put", "seed": 1}
+         "tokenizer": "bytes", "switch_method": "device_put", "seed": 1,
+         "candidates": "fsdp=2,context=4,rules=context,balanced=true; "
+                       "context=8,rules=context-fsdp,balanced=true"}
 
 
 WALL = "wall"
@@ -149,10 +154,11 @@ def build(table: StrategyTable, data: list[MiniBatch], args: argparse.Namespace,
 
 
 def choose(candidates: list[Strategy], data: list[MiniBatch], args: argparse.Namespace,
-           config: LlamaConfig, optim: OptimConfig, devices: list, console: Console
-           ) -> tuple[Strategy, list[dict]]:
+           config: LlamaConfig, optim: OptimConfig, devices: list, search: Any,
+           lengths: np.ndarray, console: Console) -> tuple[Strategy, list[dict]]:
     """Of the candidates that fit the budget, the fastest on a step of `data[0]` after one
-    that compiles (a lone candidate is not timed), with a report on each."""
+    that compiles (a lone candidate is not timed), with a report on each: its measured step
+    and, with a `search`, the cost model's on the same documents (`lengths`)."""
     import jax
 
     from sharding.table import StrategyTable
@@ -162,9 +168,10 @@ def choose(candidates: list[Strategy], data: list[MiniBatch], args: argparse.Nam
     simulated = devices[0].platform == "cpu" and jax.process_count() == 1
     speed = "tokens_per_cpu_s" if simulated else "tokens_per_s"
     report, fitting = [], []
-    for strategy in candidates:
+    for number, strategy in enumerate(candidates, 1):
         entry = {"strategy": str(strategy)}
         report.append(entry)
+        console.print(f"candidate {number}/{len(candidates)}: {strategy}", markup=False)
         try:
             trainer = build(StrategyTable.single(strategy, args.context, f"candidate {strategy}"),
                             data, args, config, optim, devices)
@@ -173,15 +180,19 @@ def choose(candidates: list[Strategy], data: list[MiniBatch], args: argparse.Nam
             console.print(str(e), markup=False)
             continue
         entry |= {"status": "fits", "micro_rows": trainer.micro_rows[0],
+                  "remat": trainer.buckets[0].config.remat,
                   "peak_bytes": max(trainer.memory().values())}
+        forecast = predict(search, trainer, "a", [lengths]) if search else None
+        entry["predicted_s"] = forecast[0]["seconds"] if forecast else None
         if len(candidates) > 1:
             minibatch = data[0]
             state, _ = trainer.train_step(trainer.init(0), minibatch)
             _, wall, cpu = timed(trainer.train_step, state, minibatch)
-            entry |= {"tokens_per_s": minibatch.real_tokens / wall,
+            entry |= {"step_s": wall, "cpu_s": cpu, "tokens_per_s": minibatch.real_tokens / wall,
                       "tokens_per_cpu_s": minibatch.real_tokens / cpu}
-            console.print(f"candidate {strategy}: {entry['tokens_per_s']:,.0f} tokens/s, "
-                          f"{entry['tokens_per_cpu_s']:,.0f} tokens/CPU-s", markup=False)
+            console.print(f"candidate {strategy}: {wall:.2f} s ({cpu:.1f} CPU-s), predicted "
+                          + ("-" if entry["predicted_s"] is None
+                             else f"{entry['predicted_s']:.2f} s"), markup=False)
         fitting.append((entry.get(speed, 0.0), strategy))
     if not fitting:
         raise UserError(f"no candidate strategy fits {shown_bytes(args.device_memory)} per "
@@ -254,8 +265,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     search, lengths = None, [document_lengths(m) for m in data["a"]]
     auto = None
     if args.auto:
-        search, auto = planned(config, devices, args, np.concatenate(lengths),
-                               len(lengths[0]), console)
+        search, auto = planned(config, devices, args, np.concatenate(lengths), console)
         data["auto"] = draw([b.max_len for b in auto.buckets])
         data["c"] = data["auto"]
     methods = [m for m in METHODS if m in data and m in args.methods]
@@ -264,15 +274,15 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         if len(seen) > 1:
             raise RuntimeError(f"mini-batch {step}: methods hold different documents: {seen}")
 
-    if args.strategy or args.candidates or n == 8:
-        texts = [args.strategy] if args.strategy else (args.candidates or CANDIDATES).split(";")
+    if args.strategy or args.candidates:
+        texts = [args.strategy] if args.strategy else args.candidates.split(";")
         candidates = [Strategy.parse(t.strip()) for t in texts if t.strip()]
-    else:  # every strategy the planner knows over these devices, each with every remat policy
+    else:  # every strategy the planner knows over these devices (each fits its remat policy)
         from hotjax.planning.search import candidate_strategies
 
         candidates = candidate_strategies(config, n)
     static, candidate_report = choose(candidates, data["a"], args, config, optim, devices,
-                                      console)
+                                      search, lengths[0], console)
     if table is None:  # the hand-written one: the context's bucket under (a) on 8 devices
         long = next((b.strategy for b in buckets if b.max_len == args.context), static)
         table = StrategyTable((*short, Bucket(args.context, long)), "hand-written table")
@@ -330,21 +340,25 @@ def document_lengths(minibatch: MiniBatch) -> np.ndarray:
 
 
 def planned(config: LlamaConfig, devices: list, args: argparse.Namespace, lengths: np.ndarray,
-            batch: int, console: Console) -> tuple[Any, StrategyTable]:
+            console: Console) -> tuple[Any, StrategyTable]:
     """The cost model's search on this machine's profile, measured here on the benchmark's own
     model and dtype (`--strategies auto` measures a reference model once per machine: on CPU
     attention's rate depends on the head width), and the table it plans for a typical step of
-    these documents."""
+    these documents, as `hotjax train --strategies auto` plans it (`hotjax.run.plan_search`:
+    the same typical step, and buckets of no more rows than the mini-batches fill)."""
 
+    from hotjax.config import RunConfig
     from hotjax.planning import search as plan_lib
     from hotjax.planning.measure import measure_profile
     from hotjax.planning.wall import xla_bytes
+    from hotjax.run import plan_search
 
     console.print("measuring this machine's profile on the model...", markup=False)
     profile = measure_profile(devices, model=config, quick=args.quick)
-    search = plan_lib.Search(config, profile, len(devices), args.device_memory)
-    found = plan_lib.plan_checked(search, plan_lib.typical_batch(lengths, batch), args.context,
-                                  xla_bytes(config, devices))
+    run = RunConfig(context=args.context, batch_tokens=args.batch_tokens,
+                    device_memory=args.device_memory)
+    search, typical = plan_search(run, config, len(devices), lengths, console, profile)
+    found = plan_lib.plan_checked(search, typical, args.context, xla_bytes(config, devices))
     console.print(f"auto: planned on profile {profile.name}, predicted "
                   f"{found.seconds * 1e3:,.1f} ms per typical step", markup=False)
     return search, found.table(METHODS["auto"])
@@ -446,6 +460,37 @@ def print_bucket_timings(report: dict, console: Console) -> None:
         console.print(table)
 
 
+def print_candidates(report: dict, console: Console) -> None:
+    """The candidates for (a): each one's measured step on the first mini-batch beside the
+    cost model's, fastest first (per CPU second on simulated devices), those that do not fit
+    last."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    simulated = report["machine"]["platform"] == "cpu" and report["processes"] == 1
+    speed = "tokens_per_cpu_s" if simulated else "tokens_per_s"
+    table = Table(title=f"candidates for (a) on the first mini-batch: measured (one step after "
+                        f"one that compiles) and predicted, by {speed.replace('_', ' ')}",
+                  title_justify="left")
+    for column in ("strategy", "rows", "remat", "peak MiB", "step s", "CPU s", "predicted s",
+                   "measured / predicted", "tokens/s", "tokens/CPU-s"):
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    fits = [c for c in report["candidates"] if c["status"] == "fits"]
+    for c in sorted(fits, key=lambda c: -c.get(speed, 0.0)):
+        measured, guess = c.get("step_s"), c.get("predicted_s")
+        cells = [f"{c['micro_rows']}", c["remat"], f"{c['peak_bytes'] / MiB:,.1f}",
+                 *("-" if measured is None else f"{c[k]:.2f}" for k in ("step_s", "cpu_s")),
+                 "-" if guess is None else f"{guess:.2f}",
+                 "-" if measured is None or not guess else f"{measured / guess:.2f}",
+                 *("-" if measured is None else f"{c[k]:,.0f}"
+                   for k in ("tokens_per_s", "tokens_per_cpu_s"))]
+        table.add_row(escape(c["strategy"]) + (" (a)" if c["chosen"] else ""), *cells)
+    for c in report["candidates"]:
+        if c["status"] != "fits":
+            table.add_row(escape(c["strategy"]), "does not fit", *[""] * 8)
+    console.print(table)
+
+
 def print_report(report: dict, console: Console) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -477,8 +522,8 @@ def print_report(report: dict, console: Console) -> None:
                       ("predicted_ratios", "tokens/s the cost model predicts")):
         console.print(f"ratios of real {what}: " + ", ".join(
             f"{k} = {v:.2f}" for k, v in report[key].items()), style="bold", highlight=False)
-    candidates = ", ".join(f"{c['strategy']} ({c['status']})" for c in report["candidates"])
-    console.print(f"(a): {report['static_strategy']}, of {candidates}. Largest loss difference "
+    print_candidates(report, console)
+    console.print(f"(a): {report['static_strategy']}. Largest loss difference "
                   f"between methods: {report['max_loss_difference']:.1e}. peak: XLA's "
                   f"per-device peak of the largest part (home state plus a bucket's micro-step). "
                   f"pad %: padding share of the token slots computed. imbalance: the busiest "
@@ -523,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
                         + ", ".join(f"<= context/{n}: {s}" for n, s in SHORT_BUCKETS)
                         + ", <= context: the strategy of (a)")
     parser.add_argument("--candidates", help="strategies for (a), separated by ';' (default: "
-                        "on 8 devices " + CANDIDATES + "; else every N-device strategy)")
+                        "every strategy the planner knows over the devices, each timed)")
     parser.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
                         help="run --strategies auto and the cost model's predictions (default: "
                         "on; the profile is measured in the run, on the model)")

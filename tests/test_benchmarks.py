@@ -129,6 +129,16 @@ def test_bench_mixed() -> None:
         away = any(strategy[b["max_len"]] != methods["hot"]["home"] for b in step["buckets"])
         assert (step["switched_bytes"] > 0) == away, step
     assert all(positive(v) for v in report["ratios"].values())
+    # (a) is the measured best of the candidates that fit (per CPU second on simulated
+    # devices): each one timed on the first mini-batch and priced by the cost model.
+    candidates = report["candidates"]
+    fitting = [c for c in candidates if c["status"] == "fits"]
+    assert len(candidates) == 2 and fitting
+    for c in fitting:
+        assert all(positive(c[k]) for k in ("step_s", "cpu_s", "predicted_s", "tokens_per_s"))
+    best = max(fitting, key=lambda c: c["tokens_per_cpu_s"])
+    assert [c["chosen"] for c in candidates] == [c is best for c in candidates]
+    assert report["static_strategy"] == best["strategy"] == methods["a"]["home"]
 
 
 @pytest.mark.parametrize("script", sorted(p.stem for p in (ROOT / "scripts").glob("bench_*.py")))

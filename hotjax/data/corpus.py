@@ -2,22 +2,25 @@
 file, JSON records (`.jsonl`, `.json`), Parquet, a Hugging Face dataset saved to disk, or token
 ids already made (`.npy`, `token_ids`).
 
-`open_corpus` scans the source once (to validate it, count odd files and fingerprint it) but keeps
-only an index; `Corpus.read` loads one document's text when it is needed.
+`open_corpus` hashes the source's bytes (its fingerprint), then scans it to validate it and count
+odd files unless its index is cached under that hash (`index_cache`), and keeps only the index;
+`Corpus.read` loads one document's text when it is needed.
 """
 
+import contextlib
 import hashlib
 import importlib.resources
 import os
 import sysconfig
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from hotjax.data import hf_datasets, records, token_ids
+from hotjax.data import hf_datasets, index_cache, records, token_ids
 from models.errors import UserError
 
 BINARY_SNIFF_BYTES = 8192  # a NUL byte this early marks a file as binary
@@ -25,6 +28,7 @@ EMBEDDED_CORPORA = ("stdlib", "shakespeare")
 RECORD_SUFFIXES = (".jsonl", ".parquet")  # read as records wherever they are found
 BLOCK_CACHE = 8  # decoded JSON files or Parquet row groups kept in memory
 _GLOB_CHARS = frozenset("*?[")
+_HASH_CHUNK_BYTES = 2**20  # a file is hashed this much at a time
 _ADDED_TOKENS = 3  # per document, beyond one per byte: BOS, EOS, SentencePiece's "▁" prefix
 _FIX = (
     "pass stdlib or shakespeare, a directory or glob of text files, a text file, a .jsonl/.json "
@@ -214,58 +218,93 @@ def _files_under(root: Path, pattern: str) -> list[Path]:
 def _index(source: str, root: Path, paths: list[Path], text_field: str,
            kinds: dict[Path, str] | None = None) -> Corpus:
     """Each text file is one document (files with NUL bytes near the start are skipped); each
-    record file holds many."""
-    hasher = hashlib.sha256(b"corpus\0" + text_field.encode() + b"\0")
-    kept: list[Path] = []
-    kept_kinds: list[str] = []
-    spans: list[np.ndarray] = []
-    sizes: list[np.ndarray] = []
-    empty = replaced = binary = 0
-    for p in paths:
-        kind = (kinds or {}).get(p) or records.kind_of(p, named=False) or "text"
-        name = p.relative_to(root).as_posix().encode()
-        try:
-            if kind == "dataset":  # memory-mapped, its files read in parts for the fingerprint
-                hasher.update(_named(name, 0))
-                found = hf_datasets.index(p, text_field, hasher.update)
-            elif kind == "tokens":
-                hasher.update(_named(name, p.stat().st_size))
-                found = token_ids.index(p, hasher.update)
-            elif kind != "text":  # read in parts, never held whole
-                with p.open("rb") as f:
-                    hasher.update(_named(name, os.fstat(f.fileno()).st_size))
-                    found = records.index(p, kind, f, text_field, hasher.update)
-            elif _is_binary(p):
-                binary += 1
-                continue
-            elif p.stat().st_size > records.MAX_DOCUMENT_BYTES:
-                raise records.too_long(str(p), p.stat().st_size, "split it into smaller files, "
-                                       "or into the records of a .jsonl file")
-            else:
-                raw = p.read_bytes()
-                hasher.update(_named(name, len(raw)) + raw)
-                found = records.Found("text", np.array([[0, 0, len(raw)]], np.int64),
-                                      np.array([len(raw)], np.int64), int(not raw),
-                                      int(not records.is_utf8(raw)))
-        except OSError as e:
-            raise UserError(f"cannot read corpus file {p}: {e.strerror} — fix its "
-                            f"permissions") from e
-        found.spans_Nx3[:, 0] = len(kept)
-        kept.append(p)
-        kept_kinds.append(found.kind)
-        spans.append(found.spans_Nx3)
-        sizes.append(found.sizes_N)
-        empty += found.empty
-        replaced += found.replaced
-    if not kept:
+    record file holds many. The files are hashed whole each time; scanned only when their index
+    is not cached under that hash."""
+    listed, binary = _listed(root, paths, kinds or {})
+    if not listed:
         raise UserError(f"no text files in corpus {source} ({binary} binary skipped) — {_FIX}")
-    sizes_D = np.concatenate(sizes)
-    stats = CorpusStats(len(sizes_D), empty, replaced, binary, int(sizes_D.sum()))
+    hasher = hashlib.sha256(b"corpus\0" + text_field.encode() + b"\0")
+    for path, name, kind in listed:
+        with _reading(path):
+            _hash(path, name, kind, hasher.update)
+    listed_kinds = [kind for *_, kind in listed]
+    cache_key = index_cache.key(hasher.digest(), text_field, listed_kinds)
+    index = index_cache.load(cache_key, listed_kinds)
+    if index is None:
+        index = _scan(listed, text_field)
+        index_cache.save(cache_key, index)
+    sizes_D = index.sizes_D
+    stats = CorpusStats(len(sizes_D), int((sizes_D == 0).sum()), index.replaced, binary,
+                        int(sizes_D.sum()))
     if stats.documents == stats.empty:
         raise UserError(f"empty corpus: {source} has no non-empty documents — add text or pass "
                         f"another corpus")
-    return Corpus(source, tuple(kept), tuple(kept_kinds), np.concatenate(spans), sizes_D,
-                  text_field, stats, hasher.hexdigest()[:16])
+    return Corpus(source, tuple(path for path, *_ in listed), index.kinds, index.spans_Dx3,
+                  sizes_D, text_field, stats, hasher.hexdigest()[:16])
+
+
+def _listed(root: Path, paths: list[Path],
+            kinds: dict[Path, str]) -> tuple[list[tuple[Path, bytes, str]], int]:
+    """Each file to index, with its name under `root` and its kind, and how many were skipped
+    as binary; a text file too long to be one document is refused before it is read."""
+    listed, binary = [], 0
+    for p in paths:
+        kind = kinds.get(p) or records.kind_of(p, named=False) or "text"
+        with _reading(p):
+            if kind == "text" and _is_binary(p):
+                binary += 1
+                continue
+            if kind == "text" and p.stat().st_size > records.MAX_DOCUMENT_BYTES:
+                raise records.too_long(str(p), p.stat().st_size, "split it into smaller files, "
+                                       "or into the records of a .jsonl file")
+        listed.append((p, p.relative_to(root).as_posix().encode(), kind))
+    return listed, binary
+
+
+def _hash(path: Path, name: bytes, kind: str, seen: Callable[[bytes], None]) -> None:
+    """Gives `seen` the file's name and size, then every byte of it (of a saved dataset: each of
+    its Arrow files)."""
+    files = hf_datasets.data_files(path) if kind == "dataset" else [path]
+    seen(_named(name, 0 if kind == "dataset" else path.stat().st_size))
+    for file in files:
+        with file.open("rb") as f:
+            while chunk := f.read(_HASH_CHUNK_BYTES):
+                seen(chunk)
+
+
+def _scan(listed: list[tuple[Path, bytes, str]], text_field: str) -> index_cache.Index:
+    """Reads and checks every listed file, and finds its documents."""
+    kinds, spans, sizes, replaced = [], [], [], 0
+    for k, (p, _, kind) in enumerate(listed):
+        with _reading(p):
+            if kind == "dataset":  # memory-mapped
+                found = hf_datasets.index(p, text_field)
+            elif kind == "tokens":
+                found = token_ids.index(p)
+            elif kind != "text":  # read in parts, never held whole
+                with p.open("rb") as f:
+                    found = records.index(p, kind, f, text_field)
+            else:
+                raw = p.read_bytes()
+                found = records.Found("text", np.array([[0, 0, len(raw)]], np.int64),
+                                      np.array([len(raw)], np.int64),
+                                      int(not records.is_utf8(raw)))
+        found.spans_Nx3[:, 0] = k
+        kinds.append(found.kind)
+        spans.append(found.spans_Nx3)
+        sizes.append(found.sizes_N)
+        replaced += found.replaced
+    return index_cache.Index(tuple(kinds), np.concatenate(spans), np.concatenate(sizes),
+                             replaced)
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"cannot read corpus file {path}: {e.strerror} — fix its "
+                        f"permissions") from e
 
 
 def _named(name: bytes, size: int) -> bytes:

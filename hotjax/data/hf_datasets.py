@@ -6,7 +6,6 @@ data file it names inside the directory), and sizes each document from Arrow's l
 text is read; `Rows.text` reads one back for `Corpus.read`.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,6 @@ from models.errors import UserError
 INFO, STATE, SPLITS = "dataset_info.json", "state.json", "dataset_dict.json"  # as `datasets`
 DEFAULT_SPLIT = "train"  # of a DatasetDict, unless --data-split names another
 _FIX = "save it again with Dataset.save_to_disk, or pass another --data"
-_HASH_CHUNK_BYTES = 2**20
 
 
 def is_saved(path: Path) -> bool:
@@ -59,7 +57,7 @@ def _inside(directory: Path, name: str, where: Path) -> Path:
     return found
 
 
-def _data_files(directory: Path) -> list[Path]:
+def data_files(directory: Path) -> list[Path]:
     """The Arrow files a Dataset directory's state.json names, each inside the directory;
     its dataset_info.json checked within the JSON bounds too (`datasets` parses both whole)."""
     bounds.read_json(directory / INFO, "dataset info", _FIX)
@@ -92,7 +90,7 @@ def open_rows(directory: Path, text_field: str) -> Rows:
     except ModuleNotFoundError:
         raise UserError(f"--data {directory} is a Hugging Face dataset, which needs its "
                         f"library: pip install hotjax[datasets]") from None
-    _data_files(directory)
+    data_files(directory)
     try:
         dataset = datasets.load_from_disk(str(directory), keep_in_memory=False)
     except Exception as e:  # `datasets` and Arrow raise many kinds for a damaged directory
@@ -109,18 +107,13 @@ def open_rows(directory: Path, text_field: str) -> Rows:
     return Rows(tuple(column.chunks))
 
 
-def index(directory: Path, text_field: str, seen: Callable[[bytes], None]) -> records.Found:
+def index(directory: Path, text_field: str) -> records.Found:
     """The documents of the Dataset saved in `directory`: every row of its `text_field`
-    column, sized from Arrow's lengths, each at most MAX_DOCUMENT_BYTES. `seen` gets every byte
-    of its Arrow files, in order."""
-    for file in _data_files(directory):
-        with file.open("rb") as f:
-            while chunk := f.read(_HASH_CHUNK_BYTES):
-                seen(chunk)
+    column, sized from Arrow's lengths, each at most MAX_DOCUMENT_BYTES."""
     import pyarrow as pa
 
     rows = open_rows(directory, text_field)
-    spans, sizes, empty, replaced = [], [], 0, 0
+    spans, sizes, replaced = [], [], 0
     for a, batch in enumerate(rows.batches):
         sizes_n, bad_n = records.sizes_of(batch.cast(pa.large_binary()))
         if len(sizes_n) and sizes_n.max() > records.MAX_DOCUMENT_BYTES:
@@ -131,8 +124,6 @@ def index(directory: Path, text_field: str, seen: Callable[[bytes], None]) -> re
                                np.full(len(sizes_n), a, np.int64),
                                np.arange(len(sizes_n), dtype=np.int64)], axis=1))
         sizes.append(sizes_n)
-        empty += int(np.count_nonzero(sizes_n == 0))
         replaced += int(bad_n.sum())
     return records.Found("dataset", np.concatenate(spans) if spans else np.zeros((0, 3), np.int64),
-                         np.concatenate(sizes) if sizes else np.zeros(0, np.int64), empty,
-                         replaced)
+                         np.concatenate(sizes) if sizes else np.zeros(0, np.int64), replaced)

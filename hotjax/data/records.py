@@ -7,7 +7,7 @@ read them back for `Corpus.read`.
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -24,18 +24,17 @@ MAX_DOCUMENT_BYTES = 16 * 2**20
 # several times its size, whenever one of its documents is read: past this, JSON lines (read a
 # line at a time) or smaller row groups are the form.
 MAX_BLOCK_BYTES = 256 * 2**20
-_HASH_CHUNK_BYTES = 2**20  # a Parquet file is seen this much at a time
 _TEXT_TYPES = ("string", "large_string", "string_view", "binary", "large_binary", "binary_view")
 
 
 @dataclass(frozen=True)
 class Found:
-    """The documents of one file: spans (file column left 0), text sizes, odd ones counted."""
+    """The documents of one file: spans (file column left 0), text sizes (0: an empty
+    document), and how many were not valid UTF-8."""
 
     kind: str  # "text", "jsonl", "json" or "parquet": how `Corpus.read` finds a document
     spans_Nx3: np.ndarray
     sizes_N: np.ndarray
-    empty: int
     replaced: int
 
 
@@ -48,18 +47,14 @@ def kind_of(path: Path, named: bool) -> str | None:
     return None
 
 
-def index(path: Path, kind: str, f: BinaryIO, text_field: str,
-          seen: Callable[[bytes], None]) -> Found:
-    """The documents of the record file `path`, open as `f` at its start; `seen` gets every
-    byte of it, in order. The file is never held whole unless it is a JSON array (refused past
-    MAX_BLOCK_BYTES before it is read)."""
+def index(path: Path, kind: str, f: BinaryIO, text_field: str) -> Found:
+    """The documents of the record file `path`, open as `f` at its start. The file is never
+    held whole unless it is a JSON array (refused past MAX_BLOCK_BYTES before it is read)."""
     if kind == "parquet":
-        while chunk := f.read(_HASH_CHUNK_BYTES):
-            seen(chunk)
         return _index_parquet(path, text_field)
     if kind == "json" and _is_json_array(f):
-        return _index_json_array(path, f, text_field, seen)
-    return _index_jsonl(path, f, text_field, seen)
+        return _index_json_array(path, f, text_field)
+    return _index_jsonl(path, f, text_field)
 
 
 def _is_json_array(f: BinaryIO) -> bool:
@@ -117,14 +112,12 @@ def _utf8_size(text: str, where: str, fix: str) -> int:
     return size
 
 
-def _index_jsonl(path: Path, f: BinaryIO, text_field: str,
-                 seen: Callable[[bytes], None]) -> Found:
+def _index_jsonl(path: Path, f: BinaryIO, text_field: str) -> Found:
     """Each non-blank line of the open file `f` is a JSON object whose `text_field` string is
     one document. Lines are read one at a time, each at most MAX_DOCUMENT_BYTES: a longer one
-    is refused before it is read whole. `seen` gets every byte read, in order."""
-    spans, sizes, empty, replaced, stop, lineno = [], [], 0, 0, 0, 0
+    is refused before it is read whole."""
+    spans, sizes, replaced, stop, lineno = [], [], 0, 0, 0
     while chunk := f.readline(MAX_DOCUMENT_BYTES + 1):
-        seen(chunk)
         if len(chunk) > MAX_DOCUMENT_BYTES and not chunk.endswith(b"\n"):
             raise too_long(f"{path}:{lineno + 1}", None, "split the document into several "
                            "records")
@@ -135,12 +128,11 @@ def _index_jsonl(path: Path, f: BinaryIO, text_field: str,
                 continue
             record = _record(line, f"{path}:{lineno}", text_field)
             text = record[text_field]
-            empty += not text
             replaced += not is_utf8(line)
             spans.append((0, stop - len(line), stop))
             sizes.append(_utf8_size(text, f"{path}:{lineno}", "split it into several records"))
     return Found("jsonl", np.array(spans, np.int64).reshape(-1, 3), np.array(sizes, np.int64),
-                 empty, replaced)
+                 replaced)
 
 
 def _record(line: bytes, where: str, text_field: str) -> dict:
@@ -157,8 +149,7 @@ def _record(line: bytes, where: str, text_field: str) -> dict:
     return record
 
 
-def _index_json_array(path: Path, f: BinaryIO, text_field: str,
-                      seen: Callable[[bytes], None]) -> Found:
+def _index_json_array(path: Path, f: BinaryIO, text_field: str) -> Found:
     """A JSON array of objects, each with a `text_field` string."""
     fix = "fix the file, or write one JSON object per line in a .jsonl file"
     size = os.fstat(f.fileno()).st_size
@@ -167,7 +158,6 @@ def _index_json_array(path: Path, f: BinaryIO, text_field: str,
                         f"JSON array file (MAX_BLOCK_BYTES), which is parsed whole — write one "
                         f"JSON object per line in a .jsonl file")
     raw = f.read(MAX_BLOCK_BYTES + 1)
-    seen(raw)
     try:
         items = json.loads(raw.decode("utf-8", errors="replace"))
     except json.JSONDecodeError as e:
@@ -183,8 +173,7 @@ def _index_json_array(path: Path, f: BinaryIO, text_field: str,
     texts = [record[text_field] for record in items]
     # Only text decoded with replacements can hold U+FFFD when the file is not valid UTF-8.
     bad = not is_utf8(raw)
-    return _found("json", [texts], empty=sum(not t for t in texts),
-                  replaced=sum("\ufffd" in t for t in texts) if bad else 0)
+    return _found("json", [texts], replaced=sum("\ufffd" in t for t in texts) if bad else 0)
 
 
 def _index_parquet(path: Path, text_field: str) -> Found:
@@ -208,7 +197,7 @@ def _index_parquet(path: Path, text_field: str) -> Found:
         leaves = [file.metadata.schema.column(j).path for j in range(file.metadata.num_columns)]
         leaf = leaves.index(text_field)
         as_dictionary = _parquet(path, read_dictionary=[text_field])
-        spans, sizes, empty, replaced = [], [], 0, 0
+        spans, sizes, replaced = [], [], 0
         for block in range(file.num_row_groups):
             claimed = file.metadata.row_group(block).column(leaf).total_uncompressed_size
             if claimed > MAX_BLOCK_BYTES:
@@ -234,11 +223,10 @@ def _index_parquet(path: Path, text_field: str) -> Found:
                                "split the document into several rows")
             spans += [(0, block, k) for k in range(len(sizes_n))]
             sizes.append(sizes_n)
-            empty += int(np.count_nonzero(sizes_n == 0))
             replaced += int(np.concatenate(bad_n).sum()) if bad_n else 0
     return Found("parquet", np.array(spans, np.int64).reshape(-1, 3),
                  np.concatenate(sizes).astype(np.int64) if sizes else np.zeros(0, np.int64),
-                 empty, replaced)
+                 replaced)
 
 
 def sizes_of(values) -> tuple[np.ndarray, np.ndarray]:
@@ -289,11 +277,11 @@ def _broken(path: Path, reason: str) -> UserError:
     return UserError(f"cannot read Parquet file {path}: {reason} — pass a valid .parquet file")
 
 
-def _found(kind: str, blocks: list[list[str]], empty: int, replaced: int) -> Found:
+def _found(kind: str, blocks: list[list[str]], replaced: int) -> Found:
     spans = [(0, b, k) for b, texts in enumerate(blocks) for k in range(len(texts))]
     sizes = [len(t.encode()) for texts in blocks for t in texts]
     return Found(kind, np.array(spans, np.int64).reshape(-1, 3), np.array(sizes, np.int64),
-                 empty, replaced)
+                 replaced)
 
 
 def _as_text(value: str | bytes | None) -> str:

@@ -6,7 +6,6 @@ separator); `--tokenizer` names the tokenizer that made them, for its vocabulary
 Read memory-mapped (`numpy.load`, never a pickle), a document's ids at a time.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +17,6 @@ from models.errors import UserError
 SUFFIX = ".npy"
 _FIX = ("save the ids with numpy.save as one 1-D integer array, each document followed by the "
         "tokenizer's EOS id")
-_HASH_CHUNK_BYTES = 2**20
 
 
 @dataclass(frozen=True)
@@ -56,12 +54,9 @@ def open_ids(path: Path) -> TokenFile:
     return TokenFile(ids_T, int(ids_T[-1]))
 
 
-def index(path: Path, seen: Callable[[bytes], None]) -> records.Found:
+def index(path: Path) -> records.Found:
     """The documents of the `.npy` at `path`: the ids up to each EOS (the file's last id), each
-    at most MAX_DOCUMENT_BYTES ids. `seen` gets every byte of the file, in order."""
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK_BYTES):
-            seen(chunk)
+    at most MAX_DOCUMENT_BYTES ids."""
     tokens = open_ids(path)
     ends_N = np.flatnonzero(tokens.ids_T == tokens.eos_id)
     starts_N = np.concatenate([[0], ends_N[:-1] + 1])
@@ -72,4 +67,4 @@ def index(path: Path, seen: Callable[[bytes], None]) -> records.Found:
                         f"{records.MAX_DOCUMENT_BYTES:,} one document may hold "
                         f"(MAX_DOCUMENT_BYTES) — split the document")
     spans_Nx3 = np.stack([np.zeros_like(starts_N), starts_N, ends_N], axis=1).astype(np.int64)
-    return records.Found("tokens", spans_Nx3, sizes_N, int((sizes_N == 0).sum()), 0)
+    return records.Found("tokens", spans_Nx3, sizes_N, 0)

@@ -182,7 +182,7 @@ _OPTIMIZER: _Spec = {"name": ("text",), "source": ("text",), "loss_scaling": ("t
                      "loss_scale": ("real", 0.0),
                      "clip_norm": ("real", 0.0, math.inf),  # inf: no clipping
                      **dict.fromkeys(("lr", "min_lr_ratio", "decay_fraction", "weight_decay",
-                                      "b1", "b2", "eps",
+                                      "b1", "b2", "eps", "momentum",
                                       "weight_decay_matrix", "weight_decay_norm"),
                                      ("real", -math.inf))}
 

@@ -38,7 +38,7 @@ from hotjax.checkpoint.formats import torch_load
 from hotjax.checkpoint.formats.spec import EMBEDDING, Format, Option, dtype_option
 from models import bounds
 from models.errors import UserError
-from models.optimizers import ADAMW
+from models.optimizers import ADAMW, TORCH_SETTINGS, Optimizer, with_torch_state
 from models.options import CHECKPOINT_NAMINGS
 
 if TYPE_CHECKING:
@@ -46,9 +46,7 @@ if TYPE_CHECKING:
     from models.llama import LlamaConfig
 
 NAMINGS = CHECKPOINT_NAMINGS
-MOMENTS = ADAMW.torch_names("import-dcp")  # the optimizer state an import reads
-_STATE_FIELDS = (*MOMENTS, "step")
-_GROUP_FIELDS = ("lr", "betas", "eps", "weight_decay", "params")
+_GROUP_FIELDS = ("lr", *TORCH_SETTINGS, "weight_decay", "params")
 _MAX_DIMS = 8  # a LLaMA's tensors have 1 or 2 dimensions; a claim of more is damage
 
 
@@ -148,8 +146,9 @@ def _inverse(config: LlamaConfig, naming: str) -> dict[str, str]:
 
 
 def read_dcp(directory: str | Path, config: LlamaConfig, naming: str | None = None) -> TorchState:
-    """The weights, AdamW moments and step of the DCP checkpoint in `directory`, checked
-    against `config`; every problem names the checkpoint and the tensor."""
+    """The weights, the optimizer's per-weight state (whichever optimizer's torch names it
+    holds) and step of the DCP checkpoint in `directory`, checked against `config`; every
+    problem names the checkpoint and the tensor."""
     torch, _ = _torch()
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -195,22 +194,31 @@ def read_dcp(directory: str | Path, config: LlamaConfig, naming: str | None = No
         return LazyTensors(expected, read)
 
     weights = field("weight")
-    moments, step = None, 0
+    moments, step, optimizer = None, 0, ADAMW
     if has_state:
-        moments = {f: field(f) for f in MOMENTS}
+        optimizer = _optimizer(entries, directory / ".metadata")
+        moments = {f: field(f) for f in optimizer.torch_names(str(directory))}
+    first = next(iter(expected))
+    if has_state and ("step", first) in entries:  # torch's SGD keeps no step: 0
         steps = {n: float(state[entries["step", n].key].reshape(())) for n in expected}
-        first = next(iter(expected))
         odd = next((n for n in expected if steps[n] != steps[first]), None)
         if odd is not None:
             raise UserError(f"{directory / '.metadata'}: {entries['step', odd].key} is "
                             f"{steps[odd]:g} but {entries['step', first].key} is "
-                            f"{steps[first]:g}: AdamW steps must agree")
+                            f"{steps[first]:g}: {optimizer.label} steps must agree")
         step = int(bounds.real(steps[first], f"{entries['step', first].key}",
                                str(directory / ".metadata"), "the checkpoint is damaged",
                                low=-1.0, high=bounds.MAX_STEP + 1.0))
     return TorchState(naming, weights, moments, step,
                       hyperparameters({g: state[k] for k, g in groups.items()},
-                                      _inverse(config, naming), directory / ".metadata"))
+                                      _inverse(config, naming), directory / ".metadata"),
+                      optimizer)
+
+
+def _optimizer(entries: dict[tuple[str, str], _Entry], where: Path) -> Optimizer:
+    """The optimizer whose torch state the checkpoint holds, by the state's names."""
+    return with_torch_state({e.field for e in entries.values()
+                             if e.field not in ("weight", "step")}, str(where))
 
 
 def _entries(tensors: dict[str, Any], parts: dict[str, list[str]], config: LlamaConfig,
@@ -251,10 +259,12 @@ def _entries(tensors: dict[str, Any], parts: dict[str, list[str]], config: Llama
                         f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}: not a "
                         f"checkpoint of this model (or saved without its model state)")
     if any(e.field != "weight" for e in entries.values()):
-        for field in _STATE_FIELDS:
+        optimizer = _optimizer(entries, where)
+        stepped = optimizer.torch_counts or any(e.field == "step" for e in entries.values())
+        for field in (*optimizer.torch_names(str(where)), *(("step",) if stepped else ())):
             absent = [n for n in expected if (field, n) not in entries]
             if absent:
-                raise UserError(f"{where}: holds AdamW state but no {field} for "
+                raise UserError(f"{where}: holds {optimizer.label} state but no {field} for "
                                 f"{foreign[absent[0]]}: the optimizer state is incomplete "
                                 f"(saved from another optimizer?)")
     return entries
@@ -374,10 +384,7 @@ def export_dcp(path: str | Path, out: str | Path, *, naming: str = "hf",
         for hf_name, name in names.items():
             flat[f"state.{name}.step"] = torch.tensor(float(step))
             decay = 0.0 if hf_name.endswith("norm.weight") else optim.weight_decay
-            group = {"lr": lr, **({"betas": (optim.b1, optim.b2)} if "b1" in declared.settings
-                                  else {}),
-                     **({"eps": optim.eps} if "eps" in declared.settings else {}),
-                     "weight_decay": decay, **dict(declared.torch_flags)}
+            group = {"lr": lr, "weight_decay": decay, **declared.torch_group(optim)}
             flat.update({f"param_groups.{name}.{k}": v for k, v in group.items()})
         state["optim" if naming == "hf" else "optimizer"] = flat
 

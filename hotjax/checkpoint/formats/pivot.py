@@ -37,11 +37,11 @@ import optax
 from hotjax.checkpoint import dirs, model, store
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.optim import OptimConfig, make_optimizer
-from models import bounds
+from models import bounds, optimizers
 from models.errors import UserError
 from models.hf import hf_param_makers, hf_tensor_shapes, param_keys
 from models.llama import LlamaConfig, abstract_params, param_axes
-from models.optimizers import ADAMW, DEFAULT, Optimizer
+from models.optimizers import ADAMW, DEFAULT, TORCH_SETTINGS, TORCH_STATE, Optimizer
 
 WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"}
 BUFFERS = ("rotary_emb.inv_freq", "freqs_cis")  # rotary tables some models persist
@@ -93,7 +93,7 @@ def halves_to_interleaved(x: np.ndarray, heads: int) -> np.ndarray:
 
 
 def resolve(parts: list[str], names: dict[str, str],
-            state_fields: tuple[str, ...] = (*ADAMW.torch_names("import"), "step")
+            state_fields: tuple[str, ...] = (*TORCH_STATE, "step")
             ) -> tuple[str, str] | None:
     """(field, HF name) of a key's components, matched by its longest suffix that names a
     parameter (`names`: foreign name -> HF name); field is "weight", or one of `state_fields`
@@ -110,7 +110,8 @@ def resolve(parts: list[str], names: dict[str, str],
 
 def hyperparameters(values: dict[tuple[str, str], Any], names: dict[str, str],
                     where: str | Path) -> dict[str, Any]:
-    """lr, betas, eps, and weight decay of matrices and of norm scales, as the torch run's
+    """lr, the optimizer's settings (betas, eps, momentum: `TORCH_SETTINGS`), and weight decay
+    of matrices and of norm scales, as the torch run's
     param_groups give them (`values`: (group, or parameter's name, field) -> value; groups
     nested or flattened per parameter), checked (`checked_hyperparameters`) as read from
     `where`."""
@@ -130,7 +131,7 @@ def hyperparameters(values: dict[tuple[str, str], Any], names: dict[str, str],
         if hf_name is None:
             continue
         kind = "norm" if hf_name[1].endswith("norm.weight") else "matrix"
-        for field in ("lr", "betas", "eps"):
+        for field in ("lr", *TORCH_SETTINGS):
             if field in group:
                 out.setdefault(field, group[field])
         if "weight_decay" in group:
@@ -193,8 +194,9 @@ def optimizer_state(config: LlamaConfig, optimizer: Optimizer, moments: dict[str
 
     def fill(node: Any) -> Any:
         if isinstance(node, kind):
-            return node._replace(count=count, **{field: moments[name]
-                                                 for name, field in optimizer.torch})
+            counted = {"count": count} if "count" in node._fields else {}
+            return node._replace(**counted, **{field: moments[name]
+                                               for name, field in optimizer.torch})
         if isinstance(node, optax.ScaleByScheduleState):
             return optax.ScaleByScheduleState(count)
         raise AssertionError(f"unexpected optimizer state {type(node).__name__}")
@@ -244,6 +246,14 @@ def save_trees(out: str | Path, config: LlamaConfig, params: Any, moments: dict[
 
 # ---------------------------------------------------------------------------- export
 
+def _state_path(shapes: Any, name: str) -> str:
+    """Where in an optimizer state tree (`shapes`) the one optax state of class `name` lies."""
+    kind = getattr(optax, name)
+    (path,) = [dirs.array_path(p) for p, n in jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda n: isinstance(n, kind))[0] if isinstance(n, kind)]
+    return path
+
+
 @dataclasses.dataclass(frozen=True)
 class ExportSource:
     """A checkpoint to export: its model (vocabulary padding past the recorded tokenizer's size
@@ -269,14 +279,13 @@ class ExportSource:
         like = {store.PARAMS: store.by_name(abstract_params(config))}
         if store.OPT_STATE in meta["items"]:
             optim.optimizer.torch_names(str(step_dir))  # a torch form, or a refusal
-            kind = getattr(optax, optim.optimizer.optax_state)
             tx = make_optimizer(optim, param_axes(config))
             shapes = jax.eval_shape(tx.init, abstract_params(config))
-            (state,) = [dirs.array_path(p) for p, n in jax.tree_util.tree_flatten_with_path(
-                shapes, is_leaf=lambda n: isinstance(n, kind))[0] if isinstance(n, kind)]
+            state = _state_path(shapes, optim.optimizer.optax_state)
+            counter = f"{_state_path(shapes, optim.optimizer.counter)}/count"
             like[store.OPT_STATE] = store.by_name(shapes)
             ((_, count),) = store.restore_each(step_dir, store.OPT_STATE, {
-                f"{state}/count": like[store.OPT_STATE][f"{state}/count"]})
+                counter: like[store.OPT_STATE][counter]})
             step = int(count)
         axes = {dirs.array_path(p): a for p, a in jax.tree_util.tree_flatten_with_path(
             param_axes(config), is_leaf=lambda a: isinstance(a, tuple))[0]}
@@ -333,11 +342,9 @@ def saved_optimizer(meta: dict[str, Any]) -> OptimConfig:
     name = saved.get("name", DEFAULT)  # written before optimizers were named: AdamW
     if saved.get("source"):  # an import
         return OptimConfig(name=name, lr=saved.get("lr", OptimConfig.lr),
-                           b1=saved.get("betas", [OptimConfig.b1])[0],
-                           b2=saved.get("betas", [0, OptimConfig.b2])[1],
-                           eps=saved.get("eps", OptimConfig.eps),
                            weight_decay=saved.get("weight_decay_matrix",
                                                   OptimConfig.weight_decay),
-                           warmup_steps=0, min_lr_ratio=1.0)
+                           warmup_steps=0, min_lr_ratio=1.0,
+                           **optimizers.named(name).from_torch_group(saved))
     fields = {f.name for f in dataclasses.fields(OptimConfig)}
     return OptimConfig(**{k: v for k, v in saved.items() if k in fields})

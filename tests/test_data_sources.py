@@ -1,5 +1,6 @@
 """Data as users have it, trained on as given: a record's text under another field, a
-tokenizer's special tokens under other names, a saved Hugging Face dataset, pre-tokenized ids.
+tokenizer's special tokens under other names, a saved Hugging Face dataset or one in the local
+Hugging Face cache, pre-tokenized ids.
 Each trains the tiny model a step or two on one device and compares its losses with the same
 text given the plain way."""
 
@@ -142,3 +143,58 @@ def test_pretokenized_ids_of_another_tokenizer_are_one_line(tmp_path, capsys) ->
     message = error([*TINY_RUN, *ONE_DEVICE, "--data", str(tmp_path / "ids.npy")], capsys)
     assert message.endswith("its documents end with id 2, but the tokenizer's EOS is 258 — "
                             "pass the --tokenizer that made the ids")
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    """TEXTS as `datasets.load_dataset("someone/tiny")` leaves a Parquet repository in the
+    local Hugging Face cache, made without the network: the same Parquet builder preparing
+    the same Arrow files (splits train and validation) under someone___tiny/default/0.0.0/
+    <commit>. `datasets` read its cache directory when imported, so it is patched too."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    cache = tmp_path / "hf" / "datasets"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    files = {}
+    for split, texts in (("train", TEXTS), ("validation", TEXTS[:3])):
+        files[split] = str(tmp_path / f"{split}.parquet")
+        pq.write_table(pa.table({"id": list(range(len(texts))), "content": texts}),
+                       files[split])
+    builder = Parquet(cache_dir=str(cache), dataset_name="tiny", config_id="default",
+                      hash="0123456789abcdef0123456789abcdef01234567", data_files=files)
+    builder.repo_id = "someone/tiny"  # the hub's repository, whose files these stand for
+    builder._cache_dir = builder._build_cache_dir()
+    builder.download_and_prepare()
+    return cache
+
+
+def test_a_dataset_in_the_hugging_face_cache_trains_as_the_same_text_in_jsonl(
+        tmp_path, reference, hub_cache) -> None:
+    losses = train(tmp_path, "--data", "hf:someone/tiny", "--text-field", "content")
+    assert len(losses) == 2 and losses == reference
+    from hotjax.data import open_corpus
+
+    validation = open_corpus("hf:someone/tiny:validation", text_field="content")
+    assert [validation.read(i) for i in range(3)] == TEXTS[:3]
+    assert validation.stats == open_corpus("hf:someone/tiny", "content", "validation").stats
+
+
+@pytest.mark.parametrize("data, expected", [
+    ("hf:someone/other", "not in the local Hugging Face cache ({cache}) — load it once online "
+     "(python -c \"import datasets; datasets.load_dataset('someone/other')\"), or set HF_HOME "
+     "to the cache that holds it"),
+    ("hf:someone/tiny:test", "no split 'test' (splits: train, validation) — name one: "
+     "hf:someone/tiny:SPLIT"),
+    ("hf:a/b/c", "give hf:OWNER/NAME or hf:OWNER/NAME:SPLIT, a dataset's name on the Hugging "
+     "Face hub"),
+])
+def test_a_dataset_not_in_the_hugging_face_cache_is_one_line(data, expected, hub_cache,
+                                                             capsys) -> None:
+    from helpers import error
+
+    message = error([*TINY_RUN, *ONE_DEVICE, "--data", data, "--text-field", "content"], capsys)
+    assert message == f"hotjax: error: --data {data}: {expected.format(cache=hub_cache)}"

@@ -40,14 +40,15 @@ OPTIONS: dict[str, dict[str, Any]] = {
                 f"accelerators, or {SIMULATED_CPU_DEVICES} simulated CPUs)"},
     "data": {"help": "stdlib, shakespeare, a directory or glob ('src/**/*.py') of text files, "
              "a text file, .jsonl/.json records, .parquet, a directory a Hugging Face "
-             "dataset was saved to (save_to_disk), or token ids in a .npy (1-D, each document "
+             "dataset was saved to (save_to_disk), hf:OWNER/NAME[:SPLIT] of the local Hugging "
+             "Face cache (read offline), or token ids in a .npy (1-D, each document "
              "followed by the --tokenizer's EOS) (default: stdlib, the Python standard "
              "library's .py files)"},
     "text_field": {"default": _RUN.text_field, "metavar": "FIELD",
                    "help": "the field of a record (.jsonl, .json, .parquet, a dataset's row) "
                    "that holds its text (default: %(default)s)"},
-    "data_split": {"metavar": "SPLIT", "help": "the split of a saved DatasetDict to read "
-                   f"(default: {DEFAULT_SPLIT})"},
+    "data_split": {"metavar": "SPLIT", "help": "the split of a saved DatasetDict or an hf: "
+                   f"dataset to read (default: {DEFAULT_SPLIT})"},
     "tokenizer": {"help": "tokenizer.json, a SentencePiece .model, or 'bytes' (default: a "
                   "byte-level BPE trained on the corpus and cached)"},
     **{f"{role}_token": {"metavar": "TOKEN", "help": f"the {what} token of the --tokenizer "

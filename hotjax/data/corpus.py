@@ -1,6 +1,6 @@
 """Where training documents come from: an embedded corpus, a directory or glob of files, a text
-file, JSON records (`.jsonl`, `.json`), Parquet, a Hugging Face dataset saved to disk, or token
-ids already made (`.npy`, `token_ids`).
+file, JSON records (`.jsonl`, `.json`), Parquet, a Hugging Face dataset saved to disk or in the
+local Hugging Face cache, or token ids already made (`.npy`, `token_ids`).
 
 `open_corpus` hashes the source's bytes (its fingerprint), then scans it to validate it and count
 odd files unless its index is cached under that hash (`index_cache`), and keeps only the index;
@@ -32,7 +32,8 @@ _HASH_CHUNK_BYTES = 2**20  # a file is hashed this much at a time
 _ADDED_TOKENS = 3  # per document, beyond one per byte: BOS, EOS, SentencePiece's "▁" prefix
 _FIX = (
     "pass stdlib or shakespeare, a directory or glob of text files, a text file, a .jsonl/.json "
-    "file of records, a .parquet file, or a Hugging Face dataset's save_to_disk directory"
+    "file of records, a .parquet file, a Hugging Face dataset's save_to_disk directory, or "
+    "hf:OWNER/NAME[:SPLIT] of the local Hugging Face cache"
 )
 
 
@@ -55,7 +56,7 @@ class Corpus:
 
     source: str  # what the user passed, or the embedded corpus's name
     files: tuple[Path, ...]
-    kinds: tuple[str, ...]  # per file: "text", "jsonl", "json", "parquet", "dataset", "tokens"
+    kinds: tuple[str, ...]  # per file: one of index_cache.KINDS
     spans_Dx3: np.ndarray  # int64
     sizes_D: np.ndarray  # int64 UTF-8 bytes of each document's text (pre-tokenized: its ids)
     text_field: str  # the field of a record that holds its text
@@ -91,9 +92,9 @@ class Corpus:
         kind = self.kinds[file]
         if kind in ("json", "parquet"):
             return self._block(file, a)[b]
-        if kind == "dataset":
+        if kind in ("dataset", "arrow"):
             return self._opened(file, lambda path: hf_datasets.open_rows(
-                path, self.text_field)).text(a, b)
+                path, kind, self.text_field)).text(a, b)
         if kind == "tokens":
             raise UserError(f"{self.files[file]} holds token ids, not text — pass the "
                             f"--tokenizer that made them")
@@ -111,7 +112,7 @@ class Corpus:
                 line = f.read(a).count(b"\n") + 1
             return f"{path}:{line}"
         return {"text": f"{path}", "json": f"{path}[{b}]",
-                "dataset": f"{path} (record batch {a}, row {b})",
+                **dict.fromkeys(("dataset", "arrow"), f"{path} (record batch {a}, row {b})"),
                 "tokens": f"{path} (ids {a} to {b})"}.get(
             kind, f"{path} (row group {a}, row {b})")
 
@@ -170,9 +171,10 @@ def shakespeare_root() -> Path:
 
 
 def open_corpus(path: str | None, text_field: str = "text", split: str | None = None) -> Corpus:
-    """Index a corpus. None or "stdlib" is the standard library, "shakespeare" the plays (these
-    names win over same-named paths: write ./stdlib for a directory); else a Hugging Face
-    dataset's `save_to_disk` directory (a DatasetDict's `split`, default train), a directory
+    """Index a corpus. None or "stdlib" is the standard library, "shakespeare" the plays, and
+    "hf:OWNER/NAME[:SPLIT]" a dataset of the local Hugging Face cache (these names win over
+    same-named paths: write ./stdlib for a directory); else a Hugging Face dataset's
+    `save_to_disk` directory (a DatasetDict's `split`, default train), a directory
     (every file, recursively), a glob such as `src/**/*.py`, or one file. `.jsonl` and `.parquet`
     files hold records whose `text_field` is a document, as does a `.json` file named on its
     own, and a dataset's rows."""
@@ -193,6 +195,9 @@ def open_corpus(path: str | None, text_field: str = "text", split: str | None = 
             raise UserError(f"no files match {path} — check the pattern; ** matches any "
                             f"number of directories")
         return _index(path, root, files, text_field)
+    if path.startswith(hf_datasets.HUB_PREFIX):
+        files = hf_datasets.cached_split(path, split)
+        return _index(path, files[0].parent, files, text_field, dict.fromkeys(files, "arrow"))
     root = Path(path)
     if hf_datasets.is_saved(root):
         directory = hf_datasets.split_of(root.resolve(), split)
@@ -277,8 +282,8 @@ def _scan(listed: list[tuple[Path, bytes, str]], text_field: str) -> index_cache
     kinds, spans, sizes, replaced = [], [], [], 0
     for k, (p, _, kind) in enumerate(listed):
         with _reading(p):
-            if kind == "dataset":  # memory-mapped
-                found = hf_datasets.index(p, text_field)
+            if kind in ("dataset", "arrow"):  # memory-mapped
+                found = hf_datasets.index(p, kind, text_field)
             elif kind == "tokens":
                 found = token_ids.index(p)
             elif kind != "text":  # read in parts, never held whole

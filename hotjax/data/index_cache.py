@@ -24,7 +24,8 @@ from hotjax.data import records
 from models import bounds
 
 VERSION = 1
-KINDS = ("text", "jsonl", "json", "parquet", "dataset", "tokens")
+# How `Corpus` reads each file; stored by position, so a new kind goes at the end.
+KINDS = ("text", "jsonl", "json", "parquet", "dataset", "tokens", "arrow")
 _MAGIC = b"hotjax corpus index\0"
 _HEADER = len(_MAGIC) + 32 + 3 * 8 + 32  # magic, key, (version, files, documents), digest
 

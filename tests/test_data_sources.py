@@ -198,3 +198,38 @@ def test_a_dataset_not_in_the_hugging_face_cache_is_one_line(data, expected, hub
 
     message = error([*TINY_RUN, *ONE_DEVICE, "--data", data, "--text-field", "content"], capsys)
     assert message == f"hotjax: error: --data {data}: {expected.format(cache=hub_cache)}"
+
+
+def token_records(path: Path, documents: list[list[int]]) -> str:
+    """Each document's ids as one record of an ArrayRecord file, little-endian int32."""
+    import numpy as np
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    writer = ArrayRecordWriter(str(path), "group_size:16")
+    for ids in documents:
+        writer.write(np.asarray(ids, "<i4").tobytes())
+    writer.close()
+    return str(path)
+
+
+def test_array_record_token_ids_train_as_the_same_text_tokenized(tmp_path, reference) -> None:
+    data = token_records(tmp_path / "ids.array_record", [list(t.encode()) for t in TEXTS])
+    losses = train(tmp_path, "--data", data)
+    assert len(losses) == 2 and losses == reference
+
+
+@pytest.mark.parametrize("write, expected", [
+    (lambda path: token_records(path, [[5, 6, 7, 8]] * 999 + [[7, 300]]),
+     "{path} (record 999): holds ids outside 0 to 258, the tokenizer's — pass the --tokenizer "
+     "that made the ids"),
+    (lambda path: path.write_bytes(b"\0" * 64),
+     "{path}: holds no records, or is not an ArrayRecord file — write one record per "
+     "document, its ids as little-endian int32 bytes (numpy.asarray(ids, '<i4').tobytes())"),
+])
+def test_bad_array_record_token_ids_are_one_line(write, expected, tmp_path, capsys) -> None:
+    from helpers import error
+
+    path = tmp_path / "ids.array_record"
+    write(path)
+    message = error([*TINY_RUN, *ONE_DEVICE, "--data", str(path)], capsys)
+    assert message == f"hotjax: error: {expected.format(path=path)}"

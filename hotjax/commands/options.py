@@ -41,9 +41,10 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "data": {"help": "stdlib, shakespeare, a directory or glob ('src/**/*.py') of text files, "
              "a text file, .jsonl/.json records, .parquet, a directory a Hugging Face "
              "dataset was saved to (save_to_disk), hf:OWNER/NAME[:SPLIT] of the local Hugging "
-             "Face cache (read offline), or token ids in a .npy (1-D, each document "
-             "followed by the --tokenizer's EOS) (default: stdlib, the Python standard "
-             "library's .py files)"},
+             "Face cache (read offline), or token ids of the --tokenizer: a .npy (1-D, each "
+             "document followed by its EOS) or an .array_record file (a record per document, "
+             "its ids as little-endian int32) (default: stdlib, the Python standard library's "
+             ".py files)"},
     "text_field": {"default": _RUN.text_field, "metavar": "FIELD",
                    "help": "the field of a record (.jsonl, .json, .parquet, a dataset's row) "
                    "that holds its text (default: %(default)s)"},

@@ -1,6 +1,6 @@
 """Where training documents come from: an embedded corpus, a directory or glob of files, a text
 file, JSON records (`.jsonl`, `.json`), Parquet, a Hugging Face dataset saved to disk or in the
-local Hugging Face cache, or token ids already made (`.npy`, `token_ids`).
+local Hugging Face cache, or token ids already made (`.npy`, ArrayRecord: `token_ids`).
 
 `open_corpus` hashes the source's bytes (its fingerprint), then scans it to validate it and count
 odd files unless its index is cached under that hash (`index_cache`), and keeps only the index;
@@ -72,14 +72,15 @@ class Corpus:
 
     @property
     def pretokenized(self) -> bool:
-        return "tokens" in self.kinds
+        return any(kind in token_ids.KINDS for kind in self.kinds)
 
     def encode(self, i: int, tokenizer) -> list[int]:
         """Document i's token ids: its text tokenized, or the ids it holds already."""
         file, a, b = (int(x) for x in self.spans_Dx3[i])
-        if self.kinds[file] != "tokens":
+        if self.kinds[file] not in token_ids.KINDS:
             return tokenizer.encode(self.read(i))
-        return self._opened(file, token_ids.open_ids).document(a, b, tokenizer)
+        return self._opened(file, token_ids.opener(self.kinds[file])).document(
+            a, b, tokenizer, self.describe(i))
 
     def encode_batch(self, docs, tokenizer) -> list[list[int]]:
         if self.pretokenized:
@@ -95,7 +96,7 @@ class Corpus:
         if kind in ("dataset", "arrow"):
             return self._opened(file, lambda path: hf_datasets.open_rows(
                 path, kind, self.text_field)).text(a, b)
-        if kind == "tokens":
+        if kind in token_ids.KINDS:
             raise UserError(f"{self.files[file]} holds token ids, not text — pass the "
                             f"--tokenizer that made them")
         with self.files[file].open("rb") as f:
@@ -113,7 +114,7 @@ class Corpus:
             return f"{path}:{line}"
         return {"text": f"{path}", "json": f"{path}[{b}]",
                 **dict.fromkeys(("dataset", "arrow"), f"{path} (record batch {a}, row {b})"),
-                "tokens": f"{path} (ids {a} to {b})"}.get(
+                "tokens": f"{path} (ids {a} to {b})", "token_records": f"{path} (record {a})"}.get(
             kind, f"{path} (row group {a}, row {b})")
 
     def subset(self, docs_N: np.ndarray, part: str) -> "Corpus":
@@ -209,8 +210,7 @@ def open_corpus(path: str | None, text_field: str = "text", split: str | None = 
     if root.is_dir():
         return _index(path, root, _files_under(root, "**/*"), text_field)
     if root.is_file():
-        kind = records.kind_of(root, named=True) or (
-            "tokens" if root.suffix.lower() == token_ids.SUFFIX else "text")
+        kind = records.kind_of(root, named=True) or token_ids.kind_of(root) or "text"
         return _index(path, root.parent, [root], text_field, {root: kind})
     raise UserError(f"corpus not found: {path} — {_FIX}")
 
@@ -284,8 +284,8 @@ def _scan(listed: list[tuple[Path, bytes, str]], text_field: str) -> index_cache
         with _reading(p):
             if kind in ("dataset", "arrow"):  # memory-mapped
                 found = hf_datasets.index(p, kind, text_field)
-            elif kind == "tokens":
-                found = token_ids.index(p)
+            elif kind in token_ids.KINDS:
+                found = token_ids.index(p, kind)
             elif kind != "text":  # read in parts, never held whole
                 with p.open("rb") as f:
                     found = records.index(p, kind, f, text_field)

@@ -25,7 +25,7 @@ from models import bounds
 
 VERSION = 1
 # How `Corpus` reads each file; stored by position, so a new kind goes at the end.
-KINDS = ("text", "jsonl", "json", "parquet", "dataset", "tokens", "arrow")
+KINDS = ("text", "jsonl", "json", "parquet", "dataset", "tokens", "arrow", "token_records")
 _MAGIC = b"hotjax corpus index\0"
 _HEADER = len(_MAGIC) + 32 + 3 * 8 + 32  # magic, key, (version, files, documents), digest
 

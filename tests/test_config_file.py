@@ -1,6 +1,7 @@
-"""`hotjax train --config FILE.toml`: the file's options under the flags given, every option's
-final value in each checkpoint, `ckpt inspect` printing them as a file `--config` reads back; a
-resume onto another learning-rate schedule refused in one line unless `--new-schedule`."""
+"""`hotjax train --config FILE.toml` or `FILE.yaml`: the file's options under the flags given,
+every option's final value in each checkpoint, `ckpt inspect` printing them as a file `--config`
+reads back; a resume onto another learning-rate schedule refused in one line unless
+`--new-schedule`."""
 
 import json
 
@@ -92,6 +93,51 @@ def test_a_flag_drops_the_files_option_it_excludes(tmp_path):
     assert (run.batch_tokens, run.batch_sequences, run.lr) == (None, 4, 0.01)
     assert config_file.toml({"lr": 0.01, "data": None, "balance": True}) == \
         "lr = 0.01\nbalance = true\n"
+
+
+# FILE in YAML: a section as a mapping, 3e-3 as YAML 1.1 reads it (a string the flag converts).
+YAML_FILE = """\
+steps: 6
+weight-decay: 0.05
+data: null  # left at its default
+optimizer:
+  lr: 3e-3
+  schedule: linear
+  warmup_steps: 1
+  min-lr-ratio: 0.5
+"""
+
+
+def test_a_yaml_config_file_is_the_run_its_toml_twin_is_and_round_trips(tmp_path):
+    (tmp_path / "run.toml").write_text(FILE)
+    (tmp_path / "run.yaml").write_text(YAML_FILE)
+    run = vars(run_config(["train", "--config", str(tmp_path / "run.toml"), "--steps", "2"]))
+    assert vars(run_config(["train", "--config", str(tmp_path / "run.yaml"), "--steps",
+                            "2"])) == run
+    # Every option's value written as YAML (as a checkpoint records them) reads back the same.
+    import yaml
+
+    (tmp_path / "dumped.yml").write_text(yaml.safe_dump(run))
+    assert vars(run_config(["train", "--config", str(tmp_path / "dumped.yml")])) == run
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("weight_decy: 0.1", "unknown option 'weight_decy': did you mean weight-decay?"),
+    ("opt:\n  beta2: 1.0", "--beta2 1.0: pass a number from 0 up to, not including, 1"),
+    ("steps: 2.5", "steps = 2.5: give a whole number"),
+    ("schedule: [cosine]", "schedule = ['cosine']: give a string"),
+    ("lr: 1\nlr: 2", "not YAML: key 'lr' given twice (line 2): keep one"),
+    ("lr: [", "not YAML: expected the node content, but found '<stream end>' (line 2, column 1)"),
+    ("- lr", "holds a list, not a mapping of options"),
+    ("a:\n  b:\n    lr: 1", "a.b: options sit at the top or in one level of sections"),
+    ("lr: !!python/object/apply:os.system [echo]", "not YAML: could not determine a "
+     "constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.system'"),
+])
+def test_a_bad_yaml_config_file_is_one_line(text, expect, tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text + "\n")
+    line = error(["train", "--config", str(path)], capsys)
+    assert expect in line, line
 
 
 @pytest.mark.parametrize("flags, expect", [

@@ -1,6 +1,7 @@
-"""`--config FILE.toml`: a command's options read from a TOML file, its keys the options' names
-(`lr = 3e-4`, `batch-tokens = 4096` or `batch_tokens`), flat or in [sections] of any name; the
-flags given on the command line override it. Each value is checked as its flag's would be."""
+"""`--config FILE.toml` or `FILE.yaml`: a command's options read from a TOML or YAML file, its
+keys the options' names (`lr = 3e-4` or `lr: 3e-4`, `batch-tokens` or `batch_tokens`), flat or in
+sections of any name ([optimizer], or a mapping `optimizer:`); the flags given on the command
+line override it. Each value is checked as its flag's would be."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import argparse
 import difflib
 import json
 import tomllib
+from pathlib import Path
 from typing import Any
 
 from hotjax.commands.options import EXCLUSIVE
+from models.bounds import MAX_JSON_BYTES
 from models.errors import UserError
 
 # Not `config`: `hotjax ckpt import-hf --config` names a model's config.json.
@@ -18,10 +21,12 @@ DEST = "config_file"
 
 
 def add_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", dest=DEST, metavar="FILE.toml", help="read the options "
-                        "from this TOML file, each key an option's name (lr = 3e-4, "
-                        "batch-tokens = 4096), flat or in [sections]; flags given override it; "
-                        "`hotjax ckpt inspect` prints a run's as such a file")
+    parser.add_argument("--config", dest=DEST, metavar="FILE.toml|FILE.yaml", help="read the "
+                        "options from this TOML file (lr = 3e-4, batch-tokens = 4096, flat or "
+                        "in [sections]) or YAML file (.yaml/.yml: lr: 3e-4, flat or in one "
+                        "level of mappings; null leaves an option at its default), each key an "
+                        "option's name; flags given override it; `hotjax ckpt inspect` prints "
+                        "a run's as a TOML file")
 
 
 def read(path: str, command: argparse.ArgumentParser) -> dict[str, Any]:
@@ -69,25 +74,76 @@ def toml(options: dict[str, Any]) -> str:
 
 
 def _options(path: str) -> dict[str, Any]:
-    """The file's keys and values, [sections] flattened."""
-    try:
-        with open(path, "rb") as file:
-            table = tomllib.load(file)
-    except OSError as e:
-        raise UserError(f"--config {path}: {e.strerror or e}: give a TOML file of "
-                        f"options") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"--config {path}: not TOML: {e}") from None
+    """The file's keys and values, sections flattened; a YAML null is no value."""
+    table = _table(path)
     flat: dict[str, Any] = {}
     for key, value in table.items():
         for inner, item in (value.items() if isinstance(value, dict) else ((key, value),)):
             if isinstance(item, dict):
-                raise UserError(f"{path}: [{key}.{inner}]: options sit at the top or in one "
-                                f"level of [sections]")
+                raise UserError(f"{path}: {key}.{inner}: options sit at the top or in one "
+                                f"level of sections")
+            if not isinstance(inner, str):
+                raise UserError(f"{path}: key {inner!r} is not an option's name: write the "
+                                f"option's name")
             if inner in flat:
                 raise UserError(f"{path}: option {inner!r} given twice: keep one")
-            flat[inner] = item
+            if item is not None:
+                flat[inner] = item
     return flat
+
+
+def _table(path: str) -> dict[Any, Any]:
+    """The TOML or YAML (by its suffix) file's top-level table, read only if at most
+    MAX_JSON_BYTES."""
+    form = "YAML" if Path(path).suffix.lower() in (".yaml", ".yml") else "TOML"
+    try:
+        with open(path, "rb") as file:
+            raw = file.read(MAX_JSON_BYTES + 1)
+    except OSError as e:
+        raise UserError(f"--config {path}: {e.strerror or e}: give a {form} file of "
+                        f"options") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise UserError(f"--config {path}: over {MAX_JSON_BYTES:,} bytes (MAX_JSON_BYTES), more "
+                        f"than any file of options: give a {form} file of options")
+    try:
+        text = raw.decode()
+        table = tomllib.loads(text) if form == "TOML" else _yaml(text)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, ValueError) as e:
+        reason = " ".join(str(e).split())
+        raise UserError(f"--config {path}: not {form}: {reason}") from None
+    if not isinstance(table, dict):
+        raise UserError(f"--config {path}: holds a {type(table).__name__}, not a mapping of "
+                        f"options: write one `name: value` a line")
+    return table
+
+
+def _yaml(text: str) -> Any:
+    """YAML text as plain values (`yaml.safe_load`: no tags that build objects), a key given
+    twice refused as TOML refuses it; an empty file is an empty table. Its errors as
+    ValueError."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            mapping = super().construct_mapping(node, deep)
+            keys = [self.construct_object(key, deep) for key, _ in node.value]
+            for at, key in enumerate(keys):
+                if key in keys[:at]:
+                    raise ValueError(f"key {key!r} given twice (line "
+                                     f"{node.value[at][0].start_mark.line + 1}): keep one")
+            return mapping
+
+    try:
+        value = yaml.load(text, Loader)  # noqa: S506 (a SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        raise ValueError(f"{e.problem} (line {mark.line + 1}, column {mark.column + 1})"
+                         if mark else e.problem) from None
+    except yaml.YAMLError as e:
+        raise ValueError(" ".join(str(e).split())) from None
+    except RecursionError:
+        raise ValueError("it nests too deep") from None
+    return {} if value is None else value
 
 
 def _value(action: argparse.Action, value: Any, where: str) -> Any:

@@ -53,21 +53,23 @@ LINK_ENV = "HOTJAX_LINK_BYTES_PER_S"  # set in each launched process under --lin
 
 
 def run(program: list[str], processes: int, devices_per_process: int | None,
-        out: IO[str] | None = None, pin: bool = True, link: float | None = None) -> int:
+        out: IO[str] | None = None, pin: bool = True, link: float | None = None,
+        verbose: bool = False) -> int:
     """Runs `program` (an argv that takes hotjax's `--coordinator/--num-processes/--process-id`)
     as `processes` processes; 0 when all succeed, else the first failure's exit code (the rest
     stopped), or a `UserError` when JAX's runtime failed the run for a process that stopped
     answering. On CPU with `pin`, each process runs on its own cores (`core_shares`), as the
     first line says. `link` (bytes/s): the processes run in a network namespace of their own
-    whose loopback carries at most that (`hotjax.link`), removed however the launch ends."""
+    whose loopback carries at most that (`hotjax.link`), removed however the launch ends.
+    `verbose` passes on the lines of the runtime's chatter (`CHATTER`) too."""
     out = out or sys.stdout
     with contextlib.ExitStack() as stack:
         namespace = stack.enter_context(shaped_namespace(link)) if link is not None else None
-        return _run(program, processes, devices_per_process, out, pin, link, namespace)
+        return _run(program, processes, devices_per_process, out, pin, link, namespace, verbose)
 
 
 def _run(program: list[str], processes: int, devices_per_process: int | None, out: IO[str],
-         pin: bool, link: float | None, namespace: str | None) -> int:
+         pin: bool, link: float | None, namespace: str | None, verbose: bool) -> int:
     coordinator = f"127.0.0.1:{_free_port()}"
     gpus = _gpus()
     cores = core_shares(processes) if pin and not gpus else None
@@ -106,7 +108,7 @@ def _run(program: list[str], processes: int, devices_per_process: int | None, ou
                                        start_new_session=True,
                                        preexec_fn=functools.partial(_child_setup, own))
             started.append(process)
-            relays.append(_Relay(process, f"[{i}] ", out))
+            relays.append(_Relay(process, f"[{i}] ", out, verbose))
             relays[-1].start()
         return _supervise(started, relays, program, out)
     finally:
@@ -238,17 +240,23 @@ _COORDINATION_LOG = re.compile(r"[EF]\d{4} [\d:.]+\s+\d+ coordination_service\w*
                                r"|[EF]\d{4} .*JAX distributed service")
 _JAX_FATAL = "Terminating process because the JAX distributed service detected fatal errors"
 HELD_LINES = 200  # a fatal log and its stack trace are a few dozen
+# Lines the runtime prints on every run that say nothing went wrong: gloo's report, as each
+# process's CPU collectives connect, that a rank met its peers. `hotjax launch --verbose` shows
+# them.
+CHATTER = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 
 class _Relay(threading.Thread):
-    """Passes one process's output on, prefixed. From the first line of JAX's coordination
-    service on it holds the lines back: should the process die of JAX's fatal error, they are a
-    C++ log and stack trace the launcher sums up in one line (`silent_process`); otherwise they
-    are passed on when the process ends."""
+    """Passes one process's output on, prefixed, less the runtime's chatter (`CHATTER`) unless
+    `verbose`. From the first line of JAX's coordination service on it holds the lines back:
+    should the process die of JAX's fatal error, they are a C++ log and stack trace the launcher
+    sums up in one line (`silent_process`); otherwise they are passed on when the process
+    ends."""
 
-    def __init__(self, process: subprocess.Popen, prefix: str, out: IO[str]):
+    def __init__(self, process: subprocess.Popen, prefix: str, out: IO[str],
+                 verbose: bool = False):
         super().__init__(daemon=True)
-        self.process, self.prefix, self.out = process, prefix, out
+        self.process, self.prefix, self.out, self.verbose = process, prefix, out, verbose
         self.held: list[str] = []
 
     def run(self) -> None:
@@ -258,7 +266,7 @@ class _Relay(threading.Thread):
                 if len(self.held) < HELD_LINES:
                     continue
                 self._pass_on()  # too long for a fatal log: the output as it is
-            else:
+            elif self.verbose or not CHATTER.match(line):
                 self._write(line)
         if self.held:
             self.process.wait()

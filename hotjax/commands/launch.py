@@ -26,6 +26,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                         "namespace whose loopback carries at most RATE (50MB/s, 400Mbit), or a "
                         "profile's link scaled to this machine's compute (a800-4x8:intra or "
                         ":inter); needs root and iproute2")
+    launch.add_argument("--verbose", action="store_true", help="also pass on the lines the "
+                        "runtime prints on every run (gloo's \"Rank N is connected to M peer "
+                        "ranks\"), hidden by default")
     launch.add_argument("command", nargs=argparse.REMAINDER,
                         help="-- train ... or -- plan --measure ... (the command every "
                         "process runs)")
@@ -54,4 +57,4 @@ def _launch(args: argparse.Namespace) -> int:
         if how:
             print(f"hotjax launch: --link {args.link}: {how}", flush=True)
     return run([sys.executable, "-m", "hotjax.cli", *command], args.processes,
-               args.devices_per_process, pin=args.pin, link=rate)
+               args.devices_per_process, pin=args.pin, link=rate, verbose=args.verbose)

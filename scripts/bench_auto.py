@@ -14,17 +14,20 @@ round. Reported per method: its buckets as the cost model prices them (strategy,
 rows, predicted seconds) on the typical step `--strategies auto` plans for, the measured median
 step time, real tokens/s, padding and losses; and auto/default of the measured and of the
 predicted step time (<= 1: auto is no worse). `--quick`: one round of 3 steps on 2,048-token
-mini-batches of byte tokens in float32 (a smoke test). On simulated CPU devices the timings
-compare the two on this machine only: its 8 fake devices share its cores.
+mini-batches of byte tokens in float32 (a smoke test), planned, where this machine has no profile
+cached, on a quick one measured for the run alone. On simulated CPU devices the timings compare
+the two on this machine only: its 8 fake devices share its cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import io
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -55,6 +58,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     from hotjax.config import RunConfig
     from hotjax.data import estimated_lengths, load_tokenizer, open_corpus
     from hotjax.planning import search as plan
+    from hotjax.planning.measure import local_profile, profile_path
     from hotjax.run import model_config, plan_search, strategy_table
     from models.errors import UserError
     from models.llama import preset
@@ -73,7 +77,12 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     argv = {"default": ["train", *flags], "auto": ["train", *flags, "--strategies", "auto"]}
 
     # What the runs train on and what `--strategies auto` plans with (measuring the profile
-    # now, if this machine has none cached, so that no timed run does).
+    # now, if this machine has none cached, so that no timed run does; a quick run measures a
+    # quick one, for itself alone).
+    if args.quick and not profile_path().exists():
+        os.environ["HOTJAX_CACHE"] = tempfile.mkdtemp(prefix="bench_auto-")
+        atexit.register(shutil.rmtree, os.environ["HOTJAX_CACHE"], ignore_errors=True)
+        local_profile(progress, quick=True)
     run_config = run_config_of(argv["auto"])
     corpus = open_corpus(run_config.data)
     tokenizer = load_tokenizer(run_config.tokenizer, corpus, vocab_size=run_config.vocab_size)

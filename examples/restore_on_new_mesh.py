@@ -10,6 +10,7 @@ from the checkpoint, so the continued run sees the data the saved one would have
 
 import argparse
 import json
+import sys
 
 import hotjax
 from hotjax.commands.options import add_options
@@ -29,6 +30,8 @@ def main() -> None:
     steps = args.steps or config.steps
     with hotjax.Run.from_config(config, devices=devices) as run:
         state, start = run.restore(args.checkpoint)
+        if start >= steps:
+            print(f"step {start} reached: nothing to train (--steps {steps})", file=sys.stderr)
         for step in range(start + 1, steps + 1):
             state, metrics = run.step(state)
             print(json.dumps({"step": step, "loss": metrics["loss"]}), flush=True)

@@ -14,6 +14,7 @@ evaluates between steps.
 import argparse
 import itertools
 import json
+import sys
 import time
 
 import jax
@@ -82,6 +83,9 @@ def main() -> None:
                     tokenizer=tokenizer, devices=devices, seed=args.seed,
                     ckpt_dir=args.ckpt_dir) as run:
         state, start = run.initial_state()  # resumes from --ckpt-dir's latest if it has one
+        if start >= args.steps:
+            print(f"step {start} reached: nothing to train (--steps {args.steps})",
+                  file=sys.stderr)
         # The same held-out mini-batches at every evaluation (this run's tokenizer and buckets).
         held_out = (list(itertools.islice(run.minibatches(args.eval_data), args.eval_batches))
                     if args.eval_data else [])

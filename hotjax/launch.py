@@ -74,6 +74,9 @@ def _run(program: list[str], processes: int, devices_per_process: int | None, ou
     gpus = _gpus()
     cores = core_shares(processes) if pin and not gpus else None
     first = ("" if gpus else describe_cpu_cluster(processes, devices_per_process or 4, cores))
+    if processes == 1:
+        first = ("1 process: it joins no cluster and runs no collectives, as the command would "
+                 "without hotjax launch (pass --processes 2 or more for a cluster)")
     if namespace:
         first = (f"{first or f'{processes} processes'} over a link shaped to "
                  f"{describe_rate(link)} (tc tbf on the loopback of network namespace "

@@ -110,3 +110,19 @@ def test_a_checkpoint_from_8_devices_resumes_on_4_under_another_strategy(runs):
     assert [r["step"] for r in restored] == [3, 4]
     np.testing.assert_allclose([r["loss"] for r in restored],
                                [r["loss"] for r in uninterrupted[2:]], rtol=0, atol=1e-5)
+
+
+def test_an_example_with_no_step_left_to_train_says_why(runs):
+    """Each example resumed at its last step trains nothing, and says so rather than exiting
+    in silence."""
+    tmp = runs["tmp"]
+    script = [ROOT / "examples" / "train_llama.py", *FLAGS, "--data", runs["corpus"],
+              "--devices", "8", "--ckpt-dir", "ck-script"]
+    restore = [ROOT / "examples" / "restore_on_new_mesh.py", tmp / "ck" / "4", "--devices", "4",
+               "--strategy", "fsdp=2,tensor=2"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda args: python(*args[0], cwd=tmp, devices=args[1]),
+                             ((script, 8), (restore, 4))))
+    for run in done:
+        assert run.stdout == ""
+        assert "step 4 reached: nothing to train (--steps 4)" in run.stderr, run.stderr[-2000:]

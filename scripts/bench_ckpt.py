@@ -8,14 +8,18 @@ of a DeepSpeed universal directory, `import-deepspeed` of ZeRO-2 rank files,
 megatron` of Megatron-LM rank files.
 
     python scripts/bench_ckpt.py [--model small] [--dir DIR] [--repeats 3] [--dcp-gb 2]
-                                 [--hf-gb 2] [--conversions-only] [--json] [--quick]
+                                 [--hf-gb 2] [--conversions-only] [--in-process] [--json]
+                                 [--quick]
 
 Reads are cold: every file is flushed and dropped from the page cache first (fadvise). The
 state is saved from `--strategy` (home) on all devices (8 simulated ones on a CPU machine).
 Each conversion runs once, as the real command (`hotjax.cli.main(["ckpt", ...])`) in a fresh
 process, timed end to end (the process's start included) against a cold read of its input or
 an fsynced write of its output; its peak RSS is the process's own (VmHWM as it exits), beside
-that of `ckpt inspect` (the same imports, no tensor read). The foreign checkpoints are written
+that of `ckpt inspect` (the same imports, no tensor read). With `--in-process` each runs in
+this process instead, one after another: its seconds without a process's start, its peak RSS
+this process's from the conversion's start (the peak reset first, /proc/self/clear_refs). The
+foreign checkpoints are written
 first (`hotjax.checkpoint.formats.fakes`), not timed: a LLaMA of vocabulary 32000 and width 768
 (12 heads, MLP 2048) with as many layers as make `--hf-gb` of fp32 weights (safetensors files
 of at most 1 GB, Hugging Face's index beside them), and `--dcp-gb` of fp32 weights and AdamW
@@ -25,13 +29,17 @@ ZeRO-2 rank files of the DCP checkpoint's model and bytes (fp32 weights and Adam
 4 ranks). The torch_dist checkpoint holds the DCP checkpoint's model and as many bytes (weights
 and Adam moments, per parameter); the Megatron-LM rank files (tp=2, pp=2) the Hugging Face
 checkpoint's model and bytes.
-`--quick`: the `tiny` model (and foreign checkpoints), one repeat, two steps (a smoke test).
+`--quick`: the `tiny` model (and foreign checkpoints), one repeat, two steps, the conversions
+in this process (a smoke test).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
+import io
 import json
 import os
 import platform
@@ -54,7 +62,8 @@ if TYPE_CHECKING:
     from models.llama import LlamaConfig
 
 CHUNK = 64 << 20
-QUICK = {"model": "tiny", "repeats": 1, "steps": 2, "seq_len": 64, "dcp_gb": 0, "hf_gb": 0}
+QUICK = {"model": "tiny", "repeats": 1, "steps": 2, "seq_len": 64, "dcp_gb": 0, "hf_gb": 0,
+         "in_process": True}
 DCP_BYTES_PER_PARAM = 12  # fp32 weight, exp_avg and exp_avg_sq
 HF_BYTES_PER_PARAM = 4  # fp32 weight
 MEGATRON_TP, MEGATRON_PP = 2, 2  # the Megatron-LM rank files' layout
@@ -114,11 +123,35 @@ def foreign_config(gb: float, bytes_per_param: int) -> LlamaConfig:
     return dataclasses.replace(base, n_layers=max(1, -int(-wanted // layer)))
 
 
-def run_ckpt(*args: str | Path, drop: Path | None = None) -> dict[str, float]:
-    """`hotjax ckpt *args` in a fresh process (one CPU device, the CLI's own): its seconds, end
-    to end, and its peak RSS in bytes. `drop` is dropped from the page cache first."""
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM) since it started or since `_reset_peak`."""
+    with open("/proc/self/status") as status:
+        return 1024 * next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # VmHWM back to the resident memory now (Linux 4.0+)
+
+
+def run_ckpt(*args: str | Path, drop: Path | None = None,
+             in_process: bool = False) -> dict[str, float]:
+    """`hotjax ckpt *args` in a fresh process (one CPU device, the CLI's own), or with
+    `in_process` in this one: its seconds, end to end, and its peak RSS in bytes. `drop` is
+    dropped from the page cache first."""
     if drop is not None:
         _drop_cache(drop)
+    if in_process:
+        from hotjax.cli import main as hotjax
+
+        _reset_peak()
+        started = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = hotjax(["ckpt", *map(str, args)])
+        seconds = time.perf_counter() - started
+        if code != 0:
+            raise RuntimeError(f"hotjax ckpt {' '.join(map(str, args))} exited {code}")
+        return {"seconds": seconds, "peak_rss_bytes": _peak_rss_bytes()}
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     with tempfile.NamedTemporaryFile("r", suffix=".peak") as peak:
         started = time.perf_counter()
@@ -136,10 +169,12 @@ def _conversion(run: dict[str, float], nbytes: int, disk_gb_s: float) -> dict[st
             "disk_gb_s": disk_gb_s}
 
 
-def conversions(root: Path, hf_gb: float, dcp_gb: float) -> dict:
+def conversions(root: Path, hf_gb: float, dcp_gb: float, in_process: bool = False) -> dict:
     """Each conversion of a Hugging Face directory of `hf_gb` and a DCP checkpoint of `dcp_gb`
-    (and of the DeepSpeed universal directory exported from its import): seconds, GB/s of the
-    larger side against the disk's cold read (imports) or fsynced write (exports), peak RSS."""
+    (and of the DeepSpeed universal directory exported from its import), each a fresh process
+    or with `in_process` in this one: seconds, GB/s of the larger side against the disk's cold
+    read (imports) or fsynced write (exports), peak RSS."""
+    convert = functools.partial(run_ckpt, in_process=in_process)
     hf_config, dcp_config = foreign_config(hf_gb, HF_BYTES_PER_PARAM), foreign_config(
         dcp_gb, DCP_BYTES_PER_PARAM)
     hf, dcp = root / "hf", root / "dcp"
@@ -149,12 +184,12 @@ def conversions(root: Path, hf_gb: float, dcp_gb: float) -> dict:
     largest = max(_bytes(hf), _bytes(dcp))
     disk = disk_baseline(root, largest)
     read, write = disk["read_gb_s"], disk["write_gb_s"]
-    out: dict = {"disk_read_gb_s": read, "disk_write_gb_s": write}
+    out: dict = {"disk_read_gb_s": read, "disk_write_gb_s": write, "in_process": in_process}
 
     hf_bytes = _bytes(hf)
-    imported = _conversion(run_ckpt("import-hf", hf, root / "hf-in", drop=hf), hf_bytes, read)
-    baseline = run_ckpt("inspect", root / "hf-in")
-    run = run_ckpt("export-hf", root / "hf-in", root / "hf-out", drop=root / "hf-in")
+    imported = _conversion(convert("import-hf", hf, root / "hf-in", drop=hf), hf_bytes, read)
+    baseline = convert("inspect", root / "hf-in")
+    run = convert("export-hf", root / "hf-in", root / "hf-out", drop=root / "hf-in")
     out["baseline_rss_bytes"] = baseline["peak_rss_bytes"]
     out["hf"] = {"bytes": hf_bytes, "layers": hf_config.n_layers,
                  "params": hf_config.num_params(), "import": imported,
@@ -163,45 +198,45 @@ def conversions(root: Path, hf_gb: float, dcp_gb: float) -> dict:
         shutil.rmtree(root / path)
 
     dcp_bytes = _bytes(dcp)
-    run = run_ckpt("import-dcp", dcp, root / "dcp-in", "--config", config_json, drop=dcp)
+    run = convert("import-dcp", dcp, root / "dcp-in", "--config", config_json, drop=dcp)
     imported = _conversion(run, dcp_bytes, read)
-    run = run_ckpt("export-dcp", root / "dcp-in", root / "dcp-out", drop=root / "dcp-in")
+    run = convert("export-dcp", root / "dcp-in", root / "dcp-out", drop=root / "dcp-in")
     out["dcp"] = {"bytes": dcp_bytes, "files": len(list(dcp.glob("*.distcp"))),
                   "params": dcp_config.num_params(), "layers": dcp_config.n_layers,
                   "import": imported, "export": _conversion(run, _bytes(root / "dcp-out"), write),
                   "disk_read_gb_s": read, "disk_write_gb_s": write,
                   "import_vs_disk_read": imported["gb_s"] / read}
-    run = run_ckpt("export-universal", root / "dcp-in", root / "ds", drop=root / "dcp-in")
+    run = convert("export-universal", root / "dcp-in", root / "ds", drop=root / "dcp-in")
     exported = _conversion(run, _bytes(root / "ds"), write)
-    run = run_ckpt("import-deepspeed", root / "ds", root / "ds-in", "--config", config_json,
+    run = convert("import-deepspeed", root / "ds", root / "ds-in", "--config", config_json,
                    drop=root / "ds")
     out["deepspeed"] = {"bytes": _bytes(root / "ds"), "export_universal": exported,
                         "import": _conversion(run, _bytes(root / "ds"), read)}
     fakes.write_zero(root / "zero", dcp_config, ZERO_DP)
-    run = run_ckpt("import-deepspeed", root / "zero", root / "zero-in", "--config", config_json,
+    run = convert("import-deepspeed", root / "zero", root / "zero-in", "--config", config_json,
                    drop=root / "zero")
     out["zero"] = {"bytes": _bytes(root / "zero"), "dp": ZERO_DP, "layers": dcp_config.n_layers,
                    "import": _conversion(run, _bytes(root / "zero"), read)}
     for path in ("dcp", "dcp-config", "dcp-in", "dcp-out", "ds", "ds-in", "zero", "zero-in"):
         shutil.rmtree(root / path)
-    out.update(megatron_conversions(root, hf_config, dcp_config, read))
+    out.update(megatron_conversions(root, hf_config, dcp_config, read, convert))
     return out
 
 
 def megatron_conversions(root: Path, weights: LlamaConfig, with_adam: LlamaConfig,
-                         disk_gb_s: float) -> dict:
+                         disk_gb_s: float, convert=run_ckpt) -> dict:
     """`import-megatron-core` of a torch_dist checkpoint of `with_adam` (weights and Adam
     moments) and `import-shards --format megatron` of Megatron-LM rank files of `weights`: their
-    seconds, GB/s against the disk's cold read, peak RSS."""
+    seconds, GB/s against the disk's cold read, peak RSS (`convert`, as `run_ckpt`, runs each)."""
     mc, mg = root / "mc", root / "mg"
     fakes.write_megatron_core(mc, with_adam)
-    run = run_ckpt("import-megatron-core", mc, root / "mc-in", drop=mc)
+    run = convert("import-megatron-core", mc, root / "mc-in", drop=mc)
     out = {"megatron_core": {"bytes": _bytes(mc), "layers": with_adam.n_layers,
                              "import": _conversion(run, _bytes(mc), disk_gb_s)}}
     shutil.rmtree(mc)
     shutil.rmtree(root / "mc-in")
     fakes.write_megatron(mg, weights, MEGATRON_TP, MEGATRON_PP)
-    run = run_ckpt("import-shards", "--format", "megatron", mg, root / "mg-in", drop=mg)
+    run = convert("import-shards", "--format", "megatron", mg, root / "mg-in", drop=mg)
     out["megatron"] = {"bytes": _bytes(mg), "layers": weights.n_layers, "tp": MEGATRON_TP,
                        "pp": MEGATRON_PP, "import": _conversion(run, _bytes(mg), disk_gb_s)}
     shutil.rmtree(mg)
@@ -227,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: %(default)s, 64 layers; 0: the tiny model's)")
     parser.add_argument("--conversions-only", action="store_true",
                         help="only the imports and exports (no training state is saved)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run each conversion in this process, not a fresh one (no start "
+                             "timed; the peak RSS this process's from the conversion's start)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object to stdout (the table goes to stderr)")
     args = parse_args(parser, argv, QUICK)
@@ -245,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                      "devices": len(devices), "machine": platform.machine(),
                      "python": sys.version.split()[0], "jax": jax.__version__},
         **({} if args.conversions_only else state_times(args, root)),
-        "conversions": conversions(root, args.hf_gb, args.dcp_gb),
+        "conversions": conversions(root, args.hf_gb, args.dcp_gb, args.in_process),
     }
     result["dcp"] = result["conversions"]["dcp"]
     if not args.dir:
@@ -396,7 +434,8 @@ def _conversions_table(r: dict, console: Console) -> None:
 
     c, hw = r["conversions"], r["hardware"]
     base = c["baseline_rss_bytes"]
-    table = Table(title=f"conversions, each a fresh `hotjax ckpt` process ({hw['cpus']} cores); "
+    where = "in one process" if c["in_process"] else "each a fresh `hotjax ckpt` process"
+    table = Table(title=f"conversions, {where} ({hw['cpus']} cores); "
                         f"peak RSS of `ckpt inspect` (no tensor read): {base / 1e9:.2f} GB")
     for column in ("what", "GB", "seconds", "GB/s", "disk alone, GB/s", "peak RSS, GB",
                    "above inspect, GB", "of the checkpoint"):

@@ -11,6 +11,13 @@ bound up to the diagonal. Backward, one fused kernel on the same grid: dK/dV of 
 query blocks from the diagonal to j's bound, then dQ of query block j like the forward. Query
 head n reads K/V head n // G; with G > 1 each query head's dK/dV are summed outside the kernel.
 
+A context-parallel ring (`models.attention`) runs one step of its own per K/V chunk a rank holds:
+`ring_step` returns its queries' output over that chunk's keys with its log-sum-exp, for the
+ring to merge, and `ring_step_backward` their share of dQ and the chunk's dK/dV from the final
+log-sum-exp. A rank's chunk is not one run of the row (balanced chunks are two), so these mask
+by positions within documents, not columns, and loop over the block pairs a table computed
+outside the kernel lists, forward and backward.
+
 Letters as in `models.attention`; Q and W are blocks of queries and keys (both `block` tokens).
 """
 
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,39 +92,96 @@ def computed_blocks(segment_ids_BxT, block: int = BLOCK):
     return xp.maximum(own - first + 1, 0).sum(axis=1)
 
 
-def _scores(q_QxH: Array, k_WxH: Array, q_seg_Q: Array, k_seg_W: Array, i, j, block: int,
-            scale: float) -> tuple[Array, Array]:
-    """Base-2 scaled scores of a query block against a key block, and the mask."""
-    s_QxW = plgpu.dot(q_QxH, k_WxH.T) * (scale * _LOG2E)
-    q_col = i * block + jnp.arange(block)
-    k_col = j * block + jnp.arange(block)
-    mask_QxW = ((q_seg_Q[:, None] == k_seg_W[None, :]) & (q_seg_Q[:, None] > 0)
-                & (k_col[None, :] <= q_col[:, None]))
+class _Queries(NamedTuple):
+    """A query block inside a kernel: its rows, segment ids, causal order (columns or
+    positions) and, in the backward pass, dO and its rows' base-2 log-sum-exp and delta."""
+
+    q_QxH: Array
+    seg_Q: Array
+    order_Q: Array
+    do_QxH: Array | None = None
+    lse_Q: Array | None = None
+    delta_Q: Array | None = None
+
+
+class _Keys(NamedTuple):
+    """A key block inside a kernel: its K and V rows, segment ids and causal order."""
+
+    k_WxH: Array
+    v_WxH: Array
+    seg_W: Array
+    order_W: Array
+
+
+def _columns(index, block: int) -> Array:
+    return index * block + jnp.arange(block)
+
+
+def _scores(queries: _Queries, keys: _Keys, scale: float) -> tuple[Array, Array]:
+    """Base-2 scaled scores of a query block against a key block, and the mask: the same
+    document, not padding, the key not later."""
+    s_QxW = plgpu.dot(queries.q_QxH, keys.k_WxH.T) * (scale * _LOG2E)
+    q_seg_Q = queries.seg_Q
+    mask_QxW = ((q_seg_Q[:, None] == keys.seg_W[None, :]) & (q_seg_Q[:, None] > 0)
+                & (keys.order_W[None, :] <= queries.order_Q[:, None]))
     return jnp.where(mask_QxW, s_QxW, _MASKED), mask_QxW
+
+
+def _fold(carry, queries: _Queries, keys: _Keys, scale: float):
+    """A key block folded into a query block's online softmax (output, max, sum; base 2).
+    Masked scores weigh until a real one lifts the max above them (then exp2 gives 0): a row
+    that sees nothing ends with its max at _MASKED or below."""
+    acc_QxH, m_Q, l_Q = carry
+    s_QxW, _ = _scores(queries, keys, scale)
+    m_next = jnp.maximum(m_Q, s_QxW.max(axis=-1))
+    p_QxW = jnp.exp2(s_QxW - m_next[:, None])
+    shrink = jnp.exp2(m_Q - m_next)
+    acc_QxH = acc_QxH * shrink[:, None] + plgpu.dot(p_QxW.astype(keys.v_WxH.dtype), keys.v_WxH)
+    return acc_QxH, m_next, l_Q * shrink + p_QxW.sum(axis=-1)
+
+
+def _empty(block: int, H: int):
+    return (jnp.zeros((block, H), jnp.float32), jnp.full((block,), -jnp.inf, jnp.float32),
+            jnp.zeros((block,), jnp.float32))
+
+
+def _probabilities(queries: _Queries, keys: _Keys, scale: float) -> Array:
+    s_QxW, mask_QxW = _scores(queries, keys, scale)
+    # Masked explicitly: a padding query's lse is no normaliser of its masked scores.
+    return jnp.where(mask_QxW, jnp.exp2(s_QxW - queries.lse_Q[:, None]), 0)
+
+
+def _key_grads(carry, queries: _Queries, keys: _Keys, scale: float):
+    """A query block's share of a key block's dK and dV (fp32)."""
+    dk_WxH, dv_WxH = carry
+    p_QxW = _probabilities(queries, keys, scale)
+    do_QxH = queries.do_QxH
+    dv_WxH = dv_WxH + plgpu.dot(p_QxW.astype(do_QxH.dtype).T, do_QxH)
+    dp_QxW = plgpu.dot(do_QxH, keys.v_WxH.T)
+    ds_QxW = p_QxW * (dp_QxW - queries.delta_Q[:, None]) * scale
+    return dk_WxH + plgpu.dot(ds_QxW.astype(queries.q_QxH.dtype).T, queries.q_QxH), dv_WxH
+
+
+def _query_grads(dq_QxH: Array, queries: _Queries, keys: _Keys, scale: float) -> Array:
+    """A key block's share of a query block's dQ (fp32)."""
+    p_QxW = _probabilities(queries, keys, scale)
+    dp_QxW = plgpu.dot(queries.do_QxH, keys.v_WxH.T)
+    ds_QxW = p_QxW * (dp_QxW - queries.delta_Q[:, None]) * scale
+    return dq_QxH + plgpu.dot(ds_QxW.astype(keys.k_WxH.dtype), keys.k_WxH)
 
 
 def _forward_kernel(first_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, block: int,
                     scale: float):
     i = pl.program_id(2)
-    rows = pl.ds(i * block, block)
-    q_QxH = q_ref[...]
-    q_seg_Q = seg_ref[rows]
-    H = q_QxH.shape[-1]
+    q_seg_Q = seg_ref[pl.ds(i * block, block)]
+    queries = _Queries(q_ref[...], q_seg_Q, _columns(i, block))
 
     def body(j, carry):
-        acc_QxH, m_Q, l_Q = carry
         keys = pl.ds(j * block, block)
-        s_QxW, _ = _scores(q_QxH, k_ref[keys, :], q_seg_Q, seg_ref[keys], i, j, block, scale)
-        m_next = jnp.maximum(m_Q, s_QxW.max(axis=-1))
-        p_QxW = jnp.exp2(s_QxW - m_next[:, None])
-        shrink = jnp.exp2(m_Q - m_next)
-        v_WxH = v_ref[keys, :]
-        acc_QxH = acc_QxH * shrink[:, None] + plgpu.dot(p_QxW.astype(v_WxH.dtype), v_WxH)
-        return acc_QxH, m_next, l_Q * shrink + p_QxW.sum(axis=-1)
+        return _fold(carry, queries, _Keys(k_ref[keys, :], v_ref[keys, :], seg_ref[keys],
+                                           _columns(j, block)), scale)
 
-    start = (jnp.zeros((block, H), jnp.float32), jnp.full((block,), -jnp.inf, jnp.float32),
-             jnp.zeros((block,), jnp.float32))
-    acc_QxH, m_Q, l_Q = lax.fori_loop(first_ref[i], i + 1, body, start)
+    acc_QxH, m_Q, l_Q = lax.fori_loop(first_ref[i], i + 1, body, _empty(block, q_ref.shape[-1]))
     real_Q = q_seg_Q > 0
     # A padding query's row is all masks: its sums are junk, its output zero.
     o_ref[...] = jnp.where(real_Q[:, None], acc_QxH / l_Q[:, None], 0).astype(o_ref.dtype)
@@ -126,53 +191,88 @@ def _forward_kernel(first_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, 
 def _backward_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref,
                      delta_ref, dq_ref, dk_ref, dv_ref, *, block: int, scale: float):
     j = pl.program_id(2)
-    here = pl.ds(j * block, block)
-    H = q_ref.shape[-1]
 
-    def probabilities(i, jj, q_QxH, k_WxH, q_seg_Q, k_seg_W, lse_Q):
-        s_QxW, mask_QxW = _scores(q_QxH, k_WxH, q_seg_Q, k_seg_W, i, jj, block, scale)
-        # Masked explicitly: a padding query's lse is no normaliser of its masked scores.
-        return jnp.where(mask_QxW, jnp.exp2(s_QxW - lse_Q[:, None]), 0)
+    def query_block(i) -> _Queries:
+        rows = pl.ds(i * block, block)
+        return _Queries(q_ref[rows, :], seg_ref[rows], _columns(i, block), do_ref[rows, :],
+                        lse_ref[rows], delta_ref[rows])
+
+    def key_block(jj) -> _Keys:
+        keys = pl.ds(jj * block, block)
+        return _Keys(k_ref[keys, :], v_ref[keys, :], seg_ref[keys], _columns(jj, block))
 
     # dK, dV of key block j: the query blocks from the diagonal to the last one that sees it.
-    k_WxH, v_WxH, k_seg_W = k_ref[here, :], v_ref[here, :], seg_ref[here]
-
-    def key_body(i, carry):
-        dk_WxH, dv_WxH = carry
-        rows = pl.ds(i * block, block)
-        q_QxH, do_QxH = q_ref[rows, :], do_ref[rows, :]
-        p_QxW = probabilities(i, j, q_QxH, k_WxH, seg_ref[rows], k_seg_W, lse_ref[rows])
-        dv_WxH = dv_WxH + plgpu.dot(p_QxW.astype(do_QxH.dtype).T, do_QxH)
-        dp_QxW = plgpu.dot(do_QxH, v_WxH.T)
-        ds_QxW = p_QxW * (dp_QxW - delta_ref[rows][:, None]) * scale
-        return dk_WxH + plgpu.dot(ds_QxW.astype(q_QxH.dtype).T, q_QxH), dv_WxH
-
-    zeros = jnp.zeros((block, H), jnp.float32)
-    dk_WxH, dv_WxH = lax.fori_loop(j, end_ref[j], key_body, (zeros, zeros))
+    keys = key_block(j)
+    zeros = jnp.zeros((block, q_ref.shape[-1]), jnp.float32)
+    dk_WxH, dv_WxH = lax.fori_loop(
+        j, end_ref[j], lambda i, carry: _key_grads(carry, query_block(i), keys, scale),
+        (zeros, zeros))
     dk_ref[...] = dk_WxH.astype(dk_ref.dtype)
     dv_ref[...] = dv_WxH.astype(dv_ref.dtype)
 
     # dQ of query block j: the key blocks the forward pass read.
-    q_QxH, do_QxH, q_seg_Q = q_ref[here, :], do_ref[here, :], seg_ref[here]
-    lse_Q, delta_Q = lse_ref[here], delta_ref[here]
+    queries = query_block(j)
+    dq_ref[...] = lax.fori_loop(
+        first_ref[j], j + 1, lambda jj, dq: _query_grads(dq, queries, key_block(jj), scale),
+        zeros).astype(dq_ref.dtype)
 
-    def query_body(jj, dq_QxH):
+
+def _ring_forward_kernel(count_ref, listed_ref, q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref,
+                         k_seg_ref, k_pos_ref, o_ref, lse_ref, *, block: int, scale: float):
+    i = pl.program_id(2)
+    rows = pl.ds(i * block, block)
+    queries = _Queries(q_ref[...], q_seg_ref[rows], q_pos_ref[rows])
+
+    def body(n, carry):
+        keys = pl.ds(listed_ref[i, n] * block, block)
+        return _fold(carry, queries, _Keys(k_ref[keys, :], v_ref[keys, :], k_seg_ref[keys],
+                                           k_pos_ref[keys]), scale)
+
+    acc_QxH, m_Q, l_Q = lax.fori_loop(0, count_ref[i], body, _empty(block, q_ref.shape[-1]))
+    seen_Q = m_Q > _MASKED  # padding, or no key of this chunk in the query's document
+    o_ref[...] = jnp.where(seen_Q[:, None], acc_QxH / jnp.where(seen_Q, l_Q, 1)[:, None], 0)
+    lse_ref[...] = jnp.where(seen_Q, (m_Q + jnp.log2(l_Q)) / _LOG2E, -jnp.inf)
+
+
+def _ring_backward_kernel(k_count_ref, k_listed_ref, q_count_ref, q_listed_ref, q_ref, k_ref,
+                          v_ref, q_seg_ref, q_pos_ref, k_seg_ref, k_pos_ref, do_ref, lse_ref,
+                          delta_ref, dq_ref, dk_ref, dv_ref, *, block: int, scale: float):
+    j = pl.program_id(2)
+
+    def query_block(i) -> _Queries:
+        rows = pl.ds(i * block, block)
+        return _Queries(q_ref[rows, :], q_seg_ref[rows], q_pos_ref[rows], do_ref[rows, :],
+                        lse_ref[rows], delta_ref[rows])
+
+    def key_block(jj) -> _Keys:
         keys = pl.ds(jj * block, block)
-        k_WxH = k_ref[keys, :]
-        p_QxW = probabilities(j, jj, q_QxH, k_WxH, q_seg_Q, seg_ref[keys], lse_Q)
-        dp_QxW = plgpu.dot(do_QxH, v_ref[keys, :].T)
-        ds_QxW = p_QxW * (dp_QxW - delta_Q[:, None]) * scale
-        return dq_QxH + plgpu.dot(ds_QxW.astype(k_WxH.dtype), k_WxH)
+        return _Keys(k_ref[keys, :], v_ref[keys, :], k_seg_ref[keys], k_pos_ref[keys])
 
-    dq_ref[...] = lax.fori_loop(first_ref[j], j + 1, query_body, zeros).astype(dq_ref.dtype)
+    # dK, dV of key block j: the query blocks that see it.
+    keys = key_block(j)
+    zeros = jnp.zeros((block, q_ref.shape[-1]), jnp.float32)
+    dk_WxH, dv_WxH = lax.fori_loop(
+        0, q_count_ref[j],
+        lambda n, carry: _key_grads(carry, query_block(q_listed_ref[j, n]), keys, scale),
+        (zeros, zeros))
+    dk_ref[...] = dk_WxH
+    dv_ref[...] = dv_WxH
+
+    # dQ of query block j: the key blocks it sees.
+    queries = query_block(j)
+    dq_ref[...] = lax.fori_loop(
+        0, k_count_ref[j],
+        lambda n, dq: _query_grads(dq, queries, key_block(k_listed_ref[j, n]), scale), zeros)
 
 
 def _specs(B: int, T: int, N: int, G: int, H: int, block: int):
     """BlockSpecs on the grid (row b, query head n, block i): n's block i of [B, T, N, H], the
-    whole row of K/V head n // G, and whole rows of [B, T] and [B, N, T]."""
+    whole row of K/V head n // G, and whole rows of [B, T/block], [B, T/block, T/block],
+    [B, T] and [B, N, T]."""
     blocks = T // block
     return dict(
         bounds=pl.BlockSpec((None, blocks), lambda b, n, i: (b, 0)),
+        table=pl.BlockSpec((None, blocks, blocks), lambda b, n, i: (b, 0, 0)),
         q_block=pl.BlockSpec((None, block, None, H), lambda b, n, i: (b, i, n, 0)),
         q_row=pl.BlockSpec((None, T, None, H), lambda b, n, i: (b, 0, n, 0)),
         kv_row=pl.BlockSpec((None, T, None, H), lambda b, n, i: (b, 0, n // G, 0)),
@@ -182,12 +282,12 @@ def _specs(B: int, T: int, N: int, G: int, H: int, block: int):
     )
 
 
-def _check(q_BxTxNxH: Array, k_BxTxKxH: Array, block: int) -> None:
-    (_, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
-    if T % block or block & (block - 1) or H & (H - 1) or N % K:
+def _check(q_BxTxNxH: Array, k_BxSxKxH: Array, block: int) -> None:
+    (_, T, N, H), (_, S, K, _) = q_BxTxNxH.shape, k_BxSxKxH.shape
+    if T % block or block & (block - 1) or H & (H - 1) or N % K or S != T:
         raise ValueError(f"packed attention needs a power-of-two block ({block}) dividing the "
-                         f"row ({T}), a power-of-two head dim ({H}) and N ({N}) a multiple of "
-                         f"K ({K})")
+                         f"row ({T}), as many keys as queries ({S}), a power-of-two head dim "
+                         f"({H}) and N ({N}) a multiple of K ({K})")
 
 
 def _warps(block: int) -> int:
@@ -266,3 +366,75 @@ def _backward(block: int, interpret: bool, residuals, dout_BxTxNxH: Array):
 
 
 _attention.defvjp(_forward, _backward)
+
+
+def _listed(visible_BxIxJ: Array) -> tuple[Array, Array]:
+    """([B, I], [B, I, J]) int32: how many key blocks each query block sees, and which (those
+    first, in order)."""
+    count_BxI = visible_BxIxJ.sum(axis=-1, dtype=jnp.int32)
+    listed_BxIxJ = jnp.argsort(jnp.logical_not(visible_BxIxJ).astype(jnp.int32), axis=-1,
+                               stable=True)
+    return count_BxI, listed_BxIxJ.astype(jnp.int32)
+
+
+def ring_step(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
+              q_tokens: tuple[Array, Array], k_tokens: tuple[Array, Array],
+              visible_BxIxJ: Array, *, block: int, interpret: bool = False
+              ) -> tuple[Array, Array]:
+    """One step of a context-parallel ring: a rank's queries against the K/V chunk it holds
+    (S = T). Tokens are (segment ids, positions within documents), [B, T] and [B, S];
+    `visible_BxIxJ` says which (query block, key block) pairs may see something (at least
+    those: `models.attention.visible_blocks`). Returns the output over this chunk's keys,
+    fp32 [B, T, N, H], and its natural log-sum-exp, fp32 [B, N, T]; a query that sees none of
+    them gets 0 and -inf."""
+    _check(q_BxTxNxH, k_BxSxKxH, block)
+    (B, T, N, H), K = q_BxTxNxH.shape, k_BxSxKxH.shape[2]
+    spec = _specs(B, T, N, N // K, H, block)
+    return pl.pallas_call(
+        functools.partial(_ring_forward_kernel, block=block, scale=H ** -0.5),
+        grid=(B, N, T // block),
+        in_specs=[spec["bounds"], spec["table"], spec["q_block"], spec["kv_row"],
+                  spec["kv_row"]] + [spec["tokens"]] * 4,
+        out_specs=[spec["q_block"], spec["head_block"]],
+        out_shape=[jax.ShapeDtypeStruct(q_BxTxNxH.shape, jnp.float32),
+                   jax.ShapeDtypeStruct((B, N, T), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=_warps(block), num_stages=2),
+        interpret=interpret, name="ring_attention_forward",
+    )(*_listed(visible_BxIxJ), q_BxTxNxH, k_BxSxKxH, v_BxSxKxH,
+      *_int32(q_tokens), *_int32(k_tokens))
+
+
+def ring_step_backward(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
+                       q_tokens: tuple[Array, Array], k_tokens: tuple[Array, Array],
+                       visible_BxIxJ: Array, lse_BxNxT: Array, delta_BxNxT: Array,
+                       dout_BxTxNxH: Array, *, block: int, interpret: bool = False
+                       ) -> tuple[Array, Array, Array]:
+    """The backward of `ring_step` given the ring's final natural log-sum-exp and delta
+    (rowsum(dO * O) of its final output), [B, N, T]: this chunk's share of dQ, and its dK and
+    dV, all fp32."""
+    _check(q_BxTxNxH, k_BxSxKxH, block)
+    (B, T, N, H), K = q_BxTxNxH.shape, k_BxSxKxH.shape[2]
+    spec = _specs(B, T, N, N // K, H, block)
+    # Base 2 in the kernel; a query that sees nothing has every probability masked.
+    lse_BxNxT = jnp.where(jnp.isfinite(lse_BxNxT), lse_BxNxT * _LOG2E, 0)
+    dq_BxTxNxH, dk_BxSxNxH, dv_BxSxNxH = pl.pallas_call(
+        functools.partial(_ring_backward_kernel, block=block, scale=H ** -0.5),
+        grid=(B, N, T // block),
+        in_specs=[spec["bounds"], spec["table"]] * 2
+        + [spec["q_row"], spec["kv_row"], spec["kv_row"]] + [spec["tokens"]] * 4
+        + [spec["q_row"], spec["head_row"], spec["head_row"]],
+        out_specs=[spec["q_block"]] * 3,
+        out_shape=[jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)] * 3,
+        compiler_params=plgpu.CompilerParams(num_warps=_warps(block), num_stages=2),
+        interpret=interpret, name="ring_attention_backward",
+    )(*_listed(visible_BxIxJ), *_listed(visible_BxIxJ.transpose(0, 2, 1)), q_BxTxNxH,
+      k_BxSxKxH, v_BxSxKxH, *_int32(q_tokens), *_int32(k_tokens),
+      dout_BxTxNxH.astype(q_BxTxNxH.dtype), lse_BxNxT, delta_BxNxT)
+    # Per query head: each K/V head's G query heads summed.
+    dk_BxSxKxH, dv_BxSxKxH = (x.reshape(B, T, K, N // K, H).sum(axis=3)
+                              for x in (dk_BxSxNxH, dv_BxSxNxH))
+    return dq_BxTxNxH, dk_BxSxKxH, dv_BxSxKxH
+
+
+def _int32(tokens: tuple[Array, Array]) -> tuple[Array, ...]:
+    return tuple(x.astype(jnp.int32) for x in tokens)

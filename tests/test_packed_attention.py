@@ -1,5 +1,6 @@
 """The packed-attention Pallas GPU kernel: equal to dense attention (values and gradients, run by
-Pallas' interpreter on CPU), computing only the blocks documents span, and compiling for an H100."""
+Pallas' interpreter on CPU), computing only the blocks documents span, and compiling for an H100;
+the same of the ring step's kernel over one K/V chunk."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +10,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hotjax import targets
 from hotjax.planning.cost import document_pairs
-from models.attention import dense_attention
-from models.packed_attention import block_bounds, block_for, computed_blocks, packed_attention
+from models.attention import Tokens, dense_attention, visible_blocks
+from models.packed_attention import (
+    block_bounds,
+    block_for,
+    computed_blocks,
+    packed_attention,
+    ring_step,
+    ring_step_backward,
+)
 
 TOLERANCE = 1e-5  # fp32: only the order of the softmax sums differs
 
@@ -85,22 +93,26 @@ def test_the_bounds_are_a_parallel_scan_not_a_loop_over_the_row():
         np.testing.assert_array_equal(got, want)
 
 
-def _forward_backward(dtype, H: int, T: int, block: int = 0) -> jax.stages.Compiled:
-    """Forward and backward of a [1, T, 32, H] row compiled for one H100."""
+def _for_h100(fn, *shapes: tuple[tuple[int, ...], object]) -> jax.stages.Compiled:
+    """`fn` compiled for one H100 on arguments of these (shape, dtype)."""
     target = targets.prepare("h100")
     mesh = Mesh(np.array(targets.devices(target, 1)), ("data",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(fn).lower(*(
+        jax.ShapeDtypeStruct(shape, dtype, sharding=replicated) for shape, dtype in shapes
+    )).compile()
 
+
+def _forward_backward(dtype, H: int, T: int, block: int = 0) -> jax.stages.Compiled:
+    """Forward and backward of a [1, T, 32, H] row compiled for one H100."""
     def forward_backward(q, k, v, segment_ids, dout):
         out, vjp = jax.vjp(lambda q, k, v: packed_attention(q, k, v, segment_ids, block=block),
                            q, k, v)
         return out, vjp(dout)
 
     shape = (1, T, 32, H)
-    shapes = [(shape, dtype)] * 3 + [((1, T), jnp.int32), (shape, dtype)]
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(forward_backward).lower(*(
-        jax.ShapeDtypeStruct(shape, dtype, sharding=replicated) for shape, dtype in shapes
-    )).compile()
+    return _for_h100(forward_backward, *[(shape, dtype)] * 3, ((1, T), jnp.int32),
+                     (shape, dtype))
 
 
 @pytest.mark.parametrize(("dtype", "H", "edge"), [(jnp.bfloat16, 128, 128),
@@ -121,3 +133,81 @@ def test_float32_tiles_of_128_exceed_shared_memory():
     263,680 bytes of shared memory, as an H200 refused them at run time."""
     with pytest.raises(Exception, match="RESOURCE_EXHAUSTED"):
         _forward_backward(jnp.float32, 64, 2048, block=128)
+
+
+def chunk_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_tokens: Tokens, k_tokens: Tokens):
+    """The reference of one ring step: softmax over this chunk's keys alone, masked by
+    documents and positions; a query that sees none of them gets 0 and a log-sum-exp of
+    -inf. Returns [B, T, N, H] and [B, N, T]."""
+    G = q_BxTxNxH.shape[2] // k_BxSxKxH.shape[2]
+    k_BxSxNxH, v_BxSxNxH = (jnp.repeat(x, G, axis=2) for x in (k_BxSxKxH, v_BxSxKxH))
+    s_BxNxTxS = jnp.einsum("btnh,bsnh->bnts", q_BxTxNxH, k_BxSxNxH) * q_BxTxNxH.shape[-1] ** -0.5
+    mask_Bx1xTxS = ((q_tokens.segment[:, :, None] == k_tokens.segment[:, None, :])
+                    & (q_tokens.segment[:, :, None] > 0)
+                    & (k_tokens.position[:, None, :] <= q_tokens.position[:, :, None]))[:, None]
+    s_BxNxTxS = jnp.where(mask_Bx1xTxS, s_BxNxTxS, -1e30)
+    top_BxNxT = jax.lax.stop_gradient(s_BxNxTxS.max(axis=-1))
+    p_BxNxTxS = jnp.where(mask_Bx1xTxS, jnp.exp(s_BxNxTxS - top_BxNxT[..., None]), 0)
+    sum_BxNxT = p_BxNxTxS.sum(axis=-1)
+    out_BxNxTxH = jnp.einsum("bnts,bsnh->bnth", p_BxNxTxS, v_BxSxNxH) / jnp.where(
+        sum_BxNxT > 0, sum_BxNxT, 1)[..., None]
+    lse_BxNxT = jnp.where(sum_BxNxT > 0, top_BxNxT + jnp.log(sum_BxNxT), -jnp.inf)
+    return out_BxNxTxH.transpose(0, 2, 1, 3), lse_BxNxT
+
+
+def test_a_ring_step_is_attention_over_the_chunk_it_holds_when_interpreted():
+    """Queries of a row's second half against the K/V of its first, tiles of 16: a document
+    crossing the halves and tiles, one that starts in the second half (its queries see
+    nothing here: 0 and -inf), padding. Given its own log-sum-exp, as when the ring is one
+    chunk, its backward is the chunk's gradients. GQA (N=4, K=2)."""
+    segment_ids_BxT, positions_BxT = rows_of(128, [30, 70, 20], [100, 3])
+    columns_BxT = np.broadcast_to(np.arange(128, dtype=np.int32), (2, 128))
+    row = Tokens(*(jnp.asarray(x) for x in (segment_ids_BxT, positions_BxT, columns_BxT)))
+    q_tokens, k_tokens = (Tokens(*(x[:, half] for x in row))
+                          for half in (slice(64, None), slice(None, 64)))
+    B, T, N, K, H = 2, 64, 4, 2, 16
+    keys = jax.random.split(jax.random.key(1), 4)
+    q, dout = (jax.random.normal(key, (B, T, N, H)) for key in keys[:2])
+    k, v = (jax.random.normal(key, (B, T, K, H)) for key in keys[2:])
+    visible_BxIxJ = visible_blocks(q_tokens, k_tokens, 16, 16)
+    assert not visible_BxIxJ.all()  # some tile pairs are skipped
+
+    got_out, got_lse = ring_step(q, k, v, q_tokens[:2], k_tokens[:2], visible_BxIxJ, block=16,
+                                 interpret=True)
+    (want_out, want_lse), vjp = jax.vjp(
+        lambda q, k, v: chunk_attention(q, k, v, q_tokens, k_tokens), q, k, v)
+    np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), atol=TOLERANCE,
+                               rtol=TOLERANCE)
+    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=TOLERANCE,
+                               rtol=TOLERANCE)
+    unseen = np.isinf(np.asarray(want_lse))
+    assert unseen[:, :, 36:].all() and not unseen[0, :, :36].any()  # from column 100 on
+
+    delta_BxNxT = jnp.einsum("btnh,btnh->bnt", want_out, dout)
+    got = ring_step_backward(q, k, v, q_tokens[:2], k_tokens[:2], visible_BxIxJ, want_lse,
+                             delta_BxNxT, dout, block=16, interpret=True)
+    for got_grad, want_grad in zip(got, vjp((dout, jnp.zeros_like(want_lse))), strict=True):
+        np.testing.assert_allclose(np.asarray(got_grad), np.asarray(want_grad), atol=TOLERANCE,
+                                   rtol=TOLERANCE)
+
+
+@pytest.mark.parametrize(("dtype", "H"), [(jnp.bfloat16, 128), (jnp.float32, 64)])
+def test_the_ring_step_compiles_for_an_h100_at_the_trainers_shapes(dtype, H):
+    """A ring of 4 over 16K rows: a rank's 4K chunk of LLaMA2-7B's heads (N=32, H=128, bf16)
+    and of a float32 run's 64-wide ones, the ring step forward and backward at the tile
+    `block_for` picks: two Triton kernels within the H100's shared memory, no T x T scores."""
+    T = 4096
+    block = block_for(dtype, H, T)
+
+    def forward_backward(q, k, v, segment_ids, positions, visible, dout):
+        tokens = (segment_ids, positions)
+        out, lse = ring_step(q, k, v, tokens, tokens, visible, block=block)
+        delta = jnp.einsum("btnh,btnh->bnt", out, dout.astype(jnp.float32))
+        return out, ring_step_backward(q, k, v, tokens, tokens, visible, lse, delta, dout,
+                                       block=block)
+
+    shape, blocks = (1, T, 32, H), T // block
+    compiled = _for_h100(forward_backward, *[(shape, dtype)] * 3, *[((1, T), jnp.int32)] * 2,
+                         ((1, blocks, blocks), jnp.bool_), (shape, dtype))
+    assert compiled.as_text().count('custom_call_target="__gpu$xla.gpu.triton"') == 2
+    assert compiled.memory_analysis().temp_size_in_bytes < T * T * 2

@@ -18,7 +18,10 @@ their K/V head by a grouped einsum; K/V are never repeated.
 Under context parallelism each rank keeps its queries and passes its K/V chunk around the ring
 (`ppermute`, issued before the chunk's computation so the two overlap); the backward pass sends
 the K/V gradients around with them. With `balanced` chunks (rank i holds chunks i and 2C-1-i)
-every rank computes about the same number of blocks.
+every rank computes about the same number of blocks. Each chunk is computed by the blockwise
+kernel, or on GPU by the ring step's Pallas kernel ("pallas-ring",
+`models.packed_attention.ring_step`) over the same list of visible block pairs; the chunks'
+results merge by their log-sum-exp.
 
 Letters: B rows, T query tokens, S key tokens, N query heads, K K/V heads, G query heads per
 K/V head, H head dim, Q a query block's tokens, W a key block's tokens.
@@ -50,6 +53,7 @@ Array = jax.Array
 # blocks keep the matrix units busy.
 DEFAULT_BLOCK = {"cpu": 256, "gpu": 512}
 PALLAS_BLOCK = 128  # rows the packed-attention Pallas kernel takes: a multiple of its tiles
+RING_BLOCK = 16  # the ring step's least tile edge (Triton's matmuls take no fewer rows)
 _NONE = jnp.iinfo(jnp.int32).max  # the lower bound of a block with no real token
 
 
@@ -100,8 +104,10 @@ def choose_backend(requested: str, platform: str, *, ring: bool, packed: bool,
     `documents`, the step's cap, 0 when not known; a `workspace` in bytes within its limit,
     `models.cudnn_attention.workspace_bytes`). Other packed rows take the packed-attention
     Pallas kernel (`models.packed_attention`, for rows its tiles divide; `seq_len` None: not
-    yet known), a context-parallel ring the blockwise kernel; every other platform the
-    blockwise kernel. `capability`: the GPU's compute capability (major), None when not known.
+    yet known). A context-parallel ring takes the ring step's Pallas kernel ("pallas-ring")
+    whatever was asked for, where its tiles divide `seq_len`, then the tokens of a rank's
+    chunk (of each of its halves when balanced). Every other platform runs the blockwise
+    kernel. `capability`: the GPU's compute capability (major), None when not known.
     """
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}: choose one of "
@@ -112,7 +118,12 @@ def choose_backend(requested: str, platform: str, *, ring: bool, packed: bool,
         why = f"{requested} needs a GPU" if requested != "auto" else None
         return "blockwise", why
     if ring:
-        return "blockwise", None if requested == "auto" else (
+        if not _pallas_available():
+            return "blockwise", "the Pallas GPU kernel is not importable"
+        if seq_len is not None and seq_len % RING_BLOCK:
+            return "blockwise", (f"the ring's Pallas kernel tiles a rank's chunk ({seq_len} "
+                                 f"tokens) in blocks of {RING_BLOCK} or more")
+        return "pallas-ring", None if requested in ("auto", "pallas") else (
             f"{requested} cannot pass K/V around a context-parallel ring")
     if requested in ("auto", "cudnn") and packed:
         why = cudnn_packed_support(dtype, capability)
@@ -141,22 +152,26 @@ def _pallas_available() -> bool:
 def attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_BxT: Array,
               positions_BxT: Array, *, backend: str = "auto", block: int = 0,
               packed: bool = True, documents: int = 0,
-              sharding: AttentionSharding | None = None) -> Array:
+              sharding: AttentionSharding | None = None, interpret: bool = False) -> Array:
     """Softmax attention under the document-causal mask, output [B, T, N, H] in q's dtype.
 
     `block`: the block edge of the blockwise kernel (0: the platform's default). `packed`:
     whether rows may hold several documents (False lets cuDNN take plain causal rows).
     `documents`: the most documents a row holds (0: not known). `sharding`: run per device
     under this layout (a ring when the sequence is split); None leaves the layout to XLA.
+    `interpret`: choose as on a GPU and run its Pallas kernels in Pallas' interpreter, on any
+    platform (how they are tested without one).
     """
     ring = sharding is not None and sharding.ring_size > 1
     device = sharding.mesh.devices.flat[0] if sharding is not None else jax.devices()[0]
-    platform = device.platform
+    platform = "gpu" if interpret else device.platform
     B, T, N, H = q_BxTxNxH.shape
     if sharding is not None:  # one device's rows and heads
         B, N = (size // math.prod(sharding.mesh.shape[a] for a in _axes(sharding.q, dim))
                 for size, dim in ((B, 0), (N, 2)))
-    kernel, _ = choose_backend(backend, platform, ring=ring, packed=packed, seq_len=T,
+    # Under a ring a kernel tiles one rank's chunk, each half of it apart when balanced.
+    tiled = T // (sharding.ring_size * (1 + sharding.balanced)) if ring else T
+    kernel, _ = choose_backend(backend, platform, ring=ring, packed=packed, seq_len=tiled,
                                dtype=q_BxTxNxH.dtype, documents=documents,
                                workspace=workspace_bytes(B, T, documents, N, H),
                                capability=compute_capability(device))
@@ -164,7 +179,7 @@ def attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_
     if kernel == "dense":
         return dense_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, positions_BxT)
     local = functools.partial(_local_attention, kernel=kernel, block=block,
-                              documents=documents if packed else 1)
+                              documents=documents if packed else 1, interpret=interpret)
     if sharding is None:
         return local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, positions_BxT,
                      shard=_Shard())
@@ -224,10 +239,10 @@ class _Shard(NamedTuple):
 
 def _local_attention(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
                      segment_ids_BxT: Array, positions_BxT: Array, *, shard: _Shard, kernel: str,
-                     block: int, documents: int) -> Array:
+                     block: int, documents: int, interpret: bool = False) -> Array:
     """One device's share: its query rows and heads, against every K/V chunk of its ring.
     `documents`: the most a row holds (1: rows are one causal document each; 0: not known)."""
-    B, T, N, _ = q_BxTxNxH.shape
+    B, T, N, H = q_BxTxNxH.shape
     if shard.kv_replicated:
         # More tensor ranks than K/V heads: every rank holds all K/V heads; keep the ones this
         # rank's query heads read (query head n reads K/V head n // G).
@@ -246,17 +261,23 @@ def _local_attention(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
             q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT, max_docs=documents,
             fallback=lambda q, k, v, seg: _local_attention(
                 q, k, v, seg, positions_BxT, shard=shard._replace(kv_replicated=False),
-                kernel=fallback, block=block, documents=documents))
+                kernel=fallback, block=block, documents=documents, interpret=interpret))
     if kernel == "pallas":
-        return _pallas(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT)
+        return _pallas(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT, interpret=interpret)
     columns_BxT = jnp.broadcast_to(_columns(T, shard), (B, T))
     tokens = Tokens(segment_ids_BxT, positions_BxT, columns_BxT)
-    dtype, wide = q_BxTxNxH.dtype, accumulating(q_BxTxNxH.dtype)
     # A balanced chunk is two halves far apart in the row: no block may straddle them.
     halves = 2 if shard.balanced else 1
+    if kernel == "pallas-ring":
+        from models.packed_attention import block_for
+
+        edge = block_for(q_BxTxNxH.dtype, H, T // halves)
+        return _ring(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, tokens, shard,
+                     _Chunks(kernel, (edge, edge), interpret))
+    dtype, wide = q_BxTxNxH.dtype, accumulating(q_BxTxNxH.dtype)
     blocks = (block_edge(T // halves, block), block_edge(k_BxSxKxH.shape[1] // halves, block))
-    out_BxTxNxH = _blockwise(q_BxTxNxH.astype(wide), k_BxSxKxH.astype(wide),
-                             v_BxSxKxH.astype(wide), tokens, shard, blocks)
+    out_BxTxNxH = _ring(q_BxTxNxH.astype(wide), k_BxSxKxH.astype(wide), v_BxSxKxH.astype(wide),
+                        tokens, shard, _Chunks(kernel, blocks))
     return out_BxTxNxH.astype(dtype)
 
 
@@ -446,14 +467,70 @@ def _grouped(x_BxTxNxH: Array, K: int) -> Array:
     return x_BxTxNxH.reshape(B, T, K, N // K, H)
 
 
+class _Chunks(NamedTuple):
+    """How a rank computes each K/V chunk of its ring: `kernel` "blockwise" (XLA) or
+    "pallas-ring" (the ring step's Pallas kernel, in Pallas' interpreter when `interpret`), on
+    blocks of (queries, keys)."""
+
+    kernel: str
+    blocks: tuple[int, int]
+    interpret: bool = False
+
+
+def _merge(a: _Softmax, b: _Softmax) -> _Softmax:
+    """Two online softmaxes over disjoint keys as one."""
+    top = jnp.maximum(a.max_BxTxKxG, b.max_BxTxKxG)
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)
+    weight_a, weight_b = jnp.exp(a.max_BxTxKxG - shift), jnp.exp(b.max_BxTxKxG - shift)
+    return _Softmax(a.out_BxTxKxGxH * weight_a[..., None] + b.out_BxTxKxGxH * weight_b[..., None],
+                    top, a.sum_BxTxKxG * weight_a + b.sum_BxTxKxG * weight_b)
+
+
+def _kernel_forward_chunk(state: _Softmax, q_BxTxKxGxH: Array, k_BxSxKxH: Array,
+                          v_BxSxKxH: Array, q: Tokens, k: Tokens, chunks: _Chunks) -> _Softmax:
+    """`_forward_chunk` by the ring step's Pallas kernel: its normalised output over the chunk
+    is an online softmax whose max is its log-sum-exp and whose sum is 1."""
+    from models.packed_attention import ring_step
+
+    B, T, K, G, H = q_BxTxKxGxH.shape
+    out_BxTxNxH, lse_BxNxT = ring_step(
+        q_BxTxKxGxH.reshape(B, T, K * G, H), k_BxSxKxH, v_BxSxKxH, q[:2], k[:2],
+        visible_blocks(q, k, *chunks.blocks), block=chunks.blocks[0], interpret=chunks.interpret)
+    lse_BxTxKxG = lse_BxNxT.transpose(0, 2, 1).reshape(B, T, K, G)
+    return _merge(state, _Softmax(out_BxTxNxH.reshape(B, T, K, G, H), lse_BxTxKxG,
+                                  jnp.isfinite(lse_BxTxKxG).astype(jnp.float32)))
+
+
+def _kernel_backward_chunk(grads: tuple[Array, Array, Array], q_BxTxKxGxH: Array,
+                           k_BxSxKxH: Array, v_BxSxKxH: Array, q: Tokens, k: Tokens,
+                           lse_BxTxKxG: Array, dout_BxTxKxGxH: Array, delta_BxTxKxG: Array,
+                           chunks: _Chunks) -> tuple[Array, Array, Array]:
+    """`_backward_chunk` by the ring step's Pallas kernel."""
+    from models.packed_attention import ring_step_backward
+
+    B, T, K, G, H = q_BxTxKxGxH.shape
+
+    def per_head(x_BxTxKxG: Array) -> Array:
+        return x_BxTxKxG.reshape(B, T, K * G).transpose(0, 2, 1)
+
+    dq_BxTxNxH, dk_BxSxKxH, dv_BxSxKxH = ring_step_backward(
+        q_BxTxKxGxH.reshape(B, T, K * G, H), k_BxSxKxH, v_BxSxKxH, q[:2], k[:2],
+        visible_blocks(q, k, *chunks.blocks), per_head(lse_BxTxKxG), per_head(delta_BxTxKxG),
+        dout_BxTxKxGxH.reshape(B, T, K * G, H), block=chunks.blocks[0],
+        interpret=chunks.interpret)
+    dq, dk, dv = grads
+    return dq + dq_BxTxNxH.reshape(dq.shape), dk + dk_BxSxKxH, dv + dv_BxSxKxH
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _blockwise(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, tokens: Tokens,
-               shard: _Shard, blocks: tuple[int, int]) -> Array:
-    return _blockwise_forward(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, tokens, shard, blocks)[0]
+def _ring(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, tokens: Tokens,
+          shard: _Shard, chunks: _Chunks) -> Array:
+    """A rank's queries against every K/V chunk of its ring (one chunk: no ring)."""
+    return _ring_forward(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, tokens, shard, chunks)[0]
 
 
-def _blockwise_forward(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, tokens: Tokens,
-                       shard: _Shard, blocks: tuple[int, int]):
+def _ring_forward(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, tokens: Tokens,
+                  shard: _Shard, chunks: _Chunks):
     B, T, N, H = q_BxTxNxH.shape
     K = k_BxSxKxH.shape[2]
     q_BxTxKxGxH = _grouped(q_BxTxNxH, K)
@@ -464,8 +541,12 @@ def _blockwise_forward(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, tok
     for step in range(shard.ring_size):
         # The next chunk is sent for before this one is computed, so the two overlap.
         following = _rotate(chunk, shard) if step + 1 < shard.ring_size else None
-        state = _forward_chunk(state, q_BxTxKxGxH, *chunk[:2], tokens, chunk[2], blocks,
-                               H ** -0.5)
+        if chunks.kernel == "blockwise":
+            state = _forward_chunk(state, q_BxTxKxGxH, *chunk[:2], tokens, chunk[2],
+                                   chunks.blocks, H ** -0.5)
+        else:
+            state = _kernel_forward_chunk(state, q_BxTxKxGxH, *chunk[:2], tokens, chunk[2],
+                                          chunks)
         chunk = following
     seen = state.sum_BxTxKxG > 0
     out_BxTxKxGxH = state.out_BxTxKxGxH / jnp.where(seen, state.sum_BxTxKxG, 1.0)[..., None]
@@ -474,7 +555,7 @@ def _blockwise_forward(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, tok
     return out_BxTxNxH, (q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, tokens, out_BxTxNxH, lse_BxTxKxG)
 
 
-def _blockwise_backward(shard: _Shard, blocks: tuple[int, int], residuals, dout_BxTxNxH: Array):
+def _ring_backward(shard: _Shard, chunks: _Chunks, residuals, dout_BxTxNxH: Array):
     q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, tokens, out_BxTxNxH, lse_BxTxKxG = residuals
     H, K = q_BxTxNxH.shape[-1], k_BxSxKxH.shape[2]
     dout_BxTxKxGxH = _grouped(dout_BxTxNxH.astype(q_BxTxNxH.dtype), K)
@@ -485,9 +566,12 @@ def _blockwise_backward(shard: _Shard, blocks: tuple[int, int], residuals, dout_
     chunk = (k_BxSxKxH, v_BxSxKxH, tokens)
     for step in range(shard.ring_size):
         following = _rotate(chunk, shard) if step + 1 < shard.ring_size else None
-        dq, *dkv = _backward_chunk((dq, *dkv), _grouped(q_BxTxNxH, K), *chunk[:2], tokens,
-                                   chunk[2], lse_BxTxKxG, dout_BxTxKxGxH, delta_BxTxKxG, blocks,
-                                   H ** -0.5)
+        shared = (_grouped(q_BxTxNxH, K), *chunk[:2], tokens, chunk[2], lse_BxTxKxG,
+                  dout_BxTxKxGxH, delta_BxTxKxG)
+        if chunks.kernel == "blockwise":
+            dq, *dkv = _backward_chunk((dq, *dkv), *shared, chunks.blocks, H ** -0.5)
+        else:
+            dq, *dkv = _kernel_backward_chunk((dq, *dkv), *shared, chunks)
         if shard.ring_size > 1:
             # K/V gradients travel with their chunk; the last step brings them home.
             dkv = _rotate(tuple(dkv), shard)
@@ -497,7 +581,7 @@ def _blockwise_backward(shard: _Shard, blocks: tuple[int, int], residuals, dout_
             dv.astype(v_BxSxKxH.dtype), None)
 
 
-_blockwise.defvjp(_blockwise_forward, _blockwise_backward)
+_ring.defvjp(_ring_forward, _ring_backward)
 
 
 def _cudnn(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array) -> Array:

@@ -3,6 +3,7 @@ only the blocks the mask shows, and pick a kernel per platform; remat policies c
 never the numbers."""
 
 import dataclasses
+import itertools
 
 import helpers
 import jax
@@ -174,6 +175,57 @@ def test_attention_under_every_layout_equals_dense(devices, text, kv_heads):
                  values_and_grads(dense, q, k, v, segment_ids_BxT))
 
 
+RING_KERNEL_CASES = {  # strategy, K/V heads, dtype, rows of padding only
+    "ring of 4, GQA 8/2, a row of padding": ("data=2,context=4,rules=context", 2, "float32", 1),
+    "balanced ring of 2, heads split, K/V heads replicated":
+        ("context=2,tensor=4,rules=megatron,balanced=true", 2, "float32", 0),
+    "balanced ring of 4 in bfloat16": ("data=2,context=4,rules=context,balanced=true", 4,
+                                       "bfloat16", 0),
+}
+BF16_TOLERANCE = 3e-2  # bfloat16 inputs, probabilities and dS: 8 bits of mantissa
+
+
+@pytest.mark.parametrize("case", RING_KERNEL_CASES)
+def test_the_ring_step_pallas_kernel_equals_dense_when_interpreted(devices, case):
+    """The ring with the ring step's Pallas kernel per K/V chunk, as on a GPU, run by Pallas'
+    interpreter: chunks of 32 tokens (halves of 16 when balanced, the kernel's least tile),
+    documents crossing chunks and tiles, in the strategy's column order. Padding's outputs
+    and its K/V gradients are exactly zero."""
+    text, kv_heads, dtype, padding = RING_KERNEL_CASES[case]
+    config = dataclasses.replace(TINY, n_kv_heads=kv_heads)
+    strategy, _ = fit_to_model(Strategy.parse(text), config)
+    layout = Layout(strategy, devices)
+    rows, seq_len = 4, 128
+    segment_ids_BxT, positions_BxT = packed_rows(rows, seq_len, [5, 20, 50, 128], seed=3,
+                                                 padding_rows=padding)
+    q, k, v = (x.astype(dtype) for x in qkv(rows, seq_len, config.n_heads, kv_heads))
+    order = (balanced_order(seq_len, strategy.ring) if strategy.balanced
+             else np.arange(seq_len))
+    back = np.argsort(order)
+
+    def ring(q, k, v):
+        out = attention(q[:, order], k[:, order], v[:, order], segment_ids_BxT[:, order],
+                        positions_BxT[:, order], sharding=layout.attention, interpret=True)
+        return out[:, back]
+
+    def dense(q, k, v):  # in fp32, on the same (rounded) inputs
+        return dense_attention(*(x.astype(jnp.float32) for x in (q, k, v)), segment_ids_BxT,
+                               positions_BxT)
+
+    got = values_and_grads(ring, q, k, v, segment_ids_BxT)
+    tolerance = TOLERANCE if dtype == "float32" else BF16_TOLERANCE
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(values_and_grads(dense, q, k, v,
+                                                                           segment_ids_BxT)),
+                    strict=True):
+        assert g.dtype == dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), atol=tolerance,
+                                   rtol=tolerance)
+    padded = segment_ids_BxT == 0
+    out, (_, dk, dv) = got
+    assert padded.any() and not any(np.asarray(x, np.float32)[padded].any()
+                                    for x in (out, dk, dv))
+
+
 def test_model_with_blockwise_attention_equals_the_dense_model():
     """Logits and parameter gradients of the whole model: the reference the strategy tests
     (tests/test_parallelism.py) build on, since their single device runs the blockwise kernel."""
@@ -212,14 +264,42 @@ def test_the_pallas_gpu_kernel_equals_dense_when_interpreted():
     ("pallas", "cpu", False, True, "blockwise", "pallas needs a GPU"),
     ("auto", "gpu", False, False, "cudnn", None),
     ("auto", "gpu", False, True, "pallas", None),
-    ("auto", "gpu", True, True, "blockwise", None),
-    ("pallas", "gpu", True, True, "blockwise",
-     "pallas cannot pass K/V around a context-parallel ring"),
+    ("auto", "gpu", True, True, "pallas-ring", None),
+    ("pallas", "gpu", True, True, "pallas-ring", None),
+    ("cudnn", "gpu", True, False, "pallas-ring",
+     "cudnn cannot pass K/V around a context-parallel ring"),
+    ("blockwise", "gpu", True, True, "blockwise", None),
     ("dense", "gpu", False, True, "dense", None),
 ])
 def test_the_kernel_is_chosen_per_platform_and_falls_back_cleanly(requested, platform, ring,
                                                                   packed, kernel, note):
     assert choose_backend(requested, platform, ring=ring, packed=packed) == (kernel, note)
+
+
+@pytest.mark.parametrize("platform, ring, packed, dtype",
+                         list(itertools.product(("cpu", "gpu"), (False, True), (False, True),
+                                                ("float32", "bfloat16"))))
+def test_auto_takes_each_platforms_kernel_whatever_the_rows_and_dtype(platform, ring, packed,
+                                                                      dtype):
+    """The CPU runs the blockwise kernel; a GPU's ring the ring step's Pallas kernel, else
+    cuDNN for rows of one document and the packed Pallas kernel for packed rows (documents
+    not known: cuDNN's packed layout does not pay)."""
+    kernel = ("blockwise" if platform == "cpu" else "pallas-ring" if ring
+              else "pallas" if packed else "cudnn")
+    assert choose_backend("auto", platform, ring=ring, packed=packed, seq_len=1024,
+                          dtype=dtype) == (kernel, None)
+
+
+def test_a_ring_falls_back_to_blockwise_where_its_kernel_cannot_run(monkeypatch):
+    """The ring step's tiles must divide a rank's chunk (each balanced half), 16 at least."""
+    assert choose_backend("auto", "gpu", ring=True, packed=True, seq_len=48) == (
+        "pallas-ring", None)
+    assert choose_backend("auto", "gpu", ring=True, packed=True, seq_len=40) == (
+        "blockwise", "the ring's Pallas kernel tiles a rank's chunk (40 tokens) in blocks of 16 "
+        "or more")
+    monkeypatch.setattr("models.attention._pallas_available", lambda: False)
+    assert choose_backend("auto", "gpu", ring=True, packed=True) == (
+        "blockwise", "the Pallas GPU kernel is not importable")
 
 
 def test_pallas_takes_only_rows_its_tiles_divide():

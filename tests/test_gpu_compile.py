@@ -47,7 +47,7 @@ FAMILIES = {  # strategy -> the attention kernel it runs on packed GPU rows
     "fsdp=8,rules=fsdp": "pallas",
     "data=2,tensor=4,rules=megatron": "pallas",
     "data=2,tensor=4,rules=megatron-sp": "pallas",
-    "data=2,context=4,rules=context,balanced=true": "blockwise",
+    "data=2,context=4,rules=context,balanced=true": "pallas-ring",
     "stage=2,data=4,microbatches=2,rules=dp": "pallas",
     "stage=2,data=2,tensor=2,microbatches=2,rules=megatron-sp": "pallas",
 }
@@ -58,17 +58,31 @@ def test_every_strategy_family_compiles_for_h100_with_the_kernel_it_chose(h100, 
     target, devices = h100
     strategy = Strategy.parse(text)
     step = bucket_step(SMALL, strategy, devices)
-    kernel, _ = choose_backend(SMALL.attention, devices[0].platform,
-                               ring=step.layout.attention.ring_size > 1, packed=True,
-                               seq_len=SHAPE[1])
+    ring = step.layout.attention.ring_size
+    # Under a ring the kernel tiles a rank's chunk, each half apart when balanced.
+    tiled = SHAPE[1] // ring // (2 if ring > 1 and strategy.balanced else 1)
+    kernel, _ = choose_backend(SMALL.attention, devices[0].platform, ring=ring > 1,
+                               packed=True, seq_len=tiled)
     assert kernel == FAMILIES[text]
     compiled = step.compiled(SHAPE)
-    assert (TRITON in compiled.as_text()) == (kernel == "pallas")
+    assert (TRITON in compiled.as_text()) == (kernel != "blockwise")
     xla = step_memory(compiled)
     # The arguments (weights in their layout, the fp32 accumulator, the batch) are exact.
     model = micro_step_memory(SMALL, strategy, SHAPE, platform="gpu")
     assert xla["state"] == model.weights + model.grad_sum + model.batch
     assert xla["temp"] > 0 and xla["peak"] < target.memory
+
+
+def test_a_context_ring_runs_the_ring_step_kernel_for_each_chunk(h100):
+    """The ring family's micro-step on H100s: per step of its ring of 4, one Triton forward and
+    one backward of the ring step's kernel (`models.packed_attention.ring_step`), where XLA's
+    blockwise kernel ran before; the micro-step is the family test's, compiled once."""
+    _, devices = h100
+    step = bucket_step(SMALL, Strategy.parse("data=2,context=4,rules=context,balanced=true"),
+                       devices)
+    kernels = [line.split('name = "')[1].split('"')[0]
+               for line in step.compiled(SHAPE).as_text().splitlines() if TRITON in line]
+    assert sorted(kernels) == ["ring_attention_backward"] * 4 + ["ring_attention_forward"] * 4
 
 
 def test_fp16_with_a_loss_scale_compiles_fp16_matmuls_in_the_bytes_bf16_takes(h100):

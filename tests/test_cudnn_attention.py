@@ -140,7 +140,7 @@ def test_cudnn_runs_packed_rows_where_it_pays(jax_fixed, requested, dtype, capab
 
 def test_a_ring_and_other_platforms_never_take_cudnns_packed_layout(jax_fixed):
     assert choose_backend("auto", "gpu", ring=True, packed=True, seq_len=8192, dtype="bfloat16",
-                          documents=2) == ("blockwise", None)
+                          documents=2) == ("pallas-ring", None)
     assert choose_backend("auto", "cpu", ring=False, packed=True, seq_len=8192,
                           dtype="bfloat16", documents=2) == ("blockwise", None)
 

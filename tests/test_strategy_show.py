@@ -178,7 +178,7 @@ def test_a_gpu_report_names_the_kernel_of_long_documents(monkeypatch, jax_fixed,
     assert unused is None and attention["cudnn_packed_unused"] is None or \
         unused in attention["cudnn_packed_unused"]
     ring = describe(Strategy.parse("context=8"), config, "gpu")["attention"]
-    assert (ring["kernel"], ring["long_documents_kernel"]) == ("blockwise", "blockwise")
+    assert (ring["kernel"], ring["long_documents_kernel"]) == ("pallas-ring", "pallas-ring")
 
 
 def test_every_bucket_of_a_table_is_titled_with_the_model(capsys, monkeypatch):

@@ -1,7 +1,15 @@
-"""Resuming in new processes: the steps after a resume equal the uninterrupted run's, on any
-layout or device count, and after a SIGKILL at any moment, mid-save included."""
+"""Resuming: the steps after a resume equal the uninterrupted run's, on any layout or device
+count, and, in new processes, after a SIGKILL at any moment, mid-save included.
+
+The layouts resume in this process (`hotjax.cli.main`, which builds its run anew from the
+command line and the checkpoint, as a new process would): each compiles its step once, and the
+origins' steps serve the resumes that share them. A resume in a new process is what the crash
+test's every process is."""
 
 import concurrent.futures
+import contextlib
+import io
+import json
 import signal
 import subprocess
 import time
@@ -39,6 +47,29 @@ def _run(flags: list[str], devices: int, cwd: Path, name: str,
                     f"{err.read_text()[-1500:]}")
 
 
+def _train(flags: list[str], devices: int) -> tuple[int, str]:
+    """`hotjax train` in this process on its first `devices` devices: exit code and stderr
+    (unwrapped: rich would cut long paths at 80 columns)."""
+    err = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(err):
+        patch.setenv("COLUMNS", "400")
+        code = main([*TINY_RUN, "--devices", str(devices), *flags])
+    return code, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    """`--data` of every run here: 200 documents of 300 bytes, which a new process reads and
+    measures in a moment (the default corpus takes it a second)."""
+    from hotjax.data import open_corpus
+
+    text = "".join(open_corpus(None).read(i) for i in range(20))
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": text[i:i + 300]}) + "\n"
+                            for i in range(0, 300 * 200, 300)))
+    return ["--data", str(path)]
+
+
 class Resume(NamedTuple):
     origin: str  # which uninterrupted run's step-2 checkpoint it resumes: a key of ORIGINS
     devices: int
@@ -62,37 +93,31 @@ RESUMES = {
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[str, tuple[list[dict], Path]]:
-    """Per origin, run as a new process: its four steps' metrics, and its checkpoints (steps 2
-    and 4)."""
+def uninterrupted(data, tmp_path_factory) -> dict[str, tuple[list[dict], Path]]:
+    """Per origin: its four steps' metrics, and its checkpoints (steps 2 and 4)."""
     directory = tmp_path_factory.mktemp("uninterrupted")
-
-    def run(origin: str) -> tuple[list[dict], Path]:
+    runs = {}
+    for origin, flags in ORIGINS.items():
         metrics, ckpt = directory / f"{origin}.jsonl", directory / origin
-        code, err = _run(["--steps", "4", *ORIGINS[origin], "--ckpt-dir", str(ckpt),
-                          "--save-every", "2", "--metrics-jsonl", str(metrics)], 8, directory,
-                         origin)
+        code, err = _train([*data, "--steps", "4", *flags, "--ckpt-dir", str(ckpt),
+                            "--save-every", "2", "--metrics-jsonl", str(metrics)], 8)
         assert code == 0, err
-        return records(metrics), ckpt
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        return dict(zip(ORIGINS, pool.map(run, ORIGINS), strict=True))
+        runs[origin] = records(metrics), ckpt
+    return runs
 
 
 @pytest.fixture(scope="module")
-def resumed(uninterrupted, tmp_path_factory) -> dict[str, tuple[int, str, list[dict]]]:
-    """Every resume in RESUMES, each a new process, two at a time."""
+def resumed(data, uninterrupted, tmp_path_factory) -> dict[str, tuple[int, str, list[dict]]]:
+    """Every resume in RESUMES: exit code, stderr, metrics."""
     directory = tmp_path_factory.mktemp("resumed")
-
-    def resume(i: int, name: str) -> tuple[int, str, list[dict]]:
-        layout, metrics = RESUMES[name], directory / f"{i}.jsonl"
+    runs = {}
+    for i, (name, layout) in enumerate(RESUMES.items()):
+        metrics = directory / f"{i}.jsonl"
         step_2 = uninterrupted[layout.origin][1] / "2"
-        code, err = _run(["--steps", "4", *layout.flags, "--resume-from", str(step_2),
-                          "--metrics-jsonl", str(metrics)], layout.devices, directory, str(i))
-        return code, err, records(metrics)
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        return dict(zip(RESUMES, pool.map(resume, range(len(RESUMES)), RESUMES), strict=True))
+        code, err = _train([*data, "--steps", "4", *layout.flags, "--resume-from",
+                            str(step_2), "--metrics-jsonl", str(metrics)], layout.devices)
+        runs[name] = code, err, records(metrics)
+    return runs
 
 
 @pytest.mark.parametrize("name", RESUMES)
@@ -129,7 +154,7 @@ def _wait(condition, process: subprocess.Popen, timeout: float = 120.0) -> None:
         time.sleep(0.002)
 
 
-def _chain(directory: Path, seed: int, kills: int) -> list[Trial]:
+def _chain(directory: Path, seed: int, kills: int, data: list[str]) -> list[Trial]:
     """Training processes on one checkpoint directory: each of the first `kills` SIGKILLed
     after its first step, either as soon as a save is under way or after a seeded random
     delay; the last runs to the end. Each resumes from what the one before left."""
@@ -140,7 +165,7 @@ def _chain(directory: Path, seed: int, kills: int) -> list[Trial]:
         kill = "none" if i == kills else ("mid-save", "random")[i % 2]
         metrics = directory / f"{i}.jsonl"
         start = max(dirs.steps(ckpt), default=0)
-        flags = [*CRASH_RUN, "--ckpt-dir", str(ckpt), "--metrics-jsonl", str(metrics)]
+        flags = [*CRASH_RUN, *data, "--ckpt-dir", str(ckpt), "--metrics-jsonl", str(metrics)]
         if kill == "none":
             code, text = _run(flags, 1, directory, str(i))
             assert code == 0, text
@@ -166,16 +191,17 @@ def _chain(directory: Path, seed: int, kills: int) -> list[Trial]:
     return trials
 
 
-def test_sigkill_at_any_moment_resumes_from_the_last_complete_checkpoint(tmp_path):
+def test_sigkill_at_any_moment_resumes_from_the_last_complete_checkpoint(data, tmp_path):
     reference = tmp_path / "reference.jsonl"
-    assert main([*TINY_RUN, *CRASH_RUN[:6], "--metrics-jsonl", str(reference)]) == 0
+    assert main([*TINY_RUN, *CRASH_RUN[:6], *data, "--metrics-jsonl", str(reference)]) == 0
     losses = {r["step"]: r["loss"] for r in records(reference)}
     chains = [tmp_path / "a", tmp_path / "b"]
     for chain in chains:
         chain.mkdir()
     # Two chains side by side (five kills each) halve the wall time on two cores.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        trials = [t for ts in pool.map(_chain, chains, [1, 2], [5, 5]) for t in ts]
+        trials = [t for ts in pool.map(_chain, chains, [1, 2], [5, 5], [data] * 2)
+                  for t in ts]
 
     assert sum(t.kill != "none" for t in trials) >= 10
     assert sum(bool(t.partial) for t in trials) >= 3, trials  # kills that hit a save

@@ -40,11 +40,13 @@ OPTIM = OptimConfig(lr=torch_llama.LR, b1=torch_llama.BETAS[0], b2=torch_llama.B
                     eps=torch_llama.EPS, weight_decay=torch_llama.WEIGHT_DECAY,
                     clip_norm=float("inf"), warmup_steps=0, min_lr_ratio=1.0, total_steps=10)
 STRATEGIES = ("fsdp=8", "data=2,context=4")  # the vocabulary (263) splits over neither
+LAYOUTS = ("fsdp", "tp_fsdp")  # tests/torch_llama.py's
 DATA = torch_llama.batches()
 
 
-def _torch(task: str, layout: str, directory: Path) -> None:
-    python(torch_llama.__file__, task, layout, directory)
+def _torch(task: str, root: Path) -> None:
+    """tests/torch_llama.py's `task` for every layout, in `root / layout`, in one process."""
+    python(torch_llama.__file__, task, root, *LAYOUTS)
 
 
 def _minibatch(ids: np.ndarray) -> MiniBatch:
@@ -53,28 +55,40 @@ def _minibatch(ids: np.ndarray) -> MiniBatch:
     return MiniBatch((Batch(tokens, np.ones_like(tokens), positions),))
 
 
+@jax.jit
+def _forward(params, tokens_BxT):
+    positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+    return bind(CONFIG, params)(tokens_BxT, jnp.ones_like(tokens_BxT), positions_BxT)
+
+
 def _logits(params, ids: np.ndarray) -> np.ndarray:
-    tokens = jnp.asarray(ids, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    forward = jax.jit(lambda p: bind(CONFIG, p)(tokens, jnp.ones_like(tokens), positions))
-    return np.asarray(forward(params))
+    return np.asarray(_forward(params, jnp.asarray(ids, jnp.int32)))
 
 
 def _hf(tree) -> dict[str, np.ndarray]:
     return params_to_hf_state(jax.tree.map(np.asarray, tree), CONFIG)
 
 
-@pytest.fixture(scope="module", params=["fsdp", "tp_fsdp"])
-def torch_run(request, tmp_path_factory):
-    """The torch run's directory (its DCP checkpoint and reference numbers), imported into a
-    hotjax checkpoint `ck` from the command line."""
-    directory = tmp_path_factory.mktemp(request.param)
-    _torch("train", request.param, directory)
-    (directory / "config.json").write_text(json.dumps({**torch_llama.CONFIG,
-                                                       "model_type": "llama"}))
-    assert main(["ckpt", "import-dcp", str(directory / "dcp"), str(directory / "ck"),
-                 "--config", str(directory / "config.json")]) == 0
-    return request.param, directory
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory) -> Path:
+    """The torch runs of every layout, each in its directory `LAYOUT/` of the one returned (its
+    DCP checkpoint and reference numbers), imported into a hotjax checkpoint `ck` from the
+    command line."""
+    root = tmp_path_factory.mktemp("torch")
+    _torch("train", root)
+    for layout in LAYOUTS:
+        directory = root / layout
+        (directory / "config.json").write_text(json.dumps({**torch_llama.CONFIG,
+                                                           "model_type": "llama"}))
+        assert main(["ckpt", "import-dcp", str(directory / "dcp"), str(directory / "ck"),
+                     "--config", str(directory / "config.json")]) == 0
+    return root
+
+
+@pytest.fixture(params=LAYOUTS)
+def torch_run(request, torch_runs) -> tuple[str, Path]:
+    """One layout's torch run: its name and directory (see `torch_runs`)."""
+    return request.param, torch_runs / request.param
 
 
 def _resume(directory: Path, strategy: str, devices):
@@ -118,26 +132,35 @@ def optax_adam(opt_state):
     return adam
 
 
-def test_exported_after_a_hotjax_step_torch_loads_it_into_the_sharded_model(torch_run,
+def test_exported_after_a_hotjax_step_torch_loads_it_into_the_sharded_model(torch_runs,
                                                                            devices):
-    layout, directory = torch_run
-    trainer, resumed = _resume(directory, STRATEGIES[0], devices)
-    state, _, _ = trainer.step(resumed.state, _minibatch(DATA[torch_llama.STEPS]))
-    checkpoints = store.Checkpoints(directory / "after")
-    record = meta_lib.record(step=3, source="test", items=[], model=CONFIG.to_dict(),
-                             optimizer=dataclasses.asdict(OPTIM))
-    checkpoints.save(3, state.params, state.opt_state, record, None)
-    checkpoints.close()
-    assert main(["ckpt", "export-dcp", str(directory / "after"), str(directory / "exported")]) == 0
-    _torch("load", layout, directory)
-    loaded = np.load(directory / "loaded.npz")
-    np.testing.assert_allclose(loaded["logits"], _logits(state.params, DATA[-1]),
-                               atol=1e-4, rtol=1e-4)
-    adam = optax_adam(state.opt_state)
-    for field, tree in (("param", state.params), ("exp_avg", adam.mu), ("exp_avg_sq", adam.nu)):
-        for name, x in _hf(tree).items():
-            np.testing.assert_array_equal(loaded[f"{field}/{name}"], x, err_msg=name)
-            assert loaded[f"step/{name}"] == 3
+    """Each layout's run, a step later in hotjax, exported and loaded into that layout's model
+    (torch loads them all in one process)."""
+    states = {}
+    for layout in LAYOUTS:
+        directory = torch_runs / layout
+        trainer, resumed = _resume(directory, STRATEGIES[0], devices)
+        state, _, _ = trainer.step(resumed.state, _minibatch(DATA[torch_llama.STEPS]))
+        checkpoints = store.Checkpoints(directory / "after")
+        record = meta_lib.record(step=3, source="test", items=[], model=CONFIG.to_dict(),
+                                 optimizer=dataclasses.asdict(OPTIM))
+        checkpoints.save(3, state.params, state.opt_state, record, None)
+        checkpoints.close()
+        assert main(["ckpt", "export-dcp", str(directory / "after"),
+                     str(directory / "exported")]) == 0
+        states[layout] = state
+    _torch("load", torch_runs)
+    for layout, state in states.items():
+        loaded = np.load(torch_runs / layout / "loaded.npz")
+        np.testing.assert_allclose(loaded["logits"], _logits(state.params, DATA[-1]),
+                                   atol=1e-4, rtol=1e-4, err_msg=layout)
+        adam = optax_adam(state.opt_state)
+        for field, tree in (("param", state.params), ("exp_avg", adam.mu),
+                            ("exp_avg_sq", adam.nu)):
+            for name, x in _hf(tree).items():
+                np.testing.assert_array_equal(loaded[f"{field}/{name}"], x,
+                                              err_msg=f"{layout}: {name}")
+                assert loaded[f"step/{name}"] == 3
 
 
 def _rope_scores(q_w: np.ndarray, k_w: np.ndarray, x: np.ndarray, interleaved: bool):
@@ -164,6 +187,8 @@ def _rope_scores(q_w: np.ndarray, k_w: np.ndarray, x: np.ndarray, interleaved: b
     return torch.einsum("qhd,khd->hqk", q, k).numpy()
 
 
+# Reads the hotjax import alone, whichever layout the torch run had: one layout's.
+@pytest.mark.parametrize("torch_run", LAYOUTS[:1], indirect=True)
 def test_torchtitan_naming_round_trips_and_its_rotary_layout_gives_the_same_attention(torch_run,
                                                                                      tmp_path):
     _, directory = torch_run
@@ -275,6 +300,7 @@ def test_a_truncated_or_damaged_torch_checkpoint_is_refused(weights, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("torch_run", LAYOUTS[:1], indirect=True)
 def test_export_refuses_an_existing_output_and_leaves_it_untouched(torch_run, tmp_path, capsys):
     out = tmp_path / "taken"
     out.mkdir()
@@ -314,6 +340,7 @@ def resumed_runs(checkpoint: Path, tmp_path: Path,
     return runs
 
 
+@pytest.mark.parametrize("torch_run", LAYOUTS[:1], indirect=True)
 def test_hotjax_train_resumes_the_torch_run_with_its_model_on_any_layout(torch_run, tmp_path):
     """No --model: the run takes the checkpoint's (a non-preset architecture), starts at torch's
     step, and trains the same on 8 devices as on one."""

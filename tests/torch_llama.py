@@ -1,16 +1,17 @@
 """The PyTorch side of tests/test_checkpoint_dcp.py: four gloo processes on CPU run
 `transformers.LlamaForCausalLM` sharded as a real trainer shards it, and either
-- `train`: take two AdamW steps, save model and optimizer with DCP, and write to `ref.npz` the
-  reference numbers: the full parameters and moments after step 2, the logits of an evaluation
-  batch, and the parameters after a third step; or
-- `load`: load a DCP checkpoint (one hotjax exported) into the same sharded model and optimizer,
-  and write the logits, parameters and moments it then holds to `loaded.npz`.
+- `train`: take two AdamW steps, save model and optimizer with DCP (`dcp/`), and write to
+  `ref.npz` the reference numbers: the full parameters and moments after step 2, the logits of
+  an evaluation batch, and the parameters after a third step; or
+- `load`: load a DCP checkpoint (one hotjax exported, `exported/`) into the same sharded model
+  and optimizer, and write the logits, parameters and moments it then holds to `loaded.npz`;
+each layout in its own directory `ROOT/LAYOUT`, one after another in one process.
 
 Layouts: `fsdp` (FSDP2 over 4 ranks) and `tp_fsdp` (2-way tensor parallel x 2-way FSDP). The
 `fsdp` run saves `{"model": ..., "optim": ...}` with nested optimizer state; `tp_fsdp` saves as
 torchtitan does, the model's keys at the top and the optimizer flattened under "optimizer".
 
-    python tests/torch_llama.py train|load LAYOUT DIR
+    python tests/torch_llama.py train|load ROOT LAYOUT...
 """
 
 import os
@@ -144,9 +145,11 @@ def _free_port() -> int:
 
 
 if __name__ == "__main__":
-    task, layout, directory = sys.argv[1:4]
+    task, root, *layouts = sys.argv[1:]
     torch.set_num_threads(1)
     # Forked, the ranks share this process's imports of torch and transformers: a quarter of
-    # the CPU time of spawning four processes that import them again.
-    mp.start_processes(_run, args=(task, layout, directory, _free_port()), nprocs=WORLD,
-                       start_method="fork")
+    # the CPU time of spawning four processes that import them again (and the layouts share
+    # one process's).
+    for layout in layouts:
+        mp.start_processes(_run, args=(task, layout, str(Path(root) / layout), _free_port()),
+                           nprocs=WORLD, start_method="fork")

@@ -13,7 +13,7 @@ from hotjax.cli import main
 from hotjax.config import RunConfig
 from hotjax.planning.profile import ALLOCATOR_FRACTION
 from hotjax.run import model_config
-from hotjax.step import BucketStep, bucket_step, step_memory
+from hotjax.step import bucket_step, step_memory
 from models.errors import UserError
 from models.llama import preset
 from sharding.report import resident_bytes
@@ -68,10 +68,11 @@ def test_strategy_show_memory_for_h100_prints_xla_gpu_peaks_of_the_compiled_step
     reports = json.loads(capsys.readouterr().out)
     h100 = targets.prepare("h100")
     config = model_config(RunConfig(model="tiny"), preset("tiny"), preset("tiny").vocab_size)
-    # The first bucket compiled again here, apart from the command's (no shared cache).
-    alone = BucketStep(dataclasses.replace(config, remat="full"), load_table(two).buckets[0]
-                       .strategy, tuple(targets.devices(h100, 8)))
-    expected = step_memory(alone.compiled((8, 256)))
+    # The first bucket's micro-step for its config, strategy and shape: the command's, if it
+    # compiled that one (steps are cached by what they compile), else compiled here apart.
+    first_step = bucket_step(dataclasses.replace(config, remat="full"),
+                             load_table(two).buckets[0].strategy, tuple(targets.devices(h100, 8)))
+    expected = step_memory(first_step.compiled((8, 256)))
     first = reports[0]
     assert first["attention"]["kernel"] == "pallas"  # the GPU's kernel, not the CPU's
     assert first["target"]["step_peak_bytes"] == {"full": expected["peak"]}

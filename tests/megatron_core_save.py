@@ -10,10 +10,11 @@ tensors) and dp_reshardable (its default: the optimizer's flat buckets). Each ra
 `DIR/local_{rank}.pt`: its parameters as the modules hold them and its slice of Adam's state of
 each, the reference the test compares the imports with.
 
-    python tests/megatron_core_save.py DIR TP DP TIED [BUCKET]
+    python tests/megatron_core_save.py DIR,TP,DP,TIED[,BUCKET]...
 
-BUCKET, if given, is the gradient buffer's bucket size in elements (Megatron-LM's
---overlap-grad-reduce --ddp-bucket-size BUCKET), so that the buckets split the parameters.
+one run per argument, one after another in this process. BUCKET, if given, is the gradient
+buffer's bucket size in elements (Megatron-LM's --overlap-grad-reduce --ddp-bucket-size BUCKET),
+so that the buckets split the parameters.
 """
 
 import argparse
@@ -78,7 +79,6 @@ def _run(rank: int, world: int, port: int, out: str, tp: int, tied: bool,
          bucket: int | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    _on_cpu()
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -152,9 +152,15 @@ def _free_port() -> int:
 
 
 if __name__ == "__main__":
-    out, tp, dp, tied = sys.argv[1:5]
-    bucket = int(sys.argv[5]) if len(sys.argv) > 5 else None
-    world = int(tp) * int(dp)
-    # Forked, the ranks share this process's imports (see tests/torch_llama.py).
-    mp.start_processes(_run, args=(world, _free_port(), out, int(tp), tied == "tied", bucket),
-                       nprocs=world, start_method="fork")
+    # Forked, the ranks of every run share this process's imports of torch and Megatron-Core
+    # (see tests/torch_llama.py), made once its CUDA names lead to the host.
+    _on_cpu()
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+
+    for run in sys.argv[1:]:
+        out, tp, dp, tied, *bucket = run.split(",")
+        world = int(tp) * int(dp)
+        mp.start_processes(_run, args=(world, _free_port(), out, int(tp), tied == "tied",
+                                       int(bucket[0]) if bucket else None),
+                           nprocs=world, start_method="fork")

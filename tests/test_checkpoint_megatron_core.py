@@ -32,9 +32,9 @@ RUNS = {"tp2": ("2", "1", "untied"), "dp2": ("1", "2", "tied", "20000")}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
+    """Each run of RUNS in its directory of the one returned: both in one process."""
     root = tmp_path_factory.mktemp("megatron-core")
-    for name, flags in RUNS.items():
-        python(run.__file__, root / name, *flags)
+    python(run.__file__, *(",".join((str(root / name), *flags)) for name, flags in RUNS.items()))
     return root
 
 

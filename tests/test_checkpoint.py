@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import TINY, hotjax
+from test_checkpoint_resume import small_corpus
 
 from hotjax.checkpoint import dirs, fingerprint, formats, store
 from hotjax.checkpoint import meta as meta_lib
@@ -242,10 +243,16 @@ def test_vocabulary_padding_is_dropped_on_export_and_restored_as_zeros(devices, 
 # ---------------------------------------------------------------------------- bad inputs
 
 @pytest.fixture(scope="module")
-def run_checkpoint(tmp_path_factory) -> Path:
+def tiny_run(tmp_path_factory) -> list[str]:
+    """TINY_RUN on a small corpus: each run's start measures it in a moment."""
+    return [*TINY_RUN, "--data", str(small_corpus(tmp_path_factory.mktemp("corpus")))]
+
+
+@pytest.fixture(scope="module")
+def run_checkpoint(tiny_run, tmp_path_factory) -> Path:
     """A training run's checkpoint directory (steps 2 and 4, data=8)."""
     directory = tmp_path_factory.mktemp("run") / "ck"
-    assert main([*TINY_RUN, "--strategy", "data=8", "--ckpt-dir", str(directory),
+    assert main([*tiny_run, "--strategy", "data=8", "--ckpt-dir", str(directory),
                  "--save-every", "2"]) == 0
     return directory
 
@@ -317,13 +324,13 @@ BAD = {"truncated": _truncate, "corrupted": _corrupt, "missing metadata": _no_me
 @pytest.mark.parametrize("case", BAD)
 @pytest.mark.parametrize("flag", ["--resume-from", "--ckpt-dir"])
 def test_bad_checkpoint_is_one_line_naming_the_file_and_nothing_is_overwritten(
-        case, flag, run_checkpoint, tmp_path, capsys):
+        case, flag, tiny_run, run_checkpoint, tmp_path, capsys):
     directory = tmp_path / "ck"
     shutil.copytree(run_checkpoint, directory)
     named, words = BAD[case](directory / "4")
     before = _digest(directory)
     target = directory / "4" if flag == "--resume-from" else directory
-    assert main([*TINY_RUN, "--steps", "6", "--new-schedule", "--strategy", "data=8", flag,
+    assert main([*tiny_run, "--steps", "6", "--new-schedule", "--strategy", "data=8", flag,
                  str(target)]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines()
               if line.startswith("hotjax: error:")]
@@ -338,19 +345,20 @@ def test_bad_checkpoint_is_one_line_naming_the_file_and_nothing_is_overwritten(
     (["--resume-from", "/nonexistent/ck"], "/nonexistent/ck"),
     (["--ckpt-dir", "{tmp}", "--keep-last", "0"], "--keep-last 0"),
 ])
-def test_bad_checkpoint_flags_are_one_line_errors(argv, expected, tmp_path, run_checkpoint,
-                                                  capsys):
+def test_bad_checkpoint_flags_are_one_line_errors(argv, expected, tmp_path, tiny_run,
+                                                  run_checkpoint, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)).replace("{ckpt}", str(run_checkpoint))
             for a in argv]
-    assert main([*TINY_RUN, *argv]) == 2
+    assert main([*tiny_run, *argv]) == 2
     assert expected in capsys.readouterr().err
 
 
-def test_a_newer_checkpoint_in_ckpt_dir_is_never_overwritten(run_checkpoint, tmp_path, capsys):
+def test_a_newer_checkpoint_in_ckpt_dir_is_never_overwritten(tiny_run, run_checkpoint, tmp_path,
+                                                             capsys):
     directory = tmp_path / "ck"
     shutil.copytree(run_checkpoint, directory)
     before = _digest(directory)
-    assert main([*TINY_RUN, "--strategy", "data=8", "--resume-from", str(directory / "2"),
+    assert main([*tiny_run, "--strategy", "data=8", "--resume-from", str(directory / "2"),
                  "--ckpt-dir", str(directory)]) == 2
     assert "holds step 4" in capsys.readouterr().err
     assert _digest(directory) == before

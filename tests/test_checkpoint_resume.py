@@ -57,17 +57,22 @@ def _train(flags: list[str], devices: int) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> list[str]:
-    """`--data` of every run here: 200 documents of 300 bytes, which a new process reads and
-    measures in a moment (the default corpus takes it a second)."""
+def small_corpus(directory: Path) -> Path:
+    """`directory/docs.jsonl`: 200 documents of 300 bytes of the default corpus's text. A run
+    reads and measures it in a moment, where the default corpus takes seconds to measure."""
     from hotjax.data import open_corpus
 
     text = "".join(open_corpus(None).read(i) for i in range(20))
-    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    path = directory / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": text[i:i + 300]}) + "\n"
                             for i in range(0, 300 * 200, 300)))
-    return ["--data", str(path)]
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    """`--data` of every run here: a small corpus, measured in a moment."""
+    return ["--data", str(small_corpus(tmp_path_factory.mktemp("corpus")))]
 
 
 class Resume(NamedTuple):

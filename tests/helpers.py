@@ -1,5 +1,6 @@
-"""What the test files share: a tiny model, a tiny run's flags, strategy tables as files, and one
-way to run hotjax (in this process or a new one) and read its metrics and one-line errors."""
+"""What the test files share: a tiny model, one optimizer, one way to build a trainer and its
+mini-batches, a tiny run's flags, strategy tables as files, and one way to run hotjax (in this
+process or a new one) and read its metrics and one-line errors."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 
-from models.llama import PRESETS
+import jax
+import numpy as np
+
+from hotjax.data import Batch, MiniBatch
+from hotjax.optim import OptimConfig
+from hotjax.step import Accumulator, Home
+from hotjax.train import Trainer
+from models.llama import PRESETS, LlamaConfig, abstract_params
+from sharding.strategy import Strategy
+from sharding.table import Bucket, StrategyTable
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = Path(__file__).resolve().parent / "tables"
@@ -20,6 +30,65 @@ TABLES = Path(__file__).resolve().parent / "tables"
 # The tiny preset (GQA: 8 query heads, 4 K/V) in fp32: sharded results equal one device's up to
 # the order of float sums.
 TINY = dataclasses.replace(PRESETS["tiny"], compute_dtype="float32")
+
+# TINY as `hotjax train` builds it on byte tokens: their 259 ids padded to 384 embedding rows, a
+# multiple of every mesh size the tests use.
+MODEL = dataclasses.replace(TINY, vocab_size=384)
+
+# The optimizer of every trainer the tests build in this process, so that those of one strategy
+# share their compiled update. Adam's first update is about lr * grad / (|grad| + eps): where a
+# gradient is near zero, fp32 reduction order moves it, so params can differ by up to ~lr there;
+# LLaMA's lr keeps that well under 1e-5. The warmup ends at the first step.
+OPTIM = OptimConfig(lr=1e-3, warmup_steps=1, total_steps=4)
+
+
+def trainer(layout: str | Strategy | StrategyTable, devices, *, max_len: int = 64,
+            rows: int | None = None, config: LlamaConfig = MODEL, **options) -> Trainer:
+    """A Trainer of `config` and OPTIM under `layout`: a table, or one strategy (text or parsed)
+    as a table of one bucket of `max_len`-token rows, `rows` a micro-step (None: the trainer's
+    choice). `options` are the Trainer's."""
+    if not isinstance(layout, StrategyTable):
+        strategy = Strategy.parse(layout) if isinstance(layout, str) else layout
+        layout = StrategyTable((Bucket(max_len, strategy, rows),), str(strategy))
+    return Trainer(config, OPTIM, layout, devices, **options)
+
+
+def packed_rows(rows: int, length: int, *, documents: int = 3, padded: bool = True,
+                seed: int = 0) -> Batch:
+    """`rows` rows of `length` byte tokens, each packed with `documents` documents cut at random
+    places; with `padded`, row r ends in r padding tokens."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, 259, size=(rows, length)).astype(np.int32)
+    segments = np.zeros((rows, length), np.int32)
+    positions = np.zeros((rows, length), np.int32)
+    for r in range(rows):
+        cuts = np.sort(rng.choice(np.arange(4, length - 4), size=documents - 1, replace=False))
+        bounds = [0, *cuts, length - (r if padded else 0)]
+        for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True), start=1):
+            segments[r, a:b], positions[r, a:b] = s, np.arange(b - a)
+    return Batch(tokens * (segments > 0), segments, positions)
+
+
+def minibatch(*buckets: tuple[int, int], documents: int = 3, padded: bool = True,
+              seed: int = 0) -> MiniBatch:
+    """A mini-batch of one bucket per (rows, length): `packed_rows` of each."""
+    return MiniBatch(tuple(packed_rows(rows, length, documents=documents, padded=padded,
+                                       seed=seed + i) for i, (rows, length) in enumerate(buckets)))
+
+
+def compiled_update(home: Home) -> jax.stages.Compiled:
+    """The home's one update (`Home.apply`), compiled for its state and gradient sum."""
+    def shaped(shapes, shardings):
+        return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                                     sharding=sharding),
+                            shapes, shardings)
+
+    grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32),
+                         abstract_params(home.config))
+    acc = Accumulator(grads, jax.ShapeDtypeStruct((), np.float32),
+                      jax.ShapeDtypeStruct((), np.int32))
+    return home.apply.lower(home.abstract_state(), shaped(acc, home.acc_shardings)).compile()
+
 
 # `hotjax train` of TINY on byte tokens, logging every step. One set of flags for every test
 # that trains in this process: the compiled steps are cached per (config, strategy, shape), so

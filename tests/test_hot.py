@@ -13,10 +13,9 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import pytest
-from helpers import TINY
+from helpers import MODEL, OPTIM
 
 from hotjax.data import Batch, ByteTokenizer, MiniBatch, MiniBatches, open_corpus
-from hotjax.optim import OptimConfig
 from hotjax.train import BucketMetrics, Trainer, best_order
 from models.errors import UserError
 from sharding.report import most_sharded
@@ -25,8 +24,7 @@ from sharding.table import Bucket, StrategyTable, parse_table
 
 # Vocabulary padded to 384 so that it splits over tensor=4; fp32 so that every layout must give
 # the same numbers to fp32 reduction-order noise.
-CONFIG = dataclasses.replace(TINY, vocab_size=384)
-OPTIM = OptimConfig(lr=1e-3, warmup_steps=2, total_steps=5)
+CONFIG = MODEL
 TABLE = parse_table({"bucket": [
     {"max_len": 32, "mesh": {"data": 8}},
     {"max_len": 64, "mesh": {"data": 2, "tensor": 4}, "rules": "megatron"},

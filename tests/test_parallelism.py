@@ -7,15 +7,12 @@ import re
 import jax
 import numpy as np
 import pytest
-from helpers import TINY
+from helpers import MODEL, compiled_update, packed_rows, trainer
 
 from hotjax import step
 from hotjax.data import Batch, MiniBatch
-from hotjax.optim import OptimConfig
 from hotjax.step import (
     BATCH_KEYS,
-    Accumulator,
-    Home,
     balanced_order,
     bucket_step,
     micro_step_inputs,
@@ -23,17 +20,11 @@ from hotjax.step import (
     step_memory,
 )
 from hotjax.train import Trainer
-from models.llama import abstract_params
 from sharding.strategy import Strategy
-from sharding.table import StrategyTable
 
-# Divisible by every mesh size used here; GQA with 4 K/V heads for 8 query heads.
-CONFIG = dataclasses.replace(TINY, vocab_size=256)
+# GQA with 4 K/V heads for 8 query heads, and with 2.
+CONFIG = MODEL
 GQA2 = dataclasses.replace(CONFIG, n_kv_heads=2)
-# Adam's first update is about lr * grad / (|grad| + eps): where a gradient is near zero, fp32
-# reduction order moves it, so params can differ by up to ~lr there. LLaMA's lr and eps keep that
-# well under 1e-5.
-OPTIM = OptimConfig(lr=1e-3, warmup_steps=1, total_steps=2)
 ROWS, SEQ = 8, 64
 
 STRATEGIES = [
@@ -60,42 +51,19 @@ STRATEGIES = [
 
 @pytest.fixture(scope="module")
 def batch() -> Batch:
-    """Rows of several documents each, with padding, in the shapes every strategy accepts."""
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(3, 256, size=(ROWS, SEQ)).astype(np.int32)
-    segments = np.zeros((ROWS, SEQ), np.int32)
-    positions = np.zeros((ROWS, SEQ), np.int32)
-    for r in range(ROWS):
-        cuts = np.sort(rng.choice(np.arange(4, SEQ - 4), size=2, replace=False))
-        bounds = [0, *cuts, SEQ - r]  # row r ends in r padding tokens
-        for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True), start=1):
-            segments[r, a:b], positions[r, a:b] = s, np.arange(b - a)
-    return Batch(tokens, segments, positions)
+    """Rows of three documents each, row r ending in r padding tokens, in the shapes every
+    strategy accepts."""
+    return packed_rows(ROWS, SEQ)
 
 
 def _trainer(strategy: str, config, devices) -> Trainer:
     """A single strategy: the one-bucket table, home in that strategy."""
-    table = StrategyTable.single(Strategy.parse(strategy), SEQ, strategy)
-    return Trainer(config, OPTIM, table, devices)
+    return trainer(strategy, devices, max_len=SEQ, config=config)
 
 
 def _one_step(trainer: Trainer, batch: Batch):
     state, metrics, _ = trainer.step(trainer.init(seed=0), MiniBatch((batch,)))
     return float(metrics["loss"]), jax.tree.map(np.asarray, state.params)
-
-
-def compiled_update(home: Home) -> jax.stages.Compiled:
-    """The home's one update (`Home.apply`), compiled for its state and gradient sum."""
-    def shaped(shapes, shardings):
-        return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                                     sharding=sharding),
-                            shapes, shardings)
-
-    grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32),
-                         abstract_params(home.config))
-    acc = Accumulator(grads, jax.ShapeDtypeStruct((), np.float32),
-                      jax.ShapeDtypeStruct((), np.int32))
-    return home.apply.lower(home.abstract_state(), shaped(acc, home.acc_shardings)).compile()
 
 
 @pytest.fixture(scope="module")

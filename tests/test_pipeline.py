@@ -8,46 +8,33 @@ import json
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, TINY_RUN, error
-from test_parallelism import compiled_update
+from helpers import MODEL, OPTIM, TINY_RUN, compiled_update, error, minibatch, trainer
 
 from hotjax.cli import main
 from hotjax.data import Batch, MiniBatch
-from hotjax.optim import OptimConfig
 from hotjax.step import Home, bucket_step, chain_inputs, micro_step_inputs, step_memory
-from hotjax.train import Trainer
 from models.errors import UserError
 from models.llama import PRESETS, abstract_params
 from models.pipeline import bubble, filled_microbatches, in_flight
 from sharding.report import describe
 from sharding.strategy import Strategy
-from sharding.table import Bucket, StrategyTable
 
 # Eight layers, so that each of eight stages holds one; fp32, so that every layout must give the
 # one-device numbers to reduction-order noise.
-CONFIG = dataclasses.replace(TINY, n_layers=8, vocab_size=384)
-OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, total_steps=4)
+CONFIG = dataclasses.replace(MODEL, n_layers=8)
 SEQ, ROWS = 64, 16
 
 
-@pytest.fixture(scope="module")
-def minibatch() -> MiniBatch:
-    """Rows of two documents each, one with padding at its end."""
-    rng = np.random.default_rng(0)
-    segments = np.ones((ROWS, SEQ), np.int32)
-    segments[:, 40:] = 2
-    segments[3, 50:] = 0
-    positions = np.where(segments == 1, np.arange(SEQ), np.arange(SEQ) - 40) * (segments > 0)
-    tokens = rng.integers(1, 259, (ROWS, SEQ)) * (segments > 0)
-    return MiniBatch((Batch(tokens.astype(np.int32), segments, positions.astype(np.int32)),))
+@pytest.fixture(scope="module", name="minibatch")
+def two_documents_a_row() -> MiniBatch:
+    """Rows of two documents each, row r ending in r padding tokens."""
+    return minibatch((ROWS, SEQ), documents=2)
 
 
 def _one_step(strategy: str | Strategy, devices, minibatch: MiniBatch, config=CONFIG,
               rows: int | None = None):
-    strategy = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
-    table = StrategyTable((Bucket(SEQ, strategy, rows),), str(strategy))
-    trainer = Trainer(config, OPTIM, table, devices)
-    state, metrics, _ = trainer.step(trainer.init(seed=0), minibatch)
+    run = trainer(strategy, devices, max_len=SEQ, rows=rows, config=config)
+    state, metrics, _ = run.step(run.init(seed=0), minibatch)
     return float(metrics["loss"]), jax.tree.map(np.asarray, state.params)
 
 

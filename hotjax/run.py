@@ -48,12 +48,11 @@ from models import bounds, optimizers
 from models.errors import UserError
 from models.llama import LlamaConfig, as_trained, preset
 from sharding.strategy import Strategy
-from sharding.table import StrategyTable, load_table
+from sharding.table import StrategyTable, load_table, parse_table
 
-# With no --strategy, 8 devices (8 simulated ones on a CPU-only machine) train under this
-# hot-switched bucket table; other device counts use data parallelism at --context.
+# With no --strategy, every device count trains this hot-switched bucket table, its meshes
+# derived from the count (`default_table`); on 8 devices, the file as written.
 DEFAULT_TABLE = Path(__file__).parent.parent / "sharding" / "tables" / "default.toml"
-DEFAULT_TABLE_DEVICES = 8
 AUTO = "auto"  # --strategies auto: a table planned by the cost model
 PERPLEXITY_CAP = 700.0  # a loss past this has no float perplexity (exp overflows): inf
 NOT_HELD = object()  # `Run(lock=...)` not given: the run takes its `ckpt_dir`'s lock itself
@@ -99,22 +98,39 @@ def resumed_config(path: str | Path, **overrides) -> RunConfig:
 
 def strategy_table(run: RunConfig, num_devices: int | None = None) -> StrategyTable:
     """The table `run` names: its `strategies` file, its `strategy` as the one-bucket table of
-    `context` tokens, or with neither, on `num_devices` devices the default table (at
-    DEFAULT_TABLE_DEVICES) or data parallelism; checked against `num_devices` when given."""
+    `context` tokens, or with neither, the default table on `num_devices` devices
+    (`default_table`); checked against `num_devices` when given."""
     if run.strategy and run.strategies:
         raise UserError("--strategy and --strategies both given: pass one of them")
     if run.strategies:
         table = load_table(run.strategies)
-    elif run.strategy is None and num_devices == DEFAULT_TABLE_DEVICES:
-        table = load_table(DEFAULT_TABLE)
+    elif run.strategy:
+        table = StrategyTable.single(Strategy.parse(run.strategy), run.context,
+                                     f"--strategy {run.strategy!r}")
+    elif num_devices is None:
+        raise UserError("no strategy given: pass a strategy table or a strategy")
     else:
-        if run.strategy is None and num_devices is None:
-            raise UserError("no strategy given: pass a strategy table or a strategy")
-        spec = run.strategy or f"data={num_devices},rules=dp"
-        table = StrategyTable.single(Strategy.parse(spec), run.context, f"--strategy {spec!r}")
+        table = default_table(num_devices)
     if num_devices is not None:
         table.check_devices(num_devices)
     return table
+
+
+def default_table(num_devices: int) -> StrategyTable:
+    """DEFAULT_TABLE's buckets on `num_devices` devices: each keeps its tensor ways up to the
+    largest power of two dividing the count and puts the other devices on data, except that a
+    balanced bucket puts on context as many as split its rows into balanced chunks (2 a rank),
+    and any left on data. On 8 devices this is the file; on one, its buckets each on the one
+    device: the same model, run in micro-steps per length."""
+    data = load_table(DEFAULT_TABLE).to_dict()
+    power = num_devices & -num_devices  # the largest power of two dividing num_devices
+    for entry in data["bucket"]:
+        tensor = min(entry["mesh"].get("tensor", 1), power)
+        rest = num_devices // tensor
+        context = math.gcd(rest, entry["max_len"] // 2) if entry.get("balanced") else 1
+        entry["mesh"] = {"data": rest // context, "context": context, "tensor": tensor}
+        entry["balanced"] = context > 1
+    return parse_table(data, f"{DEFAULT_TABLE} on {num_devices} devices")
 
 
 def planned_table(run: RunConfig, config: LlamaConfig, devices: Sequence[jax.Device],

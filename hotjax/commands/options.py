@@ -30,9 +30,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "model": {"help": "model preset, or a JSON file of LlamaConfig fields (default: "
               f"{DEFAULT_MODEL}; resuming, the checkpoint's model)"},
     "strategy": {"help": 'mesh and rules, e.g. "data=2,fsdp=4" or "fsdp=8,rules=fsdp" '
-                 "(default: on exactly 8 devices the hot-switched table "
-                 "sharding/tables/default.toml, on any other count data parallel over all "
-                 "devices)"},
+                 "(default, on any N devices: the hot-switched table "
+                 "sharding/tables/default.toml, each bucket's tensor ways capped at the largest "
+                 "power of two dividing N and the other devices on data, or on context for its "
+                 "balanced bucket where they split its rows; 8 devices run the file as written, "
+                 "1 device its three buckets on that device)"},
     "strategies": {"metavar": "TABLE.toml", "help": "a strategy table, or 'auto': planned for "
                    "this machine's devices by `hotjax plan`'s cost model (measured once, "
                    "cached)"},

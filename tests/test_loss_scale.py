@@ -8,15 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import TINY
+from helpers import MODEL, minibatch
 
-from hotjax.data import Batch, MiniBatch
+from hotjax.data import MiniBatch
 from hotjax.optim import OptimConfig, loss_scale, make_optimizer
 from hotjax.train import Trainer
 from models.errors import UserError
 from sharding.table import parse_table
 
-FP16 = dataclasses.replace(TINY, vocab_size=384, compute_dtype="float16")
+FP16 = dataclasses.replace(MODEL, compute_dtype="float16")
 TABLE = parse_table({"bucket": [
     {"max_len": 32, "mesh": {"data": 8}},
     {"max_len": 64, "mesh": {"data": 2, "tensor": 4}, "rules": "megatron"},
@@ -24,15 +24,9 @@ TABLE = parse_table({"bucket": [
 OVERFLOW = 2.0**40  # the loss times this overflows fp16 gradients (max 65504)
 
 
-def minibatch(seed: int = 0) -> MiniBatch:
-    """Four documents in each of the table's two buckets."""
-    rng = np.random.default_rng(seed)
-    buckets = []
-    for length in (32, 64):
-        tokens = rng.integers(3, 259, size=(4, length)).astype(np.int32)
-        buckets.append(Batch(tokens, np.ones_like(tokens),
-                             np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape)))
-    return MiniBatch(tuple(buckets))
+def documents(seed: int = 0) -> MiniBatch:
+    """Four documents in each of the table's two buckets, one a row."""
+    return minibatch((4, 32), (4, 64), documents=1, padded=False, seed=2 * seed)
 
 
 def host(tree):
@@ -55,14 +49,14 @@ def test_an_overflow_in_one_bucket_skips_the_whole_update_and_halves_the_scale(
     optim = OptimConfig(loss_scaling="dynamic")
     trainer = Trainer(FP16, optim, TABLE, devices)
     state = trainer.init(seed=0)
-    state, first = trainer.train_step(state, minibatch(0))  # a normal step moves Adam's state
+    state, first = trainer.train_step(state, documents(0))  # a normal step moves Adam's state
     assert not first["skipped"] and first["loss_scale"] == 2.0**15
     before = host(state)
     # The test hook: one bucket's micro-steps see a loss scale that overflows fp16.
     bucket = trainer.buckets[overflowing_bucket]
     monkeypatch.setattr(bucket, "place_scale", lambda scale: jax.device_put(
         jnp.float32(OVERFLOW), bucket.layout.replicated))
-    state, metrics = trainer.train_step(state, minibatch(1))
+    state, metrics = trainer.train_step(state, documents(1))
     assert metrics["skipped"] and metrics["skipped_steps"] == 1
     assert metrics["loss_scale"] == 2.0**15  # the scale this step ran with ...
     assert float(loss_scale(state.opt_state)) == 2.0**14  # ... halved for the next
@@ -78,7 +72,7 @@ def test_a_dynamic_scale_doubles_after_its_period_and_a_static_one_stays(devices
         trainer = Trainer(FP16, optim, TABLE, devices)
         state, scales = trainer.init(seed=0), []
         for step in range(5):
-            state, metrics = trainer.train_step(state, minibatch(step))
+            state, metrics = trainer.train_step(state, documents(step))
             assert not metrics["skipped"]
             scales.append(metrics["loss_scale"])
         assert scales == expected, scaling
@@ -89,7 +83,7 @@ def test_a_static_scale_still_skips_an_overflowing_update(devices):
     trainer = Trainer(FP16, optim, TABLE, devices)
     state = trainer.init(seed=0)
     before = host(state)
-    state, metrics = trainer.train_step(state, minibatch(0))
+    state, metrics = trainer.train_step(state, documents(0))
     assert metrics["skipped"] and metrics["loss_scale"] == OVERFLOW
     assert float(loss_scale(state.opt_state)) == OVERFLOW
     assert_identical(state.params, before.params)

@@ -9,21 +9,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import MODEL, OPTIM, trainer
 
 from hotjax.data import Batch, ByteTokenizer, MiniBatch, MiniBatches, open_corpus
-from hotjax.optim import OptimConfig
 from hotjax.step import micro_step_inputs, next_token_targets
-from models.head_loss import NO_TARGET, token_loss
 from hotjax.train import Trainer
 from models.errors import UserError
-from models.llama import PRESETS
+from models.head_loss import NO_TARGET, token_loss
 from sharding.strategy import Layout, Strategy
 from sharding.table import Bucket, StrategyTable
 
-# As tests/test_hot.py has them, so that compiled steps are shared (one per config, strategy,
-# devices and shape); the vocabulary is padded to 384 so that it splits over tensor=4.
-TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=384, compute_dtype="float32")
-OPTIM = OptimConfig(lr=1e-3, warmup_steps=2, total_steps=5)
+# The shared model and optimizer, so that compiled steps are shared with the other test files
+# (one per config, strategy, devices and shape).
+TINY = MODEL
 SEQ = 128
 
 
@@ -43,8 +41,7 @@ def stdlib_batches(tmp_path_factory) -> list[MiniBatch]:
 
 
 def _trainer(strategy: str, devices, config=TINY) -> Trainer:
-    table = StrategyTable.single(Strategy.parse(strategy), SEQ, strategy)
-    return Trainer(config, OPTIM, table, devices)
+    return trainer(strategy, devices, max_len=SEQ, config=config)
 
 
 def _run(strategy: str, devices, batches, config=TINY):

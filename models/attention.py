@@ -57,10 +57,12 @@ RING_BLOCK = 16  # the ring step's least tile edge (Triton's matmuls take no few
 _NONE = jnp.iinfo(jnp.int32).max  # the lower bound of a block with no real token
 
 
-def accumulating(dtype: jnp.dtype) -> jnp.dtype:
+def accumulating(dtype: jnp.dtype, platform: str | None = None) -> jnp.dtype:
     """The dtype for matmuls that accumulate in fp32: XLA:CPU has no fp16 x fp16 -> fp32 dot,
-    so there fp16 operands are widened (bf16 and every accelerator keep their own)."""
-    if jnp.dtype(dtype) == jnp.float16 and jax.default_backend() == "cpu":
+    so there fp16 operands are widened (bf16 and every accelerator keep their own).
+    `platform`: the one compiled for (None: JAX's default backend; a GPU target compiled on a
+    CPU host names "gpu")."""
+    if jnp.dtype(dtype) == jnp.float16 and (platform or jax.default_backend()) == "cpu":
         return jnp.dtype(jnp.float32)
     return jnp.dtype(dtype)
 

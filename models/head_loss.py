@@ -123,11 +123,10 @@ def _fused_forward(x_BxTxD: Array, head_DxV: Array, targets_BxT: Array, seed: Ar
                    on_rows: Constrain, chunks: int) -> tuple[Array, tuple]:
     total, d_CxBxTxV = _chunked(x_BxTxD, head_DxV, targets_BxT, seed, on_rows, chunks,
                                 gradient=True)
-    # The head's backward matmuls, once over every token, on the compute-dtype gradient.
-    dx_BxTxD = _unstrided(jnp.einsum("cbtv,dv->cbtd", d_CxBxTxV, head_DxV,
-                                     preferred_element_type=jnp.float32)).astype(x_BxTxD.dtype)
-    d_head_DxV = jnp.einsum("cbtd,cbtv->dv", _strided(x_BxTxD, chunks), d_CxBxTxV,
-                            preferred_element_type=jnp.float32).astype(head_DxV.dtype)
+    # The head's backward matmuls, once over every token, on the compute-dtype gradient, in the
+    # compute dtype as the layers' are (XLA accumulates them in fp32).
+    dx_BxTxD = _unstrided(jnp.einsum("cbtv,dv->cbtd", d_CxBxTxV, head_DxV))
+    d_head_DxV = jnp.einsum("cbtd,cbtv->dv", _strided(x_BxTxD, chunks), d_CxBxTxV)
     return total, (dx_BxTxD, d_head_DxV, seed)
 
 

@@ -240,7 +240,8 @@ class Llama(nnx.Module):
         `placement` lays the activations out (None: one device, or XLA's choice)."""
         x_BxTxD, head_DxV, on_rows = self._trunk(tokens_BxT, segment_ids_BxT, positions_BxT,
                                                  placement)
-        return final_logits(self.config, self.final_norm[...], head_DxV, x_BxTxD, on_rows)
+        return final_logits(self.config, self.final_norm[...], head_DxV, x_BxTxD, on_rows,
+                            platform_of(placement))
 
     def loss(self, tokens_BxT: Array, segment_ids_BxT: Array, positions_BxT: Array,
              targets_BxT: Array, seed: Array, placement: Placement | None = None
@@ -250,7 +251,7 @@ class Llama(nnx.Module):
         x_BxTxD, head_DxV, on_rows = self._trunk(tokens_BxT, segment_ids_BxT, positions_BxT,
                                                  placement)
         return final_loss(self.config, self.final_norm[...], head_DxV, x_BxTxD, targets_BxT,
-                          seed, on_rows)
+                          seed, on_rows, platform_of(placement))
 
     def _trunk(self, tokens_BxT: Array, segment_ids_BxT: Array | None,
                positions_BxT: Array | None, placement: Placement | None
@@ -306,31 +307,36 @@ def head_weights(cfg: LlamaConfig, weights: Array, constrain: Constrain = _no_co
                                                           ("embed", "vocab"))
 
 
+def platform_of(placement: Placement | None) -> str | None:
+    """The platform a placement's devices are (a compile target's too); None: JAX's default."""
+    return None if placement is None else placement.attention.mesh.devices.flat[0].platform
+
+
 def final_logits(cfg: LlamaConfig, final_norm_D: Array, head_DxV: Array, x_BxTxD: Array,
-                 on_rows: Constrain = _no_constraint) -> Array:
+                 on_rows: Constrain = _no_constraint, platform: str | None = None) -> Array:
     """The final norm and the LM head, laid out by `on_rows`: fp32 logits [B, T, V]."""
-    x_BxTxD, head_DxV = _head_inputs(cfg, final_norm_D, head_DxV, x_BxTxD, on_rows)
+    x_BxTxD, head_DxV = _head_inputs(cfg, final_norm_D, head_DxV, x_BxTxD, on_rows, platform)
     logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV,
                               preferred_element_type=jnp.float32)
     return on_rows(logits_BxTxV, ("batch", "inner_seq", "vocab"))
 
 
 def final_loss(cfg: LlamaConfig, final_norm_D: Array, head_DxV: Array, x_BxTxD: Array,
-               targets_BxT: Array, seed: Array, on_rows: Constrain = _no_constraint
-               ) -> tuple[Array, Array]:
+               targets_BxT: Array, seed: Array, on_rows: Constrain = _no_constraint,
+               platform: str | None = None) -> tuple[Array, Array]:
     """The final norm, the LM head and the cross-entropy fused (`models.head_loss`): the loss
     sum against `targets` and the target count, gradients those of `seed` x the sum."""
-    x_BxTxD, head_DxV = _head_inputs(cfg, final_norm_D, head_DxV, x_BxTxD, on_rows)
+    x_BxTxD, head_DxV = _head_inputs(cfg, final_norm_D, head_DxV, x_BxTxD, on_rows, platform)
     return head_loss(x_BxTxD, head_DxV, targets_BxT, seed, on_rows)
 
 
 def _head_inputs(cfg: LlamaConfig, final_norm_D: Array, head_DxV: Array, x_BxTxD: Array,
-                 on_rows: Constrain) -> tuple[Array, Array]:
+                 on_rows: Constrain, platform: str | None) -> tuple[Array, Array]:
     """The final norm's output and the head, laid out and in the dtype the head's matmul
-    takes."""
+    takes on `platform`."""
     x_BxTxD = on_rows(x_BxTxD, ("batch", "seq", "embed"))
     x_BxTxD = _rms_norm(x_BxTxD, final_norm_D.astype(cfg.dtype), cfg.norm_eps)
-    wide = accumulating(cfg.dtype)
+    wide = accumulating(cfg.dtype, platform)
     return x_BxTxD.astype(wide), head_DxV.astype(wide)
 
 
@@ -527,7 +533,7 @@ def loss_and_gradients(config: LlamaConfig, params: Params, rows: dict[str, Arra
     def head(p: Params, x_BxTxD: Array, targets_BxT: Array) -> tuple[Array, Array]:
         head_DxV = head_weights(cfg, p["head"], constrain)
         return final_loss(cfg, p["final_norm"], head_DxV, x_BxTxD, targets_BxT, seed,
-                          placement.across_stages)
+                          placement.across_stages, platform_of(placement))
 
     def block_rows(r: dict[str, Array]) -> tuple[Array, ...]:
         return (r["segment_ids"], r["positions"], *rope_tables(cfg, r["positions"]))

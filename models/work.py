@@ -11,7 +11,8 @@ packed row computes on a platform.
 
 from __future__ import annotations
 
-from models.attention import DEFAULT_BLOCK, PALLAS_BLOCK
+from models.attention import DEFAULT_BLOCK, PALLAS_BLOCK, choose_backend
+from models.cudnn_attention import workspace_bytes
 from models.llama import LlamaConfig
 from models.packed_attention import block_for
 
@@ -44,3 +45,18 @@ def attention_kernel(config: LlamaConfig, platform: str, seq_len: int, context: 
     if platform == "gpu" and context == 1 and seq_len % PALLAS_BLOCK == 0:
         return block_for(config.dtype, config.head_dim, seq_len), True
     return config.attention_block or DEFAULT_BLOCK.get(platform, DEFAULT_BLOCK["gpu"]), True
+
+
+def attention_backend(config: LlamaConfig, platform: str, seq_len: int, context: int,
+                      capability: int | None = None) -> str:
+    """The attention kernel rows of `seq_len` tokens, one causal document each (the cost
+    model's worst case), run on `platform` under a ring of `context` devices, as
+    `models.attention.choose_backend` picks it for `config.attention` with the installed JAX;
+    `capability`: the GPU's compute capability (major), None when not known."""
+    ring = context > 1
+    kernel, _ = choose_backend(
+        config.attention, platform, ring=ring, packed=True,
+        seq_len=seq_len // context if ring else seq_len, dtype=config.dtype, documents=1,
+        workspace=workspace_bytes(1, seq_len, 1, config.n_heads, config.head_dim),
+        capability=capability)
+    return kernel

@@ -34,7 +34,7 @@ from models.attention import Tokens, block_edge, ring_block_counts, visible_bloc
 from models.errors import UserError
 from models.llama import as_trained, preset
 from models.pipeline import bubble
-from models.work import attention_kernel
+from models.work import attention_backend, attention_kernel
 from sharding.report import resident_bytes
 from sharding.strategy import Strategy
 from sharding.transfers import ArraySwitch, schedule_transfers
@@ -432,6 +432,37 @@ def test_shipped_profiles_hold_the_papers_cluster_and_an_h100_node():
     assert H100.bandwidth("send", 3, crosses_nodes=False) == 450 * GB
     # The elementwise bandwidth: an estimate from each device's HBM, stated in the file.
     assert (A800.elementwise_bandwidth, H100.elementwise_bandwidth) == (1835 * GB, 3015 * GB)
+    # Attention per kernel: cuDNN's and the blockwise ring step's measured on an H100 / H200,
+    # the ring's Pallas step as the packed kernel's (an estimate); Ampere runs no cuDNN packed.
+    assert dict(H100.attention_by_kernel) == {"cudnn": 0.45, "blockwise": 0.035,
+                                             "pallas-ring": 0.17}
+    assert H100.attention_at("pallas") == H100.attention_efficiency == 0.17
+    assert (H100.compute_capability, A800.compute_capability) == (9, 8)
+
+
+@pytest.mark.parametrize(("platform", "capability", "fixed", "context", "kernel"), [
+    ("gpu", 9, True, 1, "cudnn"),  # Hopper, a JAX placing GQA's packed K/V right
+    ("gpu", 9, False, 1, "pallas"),  # this project's CPU pin, jax 0.10.2: not yet
+    ("gpu", 8, True, 1, "pallas"),  # Ampere
+    ("gpu", 9, True, 4, "pallas-ring"),
+    ("cpu", None, True, 1, "blockwise"),
+    ("cpu", None, True, 4, "blockwise"),
+])
+def test_attention_is_priced_at_the_efficiency_of_the_kernel_that_runs(
+        monkeypatch, platform, capability, fixed, context, kernel):
+    import models.cudnn_attention
+
+    monkeypatch.setattr(models.cudnn_attention, "gqa_offsets_fixed", lambda: fixed)
+    profile = dataclasses.replace(
+        H100, platform=platform, compute_capability=capability,
+        attention_by_kernel=(("cudnn", 0.5), ("pallas-ring", 0.25), ("blockwise", 0.125)))
+    config = LLAMA2_7B
+    assert attention_backend(config, platform, 8192, context, capability) == kernel
+    strategy = Strategy.parse(f"context={context},rules=context" if context > 1 else "data=1")
+    priced = micro_step_time(config, strategy, (1, 8192), profile)
+    at_peak = micro_step_time(config, strategy, (1, 8192), dataclasses.replace(
+        profile, attention_efficiency=1.0, attention_by_kernel=()))
+    assert priced.attention == pytest.approx(at_peak.attention / profile.attention_at(kernel))
 
 
 DELETE = object()
@@ -473,6 +504,10 @@ def _profile(path: tuple[str, ...] = (), value: object = DELETE) -> dict:
      "test.toml: collectives.all-reduce.intra: group size 'one' must be an integer"),
     (("collectives", "send"), DELETE,
      "test.toml: collectives.send: missing: add [collectives.send]"),
+    (("efficiency", "attention_cudnn"), 2, "test.toml: efficiency.attention_cudnn = 2.0 is a "
+     "share of peak"),
+    (("efficiency", "attention_flash"), 0.5, "test.toml: efficiency: unknown key "
+     "'attention_flash'"),
 ])
 def test_a_bad_profile_is_one_line_naming_the_file_the_field_and_the_fix(path, value, message):
     with pytest.raises(UserError) as error:

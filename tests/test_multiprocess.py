@@ -91,7 +91,8 @@ def test_two_pinned_processes_of_one_device_train_balanced_data_parallel_as_one_
     assert "2 processes x 1 CPU device, each pinned to its own cores (core 0 | core 1)" in first
     two = records(tmp_path / "two.jsonl")
     metrics = tmp_path / "one.jsonl"
-    assert main([*TINY_RUN, *flags, "--devices", "1", "--metrics-jsonl", str(metrics)]) == 0
+    assert main([*TINY_RUN, *flags, "--devices", "1", "--strategy", "data=1", "--metrics-jsonl",
+                 str(metrics)]) == 0
     one = records(metrics)
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one],
                                rtol=0, atol=1e-5)

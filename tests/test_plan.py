@@ -251,7 +251,7 @@ def test_strategies_auto_plans_for_this_machine_and_trains_like_one_device(tmp_p
     run = ["train", *same, "--steps", "2"]
     losses = {}
     for name, flags in (("auto", ["--strategies", "auto", "--ckpt-dir", str(tmp_path / "ck")]),
-                        ("one device", ["--devices", "1"])):
+                        ("one device", ["--devices", "1", "--strategy", "data=1"])):
         metrics = tmp_path / f"{name}.jsonl"
         assert main([*run, *flags, "--metrics-jsonl", str(metrics)]) == 0
         losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]

@@ -466,9 +466,13 @@ def profile_toml(profile: Profile) -> str:
              *([f"step_overhead_ms = {_in_units(profile.step_overhead, 1e-3)}"]
                if profile.step_overhead else []),
              *([f"elementwise_gbps = {_in_units(profile.elementwise_bandwidth, GIGA)}"]
-               if profile.elementwise_bandwidth else []), "",
+               if profile.elementwise_bandwidth else []),
+             *([f"compute_capability = {profile.compute_capability}"]
+               if profile.compute_capability is not None else []), "",
              "[efficiency]", f"matmul = {_in_units(profile.matmul_efficiency, 1)}",
              f"attention = {_in_units(profile.attention_efficiency, 1)}",
+             *(f"attention_{kernel.replace('-', '_')} = {_in_units(share, 1)}"
+               for kernel, share in profile.attention_by_kernel),
              *([f"matmul_by_size = {table(profile.matmul_by_size, 1)}"] if profile.matmul_by_size
                else []), "",
              "[links]", f"intra_node_gbps = {_in_units(profile.intra_node_bandwidth, GIGA)}",

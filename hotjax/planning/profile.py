@@ -35,6 +35,9 @@ PROFILES = Path(__file__).parent / "profiles"
 # stage transfers, ring attention's K/V). Time = bytes moved per device / bus bandwidth (see
 # `hotjax.planning.cost`).
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "send")
+# The attention kernels a profile may price apart (`[efficiency] attention_KERNEL`, "-" as
+# "_"), by `models.attention.choose_backend`'s names; `attention` prices the others.
+ATTENTION_KERNELS = ("cudnn", "pallas", "pallas-ring", "blockwise")
 _TOP_KEYS = ("name", "platform", "nodes", "devices_per_node", "device", "efficiency", "links",
              "collectives")
 TERA, GIGA, GiB = 1e12, 1e9, 2**30
@@ -119,7 +122,7 @@ class Profile:
     peak_flops: float
     memory_bytes: int  # what JAX's allocator hands a process per device: plans fill this
     matmul_efficiency: float  # share of peak the model's matmuls reach (where no size says)
-    attention_efficiency: float  # share of peak the attention kernel reaches
+    attention_efficiency: float  # share of peak the attention kernel reaches (where none says)
     intra_node_bandwidth: float  # bytes/s per device and direction (the transfer scheduler's links)
     inter_node_bandwidth: float
     collectives: tuple[tuple[str, Bandwidths], ...]  # (name, bandwidths) for each of COLLECTIVES
@@ -133,10 +136,19 @@ class Profile:
     # Bytes/s the model's elementwise passes move (`hotjax.planning.cost.ELEMENTWISE`); 0: not
     # priced apart (a fitted matmul rate carries that work).
     elementwise_bandwidth: float = 0.0
+    # (kernel, share of peak) of the attention kernels measured apart (`ATTENTION_KERNELS`),
+    # and the GPU's compute capability (major; None: not stated), which decides whether
+    # cuDNN's packed attention runs.
+    attention_by_kernel: tuple[tuple[str, float], ...] = ()
+    compute_capability: int | None = None
 
     @property
     def matmul(self) -> MatmulEfficiency:
         return MatmulEfficiency(self.matmul_efficiency, self.matmul_by_size)
+
+    def attention_at(self, kernel: str) -> float:
+        """The share of peak attention kernel `kernel` reaches (`models.attention`'s names)."""
+        return dict(self.attention_by_kernel).get(kernel, self.attention_efficiency)
 
     @property
     def num_devices(self) -> int:
@@ -175,15 +187,18 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
     """A profile from its TOML form, validated: every field present, every number positive."""
     _known(data, _TOP_KEYS, source)
     device = _table(data, "device", source, ("peak_tflops", "memory_gib"),
-                    ("allocator_fraction", "step_overhead_ms", "elementwise_gbps"))
+                    ("allocator_fraction", "step_overhead_ms", "elementwise_gbps",
+                     "compute_capability"))
+    kernels = {f"attention_{k.replace('-', '_')}": k for k in ATTENTION_KERNELS}
     efficiency = _table(data, "efficiency", source, ("matmul", "attention"),
-                        ("matmul_by_size",))
+                        ("matmul_by_size", *kernels))
     links = _table(data, "links", source, ("intra_node_gbps", "inter_node_gbps"),
                    ("latency_us",))
     by_size = _efficiencies(data["efficiency"].get("matmul_by_size", {}),
                             f"{source}: efficiency.matmul_by_size")
     for key, table, field, of in (("efficiency", efficiency, "matmul", "peak"),
                                   ("efficiency", efficiency, "attention", "peak"),
+                                  *(("efficiency", efficiency, k, "peak") for k in kernels),
                                   ("device", device, "allocator_fraction", "the memory")):
         if table.get(field, 0) > 1:
             raise UserError(f"{source}: {key}.{field} = {table[field]} is a share of {of}: "
@@ -211,7 +226,11 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
         collectives=tuple((name, _bandwidths(collectives, name, source)) for name in COLLECTIVES),
         source=source, step_overhead=device.get("step_overhead_ms", 0.0) * 1e-3,
         collective_latency=links.get("latency_us", 0.0) * 1e-6,
-        elementwise_bandwidth=device.get("elementwise_gbps", 0.0) * GIGA)
+        elementwise_bandwidth=device.get("elementwise_gbps", 0.0) * GIGA,
+        attention_by_kernel=tuple((kernel, efficiency[key]) for key, kernel in kernels.items()
+                                  if key in efficiency),
+        compute_capability=int(device["compute_capability"]) if "compute_capability" in device
+        else None)
 
 
 def _bandwidths(collectives: Mapping[str, Any], name: str, source: str) -> Bandwidths:

@@ -50,7 +50,7 @@ MAX_DEVICES = 2**16
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     model: str | None = None  # a preset; None: the checkpoint's model when resuming, else small
-    strategy: str | None = None  # "data=2,fsdp=4"; default: data parallel over all devices
+    strategy: str | None = None  # "data=2,fsdp=4"; default: the default table on every count
     strategies: str | None = None  # a TOML strategy table, or "auto" (planned)
     devices: int | None = None
     data: str | None = None  # default: the Python standard library

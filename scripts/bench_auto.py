@@ -4,8 +4,8 @@
                                  [--batch-tokens 8192] [--compute-dtype D]
 
 Two runs of `hotjax train` on the same flags and so the same mini-batches: one under the default
-strategy table (on 8 devices `sharding/tables/default.toml`, whose context is 2048; on other
-counts data parallelism at `--context`), one under `--strategies auto` at the same context (the
+strategy table (`sharding/tables/default.toml`, its meshes derived from the device count, whose
+context is 2048), one under `--strategies auto` at the same context (the
 table the cost model plans with this machine's profile, measured once and cached). In each of
 `--rounds` rounds each runs once, in turn, in this process and as the command (`hotjax.cli.main`),
 so that load which drifts slows both alike; compiled steps are reused after the first round. A
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     if args.steps < 2 or args.rounds < 1:
         raise UserError("--steps 2 or more (the first is left out) and --rounds 1 or more")
     devices = jax.devices()
-    default = strategy_table(RunConfig(context=args.context), len(devices))
+    default = strategy_table(RunConfig(), len(devices))
     context = default.max_len
     flags = ["--model", args.model, "--context", str(context), "--steps", str(args.steps),
              "--batch-tokens", str(args.batch_tokens)]
@@ -217,9 +217,6 @@ def print_table(found: dict, console: Console) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="model preset (default: %(default)s)")
-    parser.add_argument("--context", type=int, default=512, help="the context where the "
-                        "default is one strategy (not on 8 devices, whose default table sets "
-                        "2048) (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=6,
                         help="steps per run, the first left out (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3,

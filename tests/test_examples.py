@@ -6,10 +6,14 @@ strategy with the uninterrupted run's losses."""
 import concurrent.futures
 import importlib.util
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from helpers import ROOT, hotjax, python, records
+from helpers import ROOT, SUBPROCESS_TIMEOUT_S, environment, python, records
+
+from hotjax.cli import main
 
 # Byte tokens in fp32, over the example's hot-switched two-bucket table on 8 devices.
 FLAGS = ["--tokenizer", "bytes", "--batch-tokens", "2048", "--compute-dtype", "float32",
@@ -43,19 +47,19 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     corpus.write_text("".join(json.dumps({"text": text[s:s + n]}) + "\n"
                               for s, n in zip(starts, lengths, strict=True)))
     flags = [*FLAGS, "--data", str(corpus)]
-
-    def cli() -> list[dict]:
-        hotjax("train", *flags, "--model", "model.json", "--strategies", "table.toml",
-               "--ckpt-dir", "ck", "--save-every", "2", "--metrics-jsonl", "cli.jsonl", cwd=tmp)
-        return records(tmp / "cli.jsonl")
-
-    def script() -> list[dict]:
-        return records(python(ROOT / "examples" / "train_llama.py", *flags, "--devices", "8",
-                              "--ckpt-dir", "ck-script", "--save-every", "2", "--eval-data", corpus,
-                              "--eval-every", "2", "--eval-batches", "1", cwd=tmp).stdout)
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        cli_run, example_run = pool.map(lambda f: f(), (cli, script))
+    script = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "train_llama.py"), *flags, "--devices", "8",
+         "--ckpt-dir", "ck-script", "--save-every", "2", "--eval-data", str(corpus),
+         "--eval-every", "2", "--eval-batches", "1"],
+        cwd=tmp, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Meanwhile `hotjax train` in this process, whose compiled steps the evaluation below reuses.
+    assert main(["train", *flags, "--model", str(tmp / "model.json"), "--strategies",
+                 str(tmp / "table.toml"), "--ckpt-dir", str(tmp / "ck"), "--save-every", "2",
+                 "--metrics-jsonl", str(tmp / "cli.jsonl")]) == 0
+    cli_run = records(tmp / "cli.jsonl")
+    out, err = script.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+    assert script.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
+    example_run = records(out)
     restored = records(python(ROOT / "examples" / "restore_on_new_mesh.py", tmp / "ck" / "2",
                               "--devices", "4", "--strategy", "fsdp=2,tensor=2", cwd=tmp,
                               devices=4).stdout)

@@ -152,3 +152,9 @@ def test_a_bad_yaml_config_file_is_one_line(text, expect, tmp_path, capsys):
 def test_bad_optimizer_flags_are_one_line(flags, expect, capsys):
     line = error(["train", *flags], capsys)
     assert expect in line, line
+
+
+def test_profile_steps_is_trace_steps_other_name():
+    """`--profile-steps A:B`, as other trainers call it, is `--trace-steps A:B`."""
+    assert run_config(["train", "--profile-steps", "3:4"]).trace_steps == "3:4"
+    assert run_config(["train", "--trace-steps", "3:4"]).trace_steps == "3:4"

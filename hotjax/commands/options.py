@@ -152,7 +152,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
                     "here (pip install hotjax[tensorboard])"},
     "wandb": {"metavar": "PROJECT", "help": "log the metrics to this Weights & Biases project "
               "(pip install hotjax[wandb]; WANDB_MODE=offline keeps them local)"},
-    "trace_steps": {"metavar": "A:B", "help": "write a JAX profiler trace of steps A to B "
+    "trace_steps": {"aliases": ("--profile-steps",), "metavar": "A:B",
+                    "help": "write a JAX profiler trace of steps A to B "
                     "into the --tensorboard DIR (else ./trace), for TensorBoard's profile tab "
                     "or Perfetto (its .trace.json.gz)"},
     "device_memory": {"type": memory_size, "metavar": "SIZE", "help": "per-device memory "
@@ -210,7 +211,8 @@ def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *name
         keywords = dict(OPTIONS[name])
         if name in defaults:
             keywords["default"] = defaults[name]
-        target.add_argument("--" + name.replace("_", "-"), **keywords)
+        target.add_argument("--" + name.replace("_", "-"), *keywords.pop("aliases", ()),
+                            **keywords)
 
 
 def run_config(args: argparse.Namespace, **fields: Any) -> RunConfig:

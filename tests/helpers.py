@@ -99,6 +99,18 @@ TINY_RUN = ("train", "--model", "tiny", "--tokenizer", "bytes", "--context", "25
 SUBPROCESS_TIMEOUT_S = 600  # a loaded 2-core machine; a hang fails the test instead
 
 
+def small_corpus(directory: Path) -> Path:
+    """`directory/docs.jsonl`: 200 documents of 300 bytes of the default corpus's text. A run
+    reads and measures it in a moment, where the default corpus takes seconds to measure."""
+    from hotjax.data import open_corpus
+
+    text = "".join(open_corpus(None).read(i) for i in range(20))
+    path = directory / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": text[i:i + 300]}) + "\n"
+                            for i in range(0, 300 * 200, 300)))
+    return path
+
+
 def table(name: str) -> Path:
     """tests/tables/NAME.toml: a strategy table several tests train under."""
     path = TABLES / f"{name}.toml"

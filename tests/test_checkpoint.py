@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY, hotjax
-from test_checkpoint_resume import small_corpus
+from helpers import TINY, hotjax, small_corpus
 
 from hotjax.checkpoint import dirs, fingerprint, formats, store
 from hotjax.checkpoint import meta as meta_lib

@@ -9,7 +9,6 @@ test's every process is."""
 import concurrent.futures
 import contextlib
 import io
-import json
 import signal
 import subprocess
 import time
@@ -18,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from helpers import TINY_RUN, records, start_hotjax, table
+from helpers import TINY_RUN, records, small_corpus, start_hotjax, table
 
 from hotjax.checkpoint import dirs
 from hotjax.cli import main
@@ -55,18 +54,6 @@ def _train(flags: list[str], devices: int) -> tuple[int, str]:
         patch.setenv("COLUMNS", "400")
         code = main([*TINY_RUN, "--devices", str(devices), *flags])
     return code, err.getvalue()
-
-
-def small_corpus(directory: Path) -> Path:
-    """`directory/docs.jsonl`: 200 documents of 300 bytes of the default corpus's text. A run
-    reads and measures it in a moment, where the default corpus takes seconds to measure."""
-    from hotjax.data import open_corpus
-
-    text = "".join(open_corpus(None).read(i) for i in range(20))
-    path = directory / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": text[i:i + 300]}) + "\n"
-                            for i in range(0, 300 * 200, 300)))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -36,9 +35,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import parse_args  # noqa: E402  (beside this script)
+from quick_option import parse_args  # beside this script
 
 TOLERANCE = 1e-4  # float32: only the summation order differs
 TARGETS = {"packed": 4.0, "causal": 1.5}  # dense / blockwise, claimed by the issue

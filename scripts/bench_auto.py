@@ -34,11 +34,9 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from quick_option import machine, parse_args, print_machine, report  # beside this script
 
-from quick_option import machine, parse_args, print_machine, report  # noqa: E402  (beside this script)
-
-from hotjax.commands.options import add_options  # noqa: E402
+from hotjax.commands.options import add_options
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -18,7 +18,6 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,11 +26,10 @@ if TYPE_CHECKING:
     from hotjax.data import MiniBatch
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import parse_args  # noqa: E402  (beside this script)
+from quick_option import parse_args  # beside this script
 
-from hotjax.commands.options import add_options  # noqa: E402
+from hotjax.commands.options import add_options
 
 REQUIRED_RATIO = 10
 QUICK = {"model": "tiny", "context": 128, "batch_tokens": 2048, "batches": 10, "steps": 2,

@@ -50,10 +50,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from models.options import ATTENTION_BACKENDS  # noqa: E402  (free of JAX: the parser's choices)
+from models.options import ATTENTION_BACKENDS  # free of JAX: the parser's choices
 
 PARTS = ("check", "cudnn", "kernels", "mfu", "profile", "calibrate")
 # calibrate: (rows, tokens) of the micro-steps timed, full size and --quick.

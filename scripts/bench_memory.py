@@ -32,16 +32,14 @@ import itertools
 import os
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import machine, parse_args, report  # noqa: E402  (beside this script)
+from quick_option import machine, parse_args, report  # beside this script
 
-from hotjax.config import memory_size  # noqa: E402
-from models.errors import UserError  # noqa: E402
+from hotjax.config import memory_size
+from models.errors import UserError
 
 if TYPE_CHECKING:
     import jax

@@ -54,13 +54,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import numpy as np  # noqa: E402
-from quick_option import (  # noqa: E402  (beside this script)
+import numpy as np
+from quick_option import (  # beside this script
     add_processes_option,
     machine,
     parse_args,
@@ -68,9 +65,9 @@ from quick_option import (  # noqa: E402  (beside this script)
     report,
 )
 
-from hotjax.commands.options import add_options  # noqa: E402
-from hotjax.config import memory_size, shown_bytes  # noqa: E402
-from models.errors import UserError  # noqa: E402
+from hotjax.commands.options import add_options
+from hotjax.config import memory_size, shown_bytes
+from models.errors import UserError
 
 if TYPE_CHECKING:
     from rich.console import Console

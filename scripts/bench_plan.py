@@ -32,15 +32,13 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import (  # noqa: E402  (beside this script)
+from quick_option import (  # beside this script
     add_processes_option,
     machine,
     parse_args,
@@ -48,7 +46,7 @@ from quick_option import (  # noqa: E402  (beside this script)
     report,
 )
 
-from models.errors import UserError  # noqa: E402
+from models.errors import UserError
 
 if TYPE_CHECKING:
     import jax

@@ -23,10 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from quick_option import (  # noqa: E402  (beside this script)
+from quick_option import (  # beside this script
     add_processes_option,
     machine,
     parse_args,
@@ -34,7 +31,7 @@ from quick_option import (  # noqa: E402  (beside this script)
     report,
 )
 
-from models.errors import UserError  # noqa: E402
+from models.errors import UserError
 
 if TYPE_CHECKING:
     import jax

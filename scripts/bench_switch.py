@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The 3-bucket table, for 8 devices.
 DEFAULT_TABLE = {"bucket": [{"max_len": 256, "mesh": {"data": 8}},

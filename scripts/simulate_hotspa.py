@@ -28,9 +28,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quick_option import console, parse_args  # noqa: E402  (beside this script)
+from quick_option import console, parse_args  # beside this script
 
 LENGTHS = Path(__file__).resolve().parents[1] / "docs" / "stdlib-lengths.json"
 QUICK = {"models": "llama2-7b", "devices": "8", "contexts": "16384"}

@@ -199,3 +199,39 @@ def test_planning_is_one_package():
     assert planning >= {"hotjax.planning.search", "hotjax.planning.cost",
                         "hotjax.planning.profile", "hotjax.planning.measure"}
     assert not any(m.endswith(".cli") for m in planning)  # its command is in hotjax.commands
+
+
+def _sys_path_edits(path: Path) -> list[int]:
+    """The lines of `path` that change `sys.path`: a call of a method that edits it
+    (`sys.path.insert(0, ...)`), an assignment to it or to a slice of it, or `site.addsitedir`."""
+    def is_sys_path(node: ast.AST | None) -> bool:
+        node = node.value if isinstance(node, ast.Subscript) else node
+        return (isinstance(node, ast.Attribute) and node.attr == "path"
+                and isinstance(node.value, ast.Name) and node.value.id == "sys")
+
+    def edits(node: ast.AST) -> bool:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            method = node.func.attr
+            return method == "addsitedir" or (is_sys_path(node.func.value) and method
+                                              in ("insert", "append", "extend", "remove"))
+        targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+        return isinstance(node, ast.Assign | ast.AugAssign) and any(map(is_sys_path, targets))
+
+    return sorted(node.lineno for node in ast.walk(ast.parse(path.read_text())) if edits(node))
+
+
+def test_no_module_edits_sys_path():
+    """The packages are installed, and a script run as a file finds those beside it (its folder
+    is first on `sys.path`): nothing needs to reach for `sys.path`."""
+    edits = {f"{f.relative_to(ROOT)}:{line}" for p in PACKAGES for f in (ROOT / p).rglob("*.py")
+             for line in _sys_path_edits(f)}
+    assert edits == set()
+
+
+def test_the_sys_path_checker_finds_every_edit(tmp_path):
+    script = tmp_path / "bench.py"
+    script.write_text("import site\nimport sys\nfrom pathlib import Path\n\n"
+                      "sys.path.insert(0, str(Path(__file__).parent))\n"
+                      "sys.path += ['..']\nsys.path[0:0] = ['.']\nsite.addsitedir('.')\n"
+                      "print(sys.path[0])\n")
+    assert _sys_path_edits(script) == [5, 6, 7, 8]

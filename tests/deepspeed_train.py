@@ -175,7 +175,10 @@ if __name__ == "__main__":
     task, directory = sys.argv[1:3]
     torch.set_num_threads(1)
     _deepspeed()
-    import transformers.models.llama.modeling_llama  # noqa: F401 - imported once, forked
+    # Imported once, forked: the model, and what a rank's first `deepspeed.initialize` imports
+    # (its optimizer check loads the Muon optimizer, which loads torch's inductor; seconds).
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
     runs = [(2, 0)] if task == "train" else [(ranks, stage) for stage, ranks in LOADS]
     for ranks, stage in runs:
         mp.start_processes(_run, args=(task, directory, _free_port(), ranks, stage),

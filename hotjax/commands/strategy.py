@@ -48,7 +48,6 @@ def _policies(text: str | None) -> list[str]:
 def _show(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
     from hotjax import targets
     from hotjax.startup import start_jax
@@ -60,9 +59,11 @@ def _show(args: argparse.Namespace) -> None:
     target = targets.prepare(args.target)  # before JAX starts: it runs on the CPU
     # Enough simulated devices for the widest mesh (a table's meshes are not known yet).
     start_jax(None)
+    import jax
+
     from hotjax.run import model_config, named_model, strategy_table
     from models.optimizers import named
-    from sharding.report import describe, most_sharded, state_bytes
+    from sharding.report import most_sharded, state_bytes
 
     optimizer = named(run.optimizer)
     table = strategy_table(run)
@@ -71,40 +72,14 @@ def _show(args: argparse.Namespace) -> None:
     name = run.model or DEFAULT_MODEL
     model = named_model(name)
     config = model_config(run, model, model.vocab_size)
-    import jax
-    import numpy as np
-
-    from models.attention import ring_block_counts
-
     platform = jax.default_backend() if target is None else "gpu"
-    reports = [describe(b.strategy, config, platform, optimizer)
-               | {"micro_rows": b.micro_rows, "remat": b.remat} for b in buckets]
-    for bucket, report in zip(buckets, reports, strict=True):
-        attention = report["attention"]
-        if attention["ring"] > 1:
-            # The work of each rank on one causal row of the bucket's length.
-            attention["ring_blocks"] = ring_block_counts(
-                np.ones((1, bucket.max_len), np.int32), np.arange(bucket.max_len)[None],
-                attention["ring"], attention["balanced"], attention["block"]).tolist()
+    reports = _reports(buckets, config, platform, optimizer)
     home = table.home or most_sharded(table.strategies, config, optimizer)
     state = sum(state_bytes(home, config, optimizer).values())
     if args.memory:
         with Console(stderr=True).status("compiling each bucket's micro-step per remat policy"):
             for bucket, report in zip(buckets, reports, strict=True):
-                rows = bucket.micro_rows or report["batch_shards"]
-                stats = _step_memory(config, bucket, rows, policies, target)
-                report["activation_bytes"] = {"rows": rows, "max_len": bucket.max_len, **{
-                    p: s["peak"] - s["state"] for p, s in stats.items()}}
-                if target is not None:
-                    # What a device holds while the bucket runs: the step's peak beside the
-                    # home's fp32 state, against the memory the target declares.
-                    report["target"] = {
-                        "name": target.name, "device": target.description,
-                        "devices": bucket.strategy.num_devices, "memory_bytes": target.memory,
-                        "home_bytes": state,
-                        "step_peak_bytes": {p: s["peak"] for p, s in stats.items()},
-                        "fits": {p: s["peak"] + state <= target.memory
-                                 for p, s in stats.items()}}
+                _add_memory(report, config, bucket, policies, target, state)
     if args.json:
         print(json.dumps(reports, indent=2))
         return
@@ -116,54 +91,110 @@ def _show(args: argparse.Namespace) -> None:
         title = f"{report['strategy']} on {name}"
         if tabled:
             title = f"bucket <= {bucket.max_len} tokens: {title}"
-        title = escape(title)  # "[rules]" is not rich markup
-        params = Table(title=title, title_justify="left")
-        for column in ("parameter", "shape", "logical axes", "placement", "ZeRO grads / optim"):
-            params.add_column(column)
-        for p in report["params"]:
-            params.add_row(p["name"], "x".join(map(str, p["shape"])), ", ".join(p["axes"]),
-                           p["spec"], " / ".join(f"{k}: {v}" for k, v in p["zero"].items()))
-        console.print(params)
-        for note in report["notes"]:
-            console.print(escape(f"note: {note}"))
-        b = report["bytes_per_device"]
-        console.print(f"per device (fp32): params {_mib(b['params'])}, grads "
-                      f"{_mib(b['grads'])}, {optimizer.label} state {_mib(b['optimizer'])}")
-        shards, rows, pipeline = report["batch_shards"], report["micro_rows"], report["pipeline"]
-        split = (f"{shards} way(s)" if not pipeline else
-                 f"{shards} ways ({shards // pipeline['microbatches']} batch shard(s) x "
-                 f"{pipeline['microbatches']} pipeline micro-batches)")
-        one_schedule = pipeline and pipeline["schedule_per"] == "bucket"
-        console.print(f"micro-steps: rows split {split}; " + (
-            f"{rows} row(s) each (the table's)" if rows else
-            f"{shards} row(s) each (a bucket's micro-steps run as one pipeline schedule)"
-            if one_schedule else
-            f"{shards} row(s) each by default, or the most that fit --device-memory"))
-        console.print(_gradients_line(report["gradients"]))
-        if pipeline:
-            tokens = (rows or shards) * bucket.max_len
-            per_bucket = (f" for one micro-step, {pipeline['bubble_four_micro_steps']:.0%} for "
-                          f"a bucket of 4 (one schedule per bucket)"
-                          if pipeline["schedule_per"] == "bucket"
-                          else " (one schedule per micro-step)")
-            console.print(
-                f"pipeline ({pipeline['schedule']}): {pipeline['stages']} stages of "
-                f"{pipeline['layers_per_stage']} layer(s), {pipeline['microbatches']} "
-                f"micro-batches, {pipeline['iterations']} ticks; bubble "
-                f"{pipeline['bubble']:.0%}{per_bucket}; at most {pipeline['in_flight']} "
-                f"micro-batches' activations held per stage; each device sends the next stage "
-                f"{_mib(pipeline['stage_bytes_per_token'] * tokens)} per micro-step of "
-                f"{tokens:,} tokens (activations forward, gradients back)")
-        activations = Table("activation", "placement", title="activations",
-                            title_justify="left")
-        for activation, spec in report["activations"].items():
-            activations.add_row(activation, spec)
-        console.print(activations)
-        console.print(_attention_line(report["attention"], platform))
-        if report["remat"]:
-            console.print(f"remat: {report['remat']} (the table's)")
-        if "activation_bytes" in report:
-            console.print(_memory_table(report, policies))
+        # "[rules]" is not rich markup.
+        _print_bucket(console, escape(title), bucket, report, optimizer.label, platform,
+                      policies)
+
+
+def _reports(buckets: list, config, platform: str, optimizer) -> list[dict]:
+    """Per bucket, `sharding.report.describe`'s report of its strategy, with the table's
+    micro-step rows and remat policy, and a ring's blocks per rank."""
+    import numpy as np
+
+    from models.attention import ring_block_counts
+    from sharding.report import describe
+
+    reports = [describe(b.strategy, config, platform, optimizer)
+               | {"micro_rows": b.micro_rows, "remat": b.remat} for b in buckets]
+    for bucket, report in zip(buckets, reports, strict=True):
+        attention = report["attention"]
+        if attention["ring"] > 1:
+            # The work of each rank on one causal row of the bucket's length.
+            attention["ring_blocks"] = ring_block_counts(
+                np.ones((1, bucket.max_len), np.int32), np.arange(bucket.max_len)[None],
+                attention["ring"], attention["balanced"], attention["block"]).tolist()
+    return reports
+
+
+def _add_memory(report: dict, config, bucket, policies: list[str], target, state: int) -> None:
+    """XLA's activation bytes of the bucket's micro-step per remat policy into `report`, and
+    with a target, whether its step fits beside the home's `state` bytes."""
+    rows = bucket.micro_rows or report["batch_shards"]
+    stats = _step_memory(config, bucket, rows, policies, target)
+    report["activation_bytes"] = {"rows": rows, "max_len": bucket.max_len, **{
+        p: s["peak"] - s["state"] for p, s in stats.items()}}
+    if target is not None:
+        # What a device holds while the bucket runs: the step's peak beside the home's fp32
+        # state, against the memory the target declares.
+        report["target"] = {
+            "name": target.name, "device": target.description,
+            "devices": bucket.strategy.num_devices, "memory_bytes": target.memory,
+            "home_bytes": state, "step_peak_bytes": {p: s["peak"] for p, s in stats.items()},
+            "fits": {p: s["peak"] + state <= target.memory for p, s in stats.items()}}
+
+
+def _print_bucket(console, title: str, bucket, report: dict, optimizer: str, platform: str,
+                  policies: list[str]) -> None:
+    """One bucket's report: its parameters' placement, bytes, micro-steps, gradients,
+    pipeline, activations, attention, remat and memory."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    params = Table(title=title, title_justify="left")
+    for column in ("parameter", "shape", "logical axes", "placement", "ZeRO grads / optim"):
+        params.add_column(column)
+    for p in report["params"]:
+        params.add_row(p["name"], "x".join(map(str, p["shape"])), ", ".join(p["axes"]),
+                       p["spec"], " / ".join(f"{k}: {v}" for k, v in p["zero"].items()))
+    console.print(params)
+    for note in report["notes"]:
+        console.print(escape(f"note: {note}"))
+    b = report["bytes_per_device"]
+    console.print(f"per device (fp32): params {_mib(b['params'])}, grads "
+                  f"{_mib(b['grads'])}, {optimizer} state {_mib(b['optimizer'])}")
+    console.print(_micro_steps_line(report))
+    console.print(_gradients_line(report["gradients"]))
+    if report["pipeline"]:
+        tokens = (report["micro_rows"] or report["batch_shards"]) * bucket.max_len
+        console.print(_pipeline_line(report["pipeline"], tokens))
+    activations = Table("activation", "placement", title="activations", title_justify="left")
+    for activation, spec in report["activations"].items():
+        activations.add_row(activation, spec)
+    console.print(activations)
+    console.print(_attention_line(report["attention"], platform))
+    if report["remat"]:
+        console.print(f"remat: {report['remat']} (the table's)")
+    if "activation_bytes" in report:
+        console.print(_memory_table(report, policies))
+
+
+def _micro_steps_line(report: dict) -> str:
+    shards, rows, pipeline = report["batch_shards"], report["micro_rows"], report["pipeline"]
+    split = (f"{shards} way(s)" if not pipeline else
+             f"{shards} ways ({shards // pipeline['microbatches']} batch shard(s) x "
+             f"{pipeline['microbatches']} pipeline micro-batches)")
+    one_schedule = pipeline and pipeline["schedule_per"] == "bucket"
+    return f"micro-steps: rows split {split}; " + (
+        f"{rows} row(s) each (the table's)" if rows else
+        f"{shards} row(s) each (a bucket's micro-steps run as one pipeline schedule)"
+        if one_schedule else
+        f"{shards} row(s) each by default, or the most that fit --device-memory")
+
+
+def _pipeline_line(pipeline: dict, tokens: int) -> str:
+    """The pipeline's schedule, bubble, activations held and bytes sent per micro-step of
+    `tokens` tokens."""
+    per_bucket = (f" for one micro-step, {pipeline['bubble_four_micro_steps']:.0%} for "
+                  f"a bucket of 4 (one schedule per bucket)"
+                  if pipeline["schedule_per"] == "bucket"
+                  else " (one schedule per micro-step)")
+    return (f"pipeline ({pipeline['schedule']}): {pipeline['stages']} stages of "
+            f"{pipeline['layers_per_stage']} layer(s), {pipeline['microbatches']} "
+            f"micro-batches, {pipeline['iterations']} ticks; bubble "
+            f"{pipeline['bubble']:.0%}{per_bucket}; at most {pipeline['in_flight']} "
+            f"micro-batches' activations held per stage; each device sends the next stage "
+            f"{_mib(pipeline['stage_bytes_per_token'] * tokens)} per micro-step of "
+            f"{tokens:,} tokens (activations forward, gradients back)")
 
 
 def _memory_table(report: dict, policies: list[str]):

@@ -58,28 +58,9 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from hotjax import targets
     from hotjax.startup import start_jax
 
-    for flag, value in (("--max-buckets", args.max_buckets), ("--devices", args.devices)):
-        at_least(flag, value, 1)
-    positive("--memory-gib", args.memory_gib)
-    if args.memory_gib and args.device_memory:
-        raise UserError("--device-memory and --memory-gib both given: pass one of them")
-    if args.lengths and args.data:
-        raise UserError("--lengths and --data both given: pass one of them")
-    target = targets.prepare(args.target)  # before JAX starts: it runs on the CPU
-    if args.quick_measure and not args.measure:
-        raise UserError("--quick-measure: it sizes a measurement: add --measure")
-    if target is not None and args.measure:
-        raise UserError(f"--target {args.target} --measure: a target is compiled for, not "
-                        f"measured: plan with --profile (or without, the target's own)")
-    memory = args.device_memory or (round(args.memory_gib * 2**30) if args.memory_gib else None)
-    if memory is None and target is not None:
-        from hotjax.planning.profile import allocator_fraction
-
-        # What JAX's allocator hands a hotjax process of the target's memory, as a profile's.
-        memory = round(target.memory * allocator_fraction("gpu"))
+    target, memory = _target_and_memory(args)  # checked before JAX starts
     run = run_config(args, devices=None, device_memory=memory)
     start_jax(None, processes(args))
     from rich.console import Console
@@ -129,18 +110,54 @@ def _plan(args: argparse.Namespace) -> None:
                   f"{len(lengths)} sequences of {described} per step: predicted "
                   f"{found.seconds:.3f} s per step.")
         Path(args.out).write_text(found.table().toml(header))
+    _print(args, report, target, budget)
+
+
+def _target_and_memory(args: argparse.Namespace):
+    """The options checked: the `--target` GPU prepared (None without one), and the device
+    memory to plan within (None: the profile's)."""
+    from hotjax import targets
+
+    for flag, value in (("--max-buckets", args.max_buckets), ("--devices", args.devices)):
+        at_least(flag, value, 1)
+    positive("--memory-gib", args.memory_gib)
+    if args.memory_gib and args.device_memory:
+        raise UserError("--device-memory and --memory-gib both given: pass one of them")
+    if args.lengths and args.data:
+        raise UserError("--lengths and --data both given: pass one of them")
+    target = targets.prepare(args.target)  # before JAX starts: it runs on the CPU
+    if args.quick_measure and not args.measure:
+        raise UserError("--quick-measure: it sizes a measurement: add --measure")
+    if target is not None and args.measure:
+        raise UserError(f"--target {args.target} --measure: a target is compiled for, not "
+                        f"measured: plan with --profile (or without, the target's own)")
+    memory = args.device_memory or (round(args.memory_gib * 2**30) if args.memory_gib else None)
+    if memory is None and target is not None:
+        from hotjax.planning.profile import allocator_fraction
+
+        # What JAX's allocator hands a hotjax process of the target's memory, as a profile's.
+        memory = round(target.memory * allocator_fraction("gpu"))
+    return target, memory
+
+
+def _print(args: argparse.Namespace, report: dict, target, budget: int) -> None:
+    """The plan's report: JSON, or its tables."""
+    from rich.console import Console
+
+    from hotjax.planning import search as planning
+
     if args.json:
         print(json.dumps(report, indent=1))
-    else:
-        out = Console(width=None if sys.stdout.isatty() else 120)  # piped: tables unwrapped
-        planning.print_report(report, out)
-        if target is not None:
-            out.print(f"fits, per XLA:GPU: each bucket's micro-step compiled for "
-                      f"{report['target']['device']} on this machine without one; its peak "
-                      f"beside the home's state against {shown_bytes(budget)}",
-                      markup=False, highlight=False)
-        if args.out:
-            out.print(f"table written to {args.out}", markup=False)
+        return
+    out = Console(width=None if sys.stdout.isatty() else 120)  # piped: tables unwrapped
+    planning.print_report(report, out)
+    if target is not None:
+        out.print(f"fits, per XLA:GPU: each bucket's micro-step compiled for "
+                  f"{report['target']['device']} on this machine without one; its peak "
+                  f"beside the home's state against {shown_bytes(budget)}",
+                  markup=False, highlight=False)
+    if args.out:
+        out.print(f"table written to {args.out}", markup=False)
 
 
 def _target_profile(target):

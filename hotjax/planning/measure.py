@@ -46,6 +46,7 @@ Under several processes each times its own runs and all take process 0's figures
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import statistics
@@ -123,15 +124,7 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     repeats (seconds; for tests). `progress` is told what is measured next (a rich
     `Status.update`, say)."""
     devices = canonical_devices(devices)
-    if len(devices) < 2:
-        raise UserError(f"measuring a profile needs at least 2 devices to time collectives "
-                        f"between, and {len(devices)} is in use: use more devices")
-    platform = devices[0].platform
-    nodes = len({d.process_index for d in devices})
-    per_node = len(devices) // nodes
-    if per_node * nodes != len(devices):
-        raise UserError(f"{len(devices)} devices over {nodes} processes: give every process "
-                        f"the same number of devices")
+    platform, nodes, per_node = _layout(devices)
     kind = ("cpu" if platform == "cpu" else "accelerator", quick)
     work = WORKLOADS[kind]
     model = model or reference_model(*REFERENCE_MODELS[kind])
@@ -182,8 +175,35 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
                     devices, name, group, side == "inter", work, latency)
     figures = _agreed(figures | {"latency": latency, "small step": steps_s[0],
                                  "large step": steps_s[1]})
+    source = (f"measured on {len(devices)} {platform} devices ({devices[0].device_kind}) in "
+              f"{nodes} process(es), {dtype.name}, jax {jax.__version__}"
+              + (", quick" if quick else "") + f"; matmul efficiency and step overhead fitted "
+              f"on data-parallel micro-steps of {step_rows} and {FIT_ROWS * step_rows} x "
+              f"{work.step[1]} tokens per device of a {model.n_layers}-layer, {model.dim}-wide "
+              f"model")
+    profile = functools.partial(_profile, figures, _bandwidths(figures, intra_sizes, inter_sizes),
+                                (platform, nodes, per_node), source)
+    return profile(*fitted_step(profile(figures["matmul"]), model, strategy, shapes,
+                                (figures["small step"], figures["large step"])))
 
-    bandwidths: dict[str, dict[str, dict[str, float]]] = {}
+
+def _layout(devices: Sequence[jax.Device]) -> tuple[str, int, int]:
+    """The platform of `devices`, its nodes (processes) and devices per node, checked."""
+    if len(devices) < 2:
+        raise UserError(f"measuring a profile needs at least 2 devices to time collectives "
+                        f"between, and {len(devices)} is in use: use more devices")
+    nodes = len({d.process_index for d in devices})
+    per_node = len(devices) // nodes
+    if per_node * nodes != len(devices):
+        raise UserError(f"{len(devices)} devices over {nodes} processes: give every process "
+                        f"the same number of devices")
+    return devices[0].platform, nodes, per_node
+
+
+def _bandwidths(figures: dict[str, float], intra_sizes: tuple[int, ...],
+                inter_sizes: tuple[int, ...]) -> dict[str, dict[str, dict[str, float]]]:
+    """The profile's collectives table: per collective, side and group size, its bus GB/s."""
+    bandwidths = {}
     for name in COLLECTIVES:
         tables = {side: {str(group): _rounded(figures[f"{name} {side} {group}"] / GIGA)
                          for group in sizes}
@@ -193,38 +213,33 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
         if not intra_sizes:  # one device per node: every group spans nodes
             tables["intra"] = tables["inter"]
         bandwidths[name] = tables
+    return bandwidths
+
+
+def _profile(figures: dict[str, float], bandwidths: dict[str, dict[str, dict[str, float]]],
+             layout: tuple[str, int, int], source: str, matmul_flops: float,
+             overhead: float = 0.0) -> Profile:
+    """The profile measured, with the model's matmuls at `matmul_flops` and each micro-step's
+    `overhead` seconds: the fastest rate measured is the peak, each efficiency a share of it."""
+    platform, nodes, per_node = layout
+    peak = max(figures["matmul"], figures["attention"], matmul_flops)
     send = bandwidths["send"]
-    source = (f"measured on {len(devices)} {platform} devices ({devices[0].device_kind}) in "
-              f"{nodes} process(es), {dtype.name}, jax {jax.__version__}"
-              + (", quick" if quick else "") + f"; matmul efficiency and step overhead fitted "
-              f"on data-parallel micro-steps of {step_rows} and {FIT_ROWS * step_rows} x "
-              f"{work.step[1]} tokens per device of a {model.n_layers}-layer, {model.dim}-wide "
-              f"model")
-
-    def profile(matmul_flops: float, overhead: float = 0.0) -> Profile:
-        """The profile with the model's matmuls at `matmul_flops` and each micro-step's
-        `overhead` seconds: the fastest rate measured is the peak, each efficiency a share of
-        it."""
-        peak = max(figures["matmul"], figures["attention"], matmul_flops)
-        return parse_profile({
-            "name": f"measured-{platform}-{nodes}x{per_node}", "platform": platform,
-            "nodes": nodes, "devices_per_node": per_node,
-            # What the allocator hands a process, measured: no further fraction of it.
-            "device": {"peak_tflops": _rounded(peak / TERA),
-                       "memory_gib": _rounded(figures["memory"] / GiB), "allocator_fraction": 1,
-                       "elementwise_gbps": _rounded(figures["elementwise"] / GIGA),
-                       **_if_positive("step_overhead_ms", overhead * 1e3)},
-            "efficiency": {"matmul": _rounded(matmul_flops / peak),
-                           "attention": _rounded(figures["attention"] / peak)},
-            # The links as the transfer scheduler sees them: what a device sends while every
-            # device of the largest group sends too.
-            "links": {"intra_node_gbps": send["intra"][str(max(intra_sizes or inter_sizes))],
-                      "inter_node_gbps": send["inter"][str(max(inter_sizes or intra_sizes))],
-                      **_if_positive("latency_us", figures["latency"] * 1e6)},
-            "collectives": bandwidths}, source)
-
-    return profile(*fitted_step(profile(figures["matmul"]), model, strategy, shapes,
-                                (figures["small step"], figures["large step"])))
+    return parse_profile({
+        "name": f"measured-{platform}-{nodes}x{per_node}", "platform": platform,
+        "nodes": nodes, "devices_per_node": per_node,
+        # What the allocator hands a process, measured: no further fraction of it.
+        "device": {"peak_tflops": _rounded(peak / TERA),
+                   "memory_gib": _rounded(figures["memory"] / GiB), "allocator_fraction": 1,
+                   "elementwise_gbps": _rounded(figures["elementwise"] / GIGA),
+                   **_if_positive("step_overhead_ms", overhead * 1e3)},
+        "efficiency": {"matmul": _rounded(matmul_flops / peak),
+                       "attention": _rounded(figures["attention"] / peak)},
+        # The links as the transfer scheduler sees them: what a device sends while every
+        # device of the largest group sends too.
+        "links": {"intra_node_gbps": send["intra"][max(send["intra"], key=int)],
+                  "inter_node_gbps": send["inter"][max(send["inter"], key=int)],
+                  **_if_positive("latency_us", figures["latency"] * 1e6)},
+        "collectives": bandwidths}, source)
 
 
 def reference_model(name: str, layers: int = 0) -> LlamaConfig:

@@ -36,7 +36,9 @@ strategies whatever `--candidates` says (`hotjax.planning.wall`). auto plans as 
 --strategies auto` does (`hotjax.run.plan_search`): its buckets hold no more rows per
 micro-step than the run's mini-batches fill.
 Each is a `Trainer` with `device_memory`: a bucket's micro-steps hold the most rows that fit
-the budget by XLA's memory analysis; a method any part of which does not fit is an error.
+the budget by XLA's memory analysis; a method any part of which does not fit is an error. (A
+`Trainer`, not a `hotjax.Run`: a run takes no `--switch-method`, and checks no memory budget
+before its first step.)
 Reported per method: median wall and CPU seconds per step, the cost model's predicted step
 (`hotjax.planning.search.fixed_table` on each step's own documents, its median over the same
 timed steps), real tokens/s, the padding share of
@@ -77,7 +79,7 @@ if TYPE_CHECKING:
     from hotjax.train import Trainer
     from models.llama import LlamaConfig
     from sharding.strategy import Strategy
-    from sharding.table import StrategyTable
+    from sharding.table import Bucket, StrategyTable
 
 MiB = 2**20
 METHODS = {"hot": "hot-switched table", "auto": "--strategies auto (planned)",
@@ -215,7 +217,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     from hotjax.startup import select_devices
     from models.llama import as_trained
     from sharding.strategy import Strategy
-    from sharding.table import Bucket, StrategyTable, load_table
+    from sharding.table import Bucket, load_table
 
     if args.steps < 1 or args.warmup < 1:
         raise UserError("--steps and --warmup: run at least one of each")
@@ -229,19 +231,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     config = as_trained(named_model(args.model), tokenizer.vocab_size, compute_dtype=dtype)
     total = args.warmup + args.steps
     optim = OptimConfig(warmup_steps=1, total_steps=total + 1)
-    wall = None
-    if args.device_memory == WALL:
-        from hotjax.planning.wall import memory_wall
-
-        wall = memory_wall(config, args.context, devices,
-                           progress=lambda line: console.print(line, markup=False))
-        args.device_memory = wall.budget_bytes
-        console.print(f"memory wall at {args.context} tokens per row: "
-                      f"{shown_bytes(wall.budget_bytes)} per device, below "
-                      f"{wall.ceiling.strategy} keeping rows whole "
-                      f"({shown_bytes(wall.ceiling.peak_bytes)}, remat {wall.ceiling.remat}) and "
-                      f"above {wall.floor.strategy} splitting them "
-                      f"({shown_bytes(wall.floor.peak_bytes)})", markup=False)
+    wall = wall_budget(args, config, devices, console) if args.device_memory == WALL else None
     table = load_table(args.table) if args.table else None
     if table is not None and table.max_len != args.context:
         raise UserError(f"{table.source}: its longest bucket is {table.max_len}, not the context "
@@ -266,44 +256,17 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         data["auto"] = draw([b.max_len for b in auto.buckets])
         data["c"] = data["auto"]
     methods = [m for m in METHODS if m in data and m in args.methods]
-    for step in range(total):
-        seen = {(data[m][step].sequences, data[m][step].real_tokens) for m in methods}
-        if len(seen) > 1:
-            raise RuntimeError(f"mini-batch {step}: methods hold different documents: {seen}")
-
-    if args.strategy or args.candidates:
-        texts = [args.strategy] if args.strategy else args.candidates.split(";")
-        candidates = [Strategy.parse(t.strip()) for t in texts if t.strip()]
-    else:  # every strategy the planner knows over these devices (each fits its remat policy)
-        from hotjax.planning.search import candidate_strategies
-
-        candidates = candidate_strategies(config, n)
-    static, candidate_report = choose(candidates, data["a"], args, config, optim, devices,
-                                      search, lengths[0], console)
-    if table is None:  # the hand-written one: the context's bucket under (a) on 8 devices
-        long = next((b.strategy for b in buckets if b.max_len == args.context), static)
-        table = StrategyTable((*short, Bucket(args.context, long)), "hand-written table")
-    single = StrategyTable.single(static, args.context, METHODS["a"])
-    tables = {"hot": table, "auto": auto, "a": single, "a0": single, "b": single,
-              "c": StrategyTable(tuple(Bucket(b.max_len, static)
-                                       for b in (auto or table).buckets), METHODS["c"])}
+    check_same_documents({m: data[m] for m in methods})
+    static, candidate_report = choose(candidate_list(args, config, n), data["a"], args, config,
+                                      optim, devices, search, lengths[0], console)
+    tables = method_tables(table, buckets, static, auto, args.context)
     trainers = {m: build(tables[m], data[m], args, config, optim, devices, balance=m != "a0")
                 for m in methods}
     for m, trainer in trainers.items():
         console.print(f"{m}: {trainer.describe()}", markup=False)
     predicted = {m: predict(search, trainers[m], m, lengths) for m in methods} if search else {}
 
-    states = {m: trainers[m].init(0) for m in methods}
-    records: dict[str, list[dict]] = {m: [] for m in methods}
-    for step in range(total):
-        for m in methods:  # interleaved, so that a busy moment of the machine hits all alike
-            (states[m], metrics), seconds, cpu = timed(trainers[m].train_step, states[m],
-                                                       data[m][step])
-            records[m].append(metrics | {"seconds": seconds, "cpu_s": cpu})
-            warm = " (warm-up)" if step < args.warmup else ""
-            console.print(f"step {step + 1}/{total}{warm} {m}: {seconds:.2f} s ({cpu:.1f} CPU-s),"
-                          f" loss {metrics['loss']:.5f}, imbalance {metrics['imbalance']:.2f}",
-                          markup=False)
+    records = train(trainers, data, total, args.warmup, console)
     return {
         "machine": machine(devices),
         "processes": jax.process_count(),
@@ -315,15 +278,87 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         "device_memory": args.device_memory / MiB,  # MiB in the report, as its table shows
         "static_strategy": str(static), "candidates": candidate_report,
         "wall": None if wall is None else {
-            "budget_bytes": wall.budget_bytes,
-            "fits": [{"strategy": str(f.strategy), "whole_rows": f.whole_rows,
-                      "peak_bytes": f.peak_bytes, "remat": f.remat, "accumulate": f.accumulate}
-                     for f in wall.fits]},
+            "budget_bytes": wall.budget_bytes, "fits": [
+                {"strategy": str(f.strategy), "whole_rows": f.whole_rows,
+                 "peak_bytes": f.peak_bytes, "remat": f.remat, "accumulate": f.accumulate}
+                for f in wall.fits]},
         "profile": search.profile.name if search else None,
         "profile_toml": profile_toml(search.profile) if search else None,
         "auto_plan": None if auto is None else auto.toml(),
         **summarize(records, trainers, predicted, args.warmup),
     }
+
+
+def wall_budget(args: argparse.Namespace, config: LlamaConfig, devices: list, console: Console):
+    """`--device-memory wall`: the memory wall at the context (`hotjax.planning.wall`), its
+    budget set as the device memory."""
+    from hotjax.planning.wall import memory_wall
+
+    wall = memory_wall(config, args.context, devices,
+                       progress=lambda line: console.print(line, markup=False))
+    args.device_memory = wall.budget_bytes
+    console.print(f"memory wall at {args.context} tokens per row: "
+                  f"{shown_bytes(wall.budget_bytes)} per device, below "
+                  f"{wall.ceiling.strategy} keeping rows whole "
+                  f"({shown_bytes(wall.ceiling.peak_bytes)}, remat {wall.ceiling.remat}) and "
+                  f"above {wall.floor.strategy} splitting them "
+                  f"({shown_bytes(wall.floor.peak_bytes)})", markup=False)
+    return wall
+
+
+def check_same_documents(data: dict[str, list[MiniBatch]]) -> None:
+    """Every method's mini-batch of a step holds the same documents, only bucketed apart."""
+    for step, minibatches in enumerate(zip(*data.values(), strict=True)):
+        seen = {(m.sequences, m.real_tokens) for m in minibatches}
+        if len(seen) > 1:
+            raise RuntimeError(f"mini-batch {step}: methods hold different documents: {seen}")
+
+
+def method_tables(table: StrategyTable | None, buckets: list[Bucket], static: Strategy,
+                  auto: StrategyTable | None, context: int) -> dict[str, StrategyTable | None]:
+    """Each method's strategy table: hot's (`--table`, or the hand-written one: `buckets`
+    below the context and its bucket under (a)), auto's, and the static strategy's."""
+    from sharding.table import Bucket, StrategyTable
+
+    if table is None:
+        short = [b for b in buckets if b.max_len < context]
+        long = next((b.strategy for b in buckets if b.max_len == context), static)
+        table = StrategyTable((*short, Bucket(context, long)), "hand-written table")
+    single = StrategyTable.single(static, context, METHODS["a"])
+    return {"hot": table, "auto": auto, "a": single, "a0": single, "b": single,
+            "c": StrategyTable(tuple(Bucket(b.max_len, static)
+                                     for b in (auto or table).buckets), METHODS["c"])}
+
+
+def candidate_list(args: argparse.Namespace, config: LlamaConfig, n: int) -> list:
+    """The strategies (a)'s static one is chosen from: `--strategy`, `--candidates`, or every
+    strategy the planner knows over `n` devices (each fits its remat policy)."""
+    from sharding.strategy import Strategy
+
+    if args.strategy or args.candidates:
+        texts = [args.strategy] if args.strategy else args.candidates.split(";")
+        return [Strategy.parse(t.strip()) for t in texts if t.strip()]
+    from hotjax.planning.search import candidate_strategies
+
+    return candidate_strategies(config, n)
+
+
+def train(trainers: dict, data: dict[str, list[MiniBatch]], total: int, warmup: int,
+          console: Console) -> dict[str, list[dict]]:
+    """Each method's `total` steps' metrics and seconds, the methods' steps interleaved, so
+    that a busy moment of the machine hits all alike."""
+    states = {m: trainer.init(0) for m, trainer in trainers.items()}
+    records: dict[str, list[dict]] = {m: [] for m in trainers}
+    for step in range(total):
+        for m, trainer in trainers.items():
+            (states[m], metrics), seconds, cpu = timed(trainer.train_step, states[m],
+                                                       data[m][step])
+            records[m].append(metrics | {"seconds": seconds, "cpu_s": cpu})
+            warm = " (warm-up)" if step < warmup else ""
+            console.print(f"step {step + 1}/{total}{warm} {m}: {seconds:.2f} s ({cpu:.1f} CPU-s),"
+                          f" loss {metrics['loss']:.5f}, imbalance {metrics['imbalance']:.2f}",
+                          markup=False)
+    return records
 
 
 def document_lengths(minibatch: MiniBatch) -> np.ndarray:

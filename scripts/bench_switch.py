@@ -79,7 +79,7 @@ def bench_pair(values, source, target, topology, repeats: int) -> dict:
             "executor_runs_s": seconds["scheduled"], "device_put_runs_s": seconds["device_put"]}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document to stdout (the table goes to stderr)")
@@ -101,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:  # its settings, under any flag given
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     if args.processes > 1 and args.coordinator is None:
         return _launch(sys.argv[1:] if argv is None else argv, args)
     if args.coordinator is not None:

@@ -51,13 +51,13 @@ def bench_pipeline(make: Callable[[], Iterator], batches: int) -> dict:
 
 
 def bench_trainer(minibatches: list[MiniBatch], vocab_size: int, model: str, steps: int) -> dict:
-    """Real tokens/s of `steps` trainer steps on one-bucket mini-batches, after one that
+    """Real tokens/s of `steps` steps of a `hotjax.Run` on one-bucket mini-batches, after one that
     compiles."""
     import jax
 
     from hotjax.compile_cache import enable_compilation_cache
     from hotjax.optim import OptimConfig
-    from hotjax.train import Trainer
+    from hotjax.run import Run
     from models.llama import as_trained, preset
     from sharding.strategy import Strategy
     from sharding.table import StrategyTable
@@ -67,21 +67,21 @@ def bench_trainer(minibatches: list[MiniBatch], vocab_size: int, model: str, ste
     config = as_trained(preset(model), vocab_size)
     strategy = Strategy.parse(f"data={len(devices)}")
     table = StrategyTable.single(strategy, minibatches[0].max_lens[-1], "bench_data")
-    trainer = Trainer(config, OptimConfig(total_steps=steps + 1), table, devices)
-    state = trainer.init(0)
+    run = Run(config, table, OptimConfig(total_steps=steps + 1), minibatches, devices=devices)
+    state = run.init(0)
     started = time.perf_counter()
-    state, metrics, _ = trainer.step(state, minibatches[0])  # compiles
+    state, metrics = run.step(state)  # compiles
     float(metrics["loss"])
     compile_s = time.perf_counter() - started
     started = time.perf_counter()
-    for minibatch in minibatches[1:]:
-        state, metrics, _ = trainer.step(state, minibatch)
+    for _ in minibatches[1:]:
+        state, metrics = run.step(state)
     float(metrics["loss"])  # waits for the last step
     seconds = time.perf_counter() - started
     tokens = sum(b.real_tokens for b in minibatches[1:])
     return {"model": model, "params": config.num_params(), "compute_dtype": config.compute_dtype,
             "strategy": str(strategy), "devices": f"{len(devices)} {devices[0].platform}",
-            "device_kind": devices[0].device_kind, "micro_rows": trainer.micro_rows[0],
+            "device_kind": devices[0].device_kind, "micro_rows": run.trainer.micro_rows[0],
             "first_step_s": compile_s, "steps": steps, "real_tokens": tokens,
             "seconds": seconds, "tokens_per_s": tokens / seconds}
 

@@ -677,8 +677,9 @@ def _table(part: str, found: dict) -> str:
                 r.get("error", r.get("status", ""))))
             kernels = r.get("kernels", {})
             if "by_kind_ms_per_step" in kernels:
-                lines.append(f"  device busy {kernels['busy_ms_per_step']:.1f} ms/step: " + ", ".join(
-                    f"{kind} {ms:.1f}" for kind, ms in kernels["by_kind_ms_per_step"].items()))
+                lines.append(f"  device busy {kernels['busy_ms_per_step']:.1f} ms/step: "
+                             + ", ".join(f"{kind} {ms:.1f}" for kind, ms
+                                         in kernels["by_kind_ms_per_step"].items()))
     elif part == "calibrate":
         GB = 1e9
         lines.append(f"{'rows x T':>10} {'remat':>5} {'ms':>8} {'pred ms':>15} {'ratio':>11}"

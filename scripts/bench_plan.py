@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import itertools
 import os
 import statistics
 import sys
@@ -219,7 +220,7 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
     from hotjax.data import MiniBatches, load_tokenizer, open_corpus
     from hotjax.optim import OptimConfig
     from hotjax.planning import search as plan_lib
-    from hotjax.train import Trainer
+    from hotjax.run import Run
 
     if len(strategies) > len(seq_lens):
         raise UserError(f"a table of {len(strategies)} buckets needs as many row lengths, and "
@@ -239,14 +240,15 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
     table = found.table("hot table")
     name = " | ".join(f"<={n} {s}" for n, s in zip(max_lens, strategies, strict=True))
     progress.print(f"hot table {name}: compiling...", markup=False, highlight=False)
-    trainer = Trainer(config, OptimConfig(warmup_steps=1, total_steps=args.repeats + 2), table,
-                      devices)
-    trainer.prepare()
-    state = trainer.init(0)
+    run = Run(config, table, OptimConfig(warmup_steps=1, total_steps=args.repeats + 2),
+              itertools.repeat(minibatch), devices=devices)
+    run.compile()
+    state = run.init(0)
     seconds = []
     for _ in range(1 + args.repeats):  # the first warms up
         started = time.perf_counter()
-        state, metrics = trainer.train_step(state, minibatch)
+        state, metrics = run.step(state)
+        metrics = metrics.fetch()  # waits for the step
         seconds.append(time.perf_counter() - started)
     measured = statistics.median(seconds[1:])
     return {"name": name, "table": [{"max_len": b.max_len, "strategy": str(b.strategy),

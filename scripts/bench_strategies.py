@@ -4,7 +4,7 @@
                                        [--strategies "A; B"] [--processes N]
 
 Each (strategy, sequence length) trains the same synthetic packed mini-batch (random tokens, a
-few documents per row) as a one-bucket `Trainer` whose one micro-step's rows holds every row: the
+few documents per row) as a one-bucket `hotjax.Run` whose one micro-step holds every row: the
 micro-step is compiled ahead of time, XLA's memory analysis read, then one warm-up step and
 `--steps` timed ones. A strategy that cannot run a shape (sizes that do not divide, a mesh of the
 wrong device count) is reported, not fatal. `--quick`: the `tiny` model, short rows, two
@@ -99,11 +99,13 @@ def bench_one(config: LlamaConfig, optim: OptimConfig, strategy: Strategy, batch
     Simulated CPU devices share the host's memory: a step whose planned peak would exhaust it
     is compiled and measured by XLA, but not run.
     """
+    import itertools
+
     import jax
 
     from hotjax.data import MiniBatch
+    from hotjax.run import Run
     from hotjax.step import bucket_step, step_memory
-    from hotjax.train import Trainer
     from sharding.table import Bucket, StrategyTable
 
     rows, seq_len = batch.tokens.shape
@@ -113,10 +115,11 @@ def bench_one(config: LlamaConfig, optim: OptimConfig, strategy: Strategy, batch
     micro_steps = -(-rows // micro_rows)
     # The config's remat policy named in the table: the trainer takes a bucket's from there.
     table = StrategyTable((Bucket(seq_len, strategy, micro_rows, config.remat),), str(strategy))
-    trainer = Trainer(config, optim, table, devices)
+    run = Run(config, table, optim, itertools.repeat(MiniBatch((batch,))), devices=devices)
     misses_before = len(cache_misses)
     started = time.perf_counter()
-    trainer.prepare()
+    run.compile()
+    trainer = run.trainer
     step = step_memory(trainer.buckets[0].compiled((micro_rows, seq_len)))
     resident = trainer.home.resident_bytes()
     result = {"rows_run": micro_rows * micro_steps, "micro_rows": micro_rows,
@@ -132,19 +135,19 @@ def bench_one(config: LlamaConfig, optim: OptimConfig, strategy: Strategy, batch
         return result | {"status": "too big for host", "error": (
             f"{len(devices)} simulated devices would need {host_need / 2**30:.1f} GiB of host "
             f"memory; {available / 2**30:.1f} GiB is available: compiled, not run")}
-    state, minibatch = trainer.init(seed=0), MiniBatch((batch,))
+    state = run.init(seed=0)
     times = []
     for _ in range(steps + 1):  # the first is the warm-up
         started = time.perf_counter()
-        state, metrics, _ = trainer.step(state, minibatch)
-        jax.block_until_ready((state, metrics))
+        state, metrics = run.step(state)
+        jax.block_until_ready((state, metrics.device))
         times.append(time.perf_counter() - started)
     step_s = statistics.median(times[1:])
     if trace_dir is not None:
         with jax.profiler.trace(trace_dir):
             for _ in range(TRACED_STEPS):
-                state, metrics, _ = trainer.step(state, minibatch)
-            jax.block_until_ready((state, metrics))
+                state, metrics = run.step(state)
+            jax.block_until_ready((state, metrics.device))
     return result | {"status": "ok", "warmup_s": times[0], "step_s": step_s,
                      "step_s_each": times[1:], "loss": float(metrics["loss"]),
                      "tokens_per_s": batch.real_tokens / step_s}

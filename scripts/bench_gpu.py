@@ -5,8 +5,9 @@ LLaMA's MFU, and the machine's measured profile beside the shipped H100 one.
 
 Parts, each its own process (a failure or a hang in one loses nothing of the others):
 
-- `check`: the packed-attention Pallas kernel (`models.packed_attention`) run for real, forward
-  and backward, against the dense reference (every score materialised, float32, highest matmul
+- `check`: the packed-attention Pallas kernel (`models.packed_attention`) and one step of the
+  ring's kernel pair over the whole row run for real, forward and backward, against the dense
+  reference (every score materialised, float32, highest matmul
   precision) on packed rows with GQA, in float32 and bfloat16; and three training steps of the
   `small` model (float32, packed rows, `--attention auto`, so the Pallas kernel) on the GPU
   against the same steps on the host's CPU (the blockwise kernel).
@@ -15,7 +16,9 @@ Parts, each its own process (a failure or a hang in one loses nothing of the oth
 - `kernels`: forward + backward of one row of documents of about 256 and about 2,048 tokens and
   of one document, at 8K and 32K, LLaMA-3-8B's attention shape (32 query heads, 8 K/V heads,
   128 wide; and 64 wide), bfloat16: the Pallas kernel; cuDNN's packed layout under the row's
-  own document cap; cuDNN's plain causal attention on the one-document row; with
+  own document cap; one step of the ring's Pallas kernel pair with the row as both its query
+  and its K/V chunk (the issue's "ring step within 1.2x of the packed kernel on the same
+  block"); cuDNN's plain causal attention on the one-document row; with
   `--blockwise` the blockwise XLA kernel. TFLOP/s counts the (query, key) pairs the documents
   need, as the cost model does.
 - `mfu`: a Llama-3.2-1B-shaped model (16 layers, 2048 wide, vocabulary 128,256, tied
@@ -136,7 +139,7 @@ def check(args) -> dict:
     from bench_attention import make_row
 
     from models.attention import dense_attention
-    from models.packed_attention import packed_attention
+    from models.packed_attention import block_for, packed_attention
 
     device = _device()
     interpret = device.platform != "gpu"
@@ -147,22 +150,25 @@ def check(args) -> dict:
         seg = jnp.asarray(np.concatenate([r[0] for r in rows]))
         pos = jnp.asarray(np.concatenate([r[1] for r in rows]))
         q, k, v, ct = _qkv(2, T, 8, 2, H, jnp.dtype(dtype))
-        ours = _grad_step(lambda q, k, v, seg=seg: packed_attention(
-            q, k, v, seg, interpret=interpret), ct)
         with jax.default_matmul_precision("highest"):
             ref = _grad_step(lambda q, k, v, seg=seg, pos=pos: dense_attention(
                 q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), seg,
                 pos), ct)
             (_, ref_out), ref_grads = jax.block_until_ready(ref(q, k, v))
-        (_, out), grads = jax.block_until_ready(ours(q, k, v))
-        errors = {name: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)))
-                  for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads),
-                                        (ref_out, *ref_grads), strict=True)}
-        scale = {name: float(jnp.max(jnp.abs(b))) for name, b in
-                 zip(("out", "dq", "dk", "dv"), (ref_out, *ref_grads), strict=True)}
-        kernel_cases.append({"dtype": dtype, "shape": [2, T, 8, 2, H], "max_abs_error": errors,
-                             "max_abs_reference": scale})
-        print(json.dumps(kernel_cases[-1]), file=sys.stderr, flush=True)
+        block = block_for(jnp.dtype(dtype), H, T)
+        for kernel, attend in (
+                ("packed", lambda q, k, v, seg=seg: packed_attention(q, k, v, seg,
+                                                                     interpret=interpret)),
+                ("ring-step", ring_step_on_row(seg, pos, block, interpret=interpret))):
+            (_, out), grads = jax.block_until_ready(_grad_step(attend, ct)(q, k, v))
+            errors = {name: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)))
+                      for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads),
+                                            (ref_out, *ref_grads), strict=True)}
+            scale = {name: float(jnp.max(jnp.abs(b))) for name, b in
+                     zip(("out", "dq", "dk", "dv"), (ref_out, *ref_grads), strict=True)}
+            kernel_cases.append({"kernel": kernel, "dtype": dtype, "shape": [2, T, 8, 2, H],
+                                 "max_abs_error": errors, "max_abs_reference": scale})
+            print(json.dumps(kernel_cases[-1]), file=sys.stderr, flush=True)
     return {"device": device.device_kind, "kernel": kernel_cases, "steps": _steps_vs_cpu(args)}
 
 
@@ -231,9 +237,14 @@ def kernels(args) -> dict:
                                                           fallback=pallas)
         if name == "cudnn":
             return _cudnn
+        if name == "ring-step":
+            return ring_step_on_row(seg, pos, block_for(dtype, head_dim[0], seg.shape[1]),
+                                    interpret=not on_gpu)
         return lambda q, k, v: blockwise_or_auto(q, k, v, seg, pos, backend="blockwise")
 
+    head_dim = [0]  # the head dim of the case being timed, for attend_by's ring step
     for H in head_dims:
+        head_dim[0] = H
         for T in lengths:
             q, k, v, ct = _qkv(1, T, N, K, H, dtype)
             docs = (64, T) if args.quick else (256, 2048, T)
@@ -241,7 +252,7 @@ def kernels(args) -> dict:
                 seg_np, pos_np = make_row("packed" if doc < T else "causal", T, doc)
                 seg, pos = jnp.asarray(seg_np), jnp.asarray(pos_np)
                 pairs = _document_pairs(seg_np)
-                names = ["packed"] + (["cudnn-packed"] if on_gpu else [])
+                names = ["packed", "ring-step"] + (["cudnn-packed"] if on_gpu else [])
                 if on_gpu and H == 128:
                     names += ["cudnn"] if doc == T else []
                     names += ["blockwise"] if args.blockwise and T <= 8192 and doc == 2048 \
@@ -260,6 +271,42 @@ def kernels(args) -> dict:
     return {"device": device.device_kind, "versions": _versions(),
             "shape": {"heads": N, "kv_heads": K, "head_dims": head_dims, "dtype": "bfloat16"},
             "repeats": repeats, "results": results}
+
+
+def ring_step_on_row(seg, pos, block: int, interpret: bool):
+    """Attention over a row by one step of the ring's Pallas kernel pair, the row as both the
+    queries' chunk and the K/V chunk held (`models.packed_attention.ring_step`), its backward
+    from that step's own log-sum-exp: what a ring step costs on the block the packed kernel
+    computes whole, as a differentiable function of (q, k, v)."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.attention import Tokens, visible_blocks
+    from models.packed_attention import ring_step, ring_step_backward
+
+    columns = jnp.broadcast_to(jnp.arange(seg.shape[1], dtype=jnp.int32), seg.shape)
+    tokens = Tokens(seg.astype(jnp.int32), pos.astype(jnp.int32), columns)
+    visible = visible_blocks(tokens, tokens, block, block)
+    mask = (tokens[:2], tokens[:2], visible)
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        out, _ = ring_step(q, k, v, *mask, block=block, interpret=interpret)
+        return out.astype(q.dtype)
+
+    def forward(q, k, v):
+        out, lse = ring_step(q, k, v, *mask, block=block, interpret=interpret)
+        return out.astype(q.dtype), (q, k, v, out, lse)
+
+    def backward(saved, dout):
+        q, k, v, out, lse = saved
+        delta = jnp.einsum("btnh,btnh->bnt", out, dout.astype(jnp.float32))
+        dq, dk, dv = ring_step_backward(q, k, v, *mask, lse, delta, dout.astype(q.dtype),
+                                        block=block, interpret=interpret)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    attend.defvjp(forward, backward)
+    return attend
 
 
 def _time_kernel(step, inputs, repeats: int, flops: float) -> dict:

@@ -237,19 +237,26 @@ def test_bench_attention() -> None:
 
 
 def test_bench_gpu() -> None:
-    """Its check and kernel parts at toy sizes on CPU: the packed-attention kernel (Pallas'
-    interpreter) against the dense reference, and the tiles it computes."""
+    """Its check and kernel parts at toy sizes on CPU: the packed-attention kernel and a ring
+    step over the row (Pallas' interpreter) against the dense reference, and the tiles the
+    packed kernel computes."""
     check = run_quick("bench_gpu", "check")
-    fp32, *bf16 = check["kernel"]
-    assert fp32["dtype"] == "float32" and max(fp32["max_abs_error"].values()) < 1e-5
-    assert all(max(c["max_abs_error"].values()) < 0.1 for c in bf16)
+    cases = check["kernel"]
+    assert [(c["kernel"], c["dtype"]) for c in cases] == [
+        (kernel, dtype) for dtype in ("float32", "bfloat16", "bfloat16")
+        for kernel in ("packed", "ring-step")]
+    for case in cases:
+        bound = 1e-5 if case["dtype"] == "float32" else 0.1
+        assert max(case["max_abs_error"].values()) < bound, case
     assert check["steps"]["max_rel_diff"] < 1e-6 and len(check["steps"]["cpu"]) == 3
     rows = run_quick("bench_gpu", "kernels")["results"]
-    assert [(r["doc_len"], r["kernel"]) for r in rows] == [(64, "packed"), (512, "packed")]
-    for row in rows:  # a row of 64-token documents computes fewer tiles than one document
-        assert row["status"] == "ok" and 0 < row["blocks"] < row["total_blocks"]
-        assert positive(row["step_ms"])
-    assert rows[0]["blocks"] < rows[1]["blocks"]
+    assert [(r["doc_len"], r["kernel"]) for r in rows] == [
+        (64, "packed"), (64, "ring-step"), (512, "packed"), (512, "ring-step")]
+    assert all(row["status"] == "ok" and positive(row["step_ms"]) for row in rows)
+    packed = [row for row in rows if row["kernel"] == "packed"]
+    for row in packed:  # a row of 64-token documents computes fewer tiles than one document
+        assert 0 < row["blocks"] < row["total_blocks"]
+    assert packed[0]["blocks"] < packed[1]["blocks"]
 
 
 def test_bench_gpu_calibrate() -> None:

@@ -65,17 +65,21 @@ def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     for i, length in enumerate(lengths):
         if not 0 < length <= seq_len:
             raise ValueError(f"document {i} has length {length}, not in 1..{seq_len}")
+    # Documents of the row's whole length come first and each fills a row no other enters:
+    # their rows are made at once (a corpus split at the context is mostly such pieces).
+    rows: list[list[int]] = [[i] for i, length in enumerate(lengths) if length == seq_len]
+    rest = [i for i, length in enumerate(lengths) if length < seq_len]
     # At most one row per document: leaves beyond the rows opened so far are all free.
-    size = 1 << max(len(lengths) - 1, 0).bit_length()
-    tree = [0] * size + [seq_len] * len(lengths) + [-1] * (size - len(lengths))
+    size = 1 << max(len(rest) - 1, 0).bit_length()
+    tree = [0] * size + [seq_len] * len(rest) + [-1] * (size - len(rest))
     for node in range(size - 1, 0, -1):
         tree[node] = max(tree[2 * node], tree[2 * node + 1])
-    rows: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    full = len(rows)
+    for i in sorted(rest, key=lambda i: (-lengths[i], i)):
         node = 1
         while node < size:
             node = 2 * node if tree[2 * node] >= lengths[i] else 2 * node + 1
-        row = node - size
+        row = full + node - size
         if row == len(rows):
             rows.append([])
         rows[row].append(i)

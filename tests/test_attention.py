@@ -13,7 +13,6 @@ import pytest
 
 from hotjax.optim import OptimConfig
 from hotjax.step import BucketStep, balanced_order, next_token_targets, step_memory
-from models.head_loss import token_loss
 from hotjax.train import Trainer
 from models.attention import (
     Tokens,
@@ -24,6 +23,7 @@ from models.attention import (
     ring_block_counts,
     visible_blocks,
 )
+from models.head_loss import token_loss
 from models.llama import bind, init_params
 from sharding.strategy import Layout, Strategy, fit_to_model
 from sharding.table import Bucket, StrategyTable, parse_table

@@ -131,9 +131,9 @@ from jax.sharding import PartitionSpec
 from hotjax.planning.profile import Profile
 from models.attention import block_edge
 from models.errors import UserError
+from models.head_loss import loss_chunks
 from models.llama import LlamaConfig, param_leaves
 from models.pipeline import in_flight
-from models.head_loss import loss_chunks
 from models.work import attention_backend, attention_kernel
 from sharding.strategy import MESH_AXES, Strategy, fit_to_model, partial_axes, ways
 from sharding.transfers import TransferSchedule, boxes_from_strategy

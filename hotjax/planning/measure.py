@@ -383,7 +383,8 @@ def elementwise_runner(devices: Sequence[jax.Device], config: LlamaConfig,
     norm = jnp.ones((D,), config.dtype)
     barrier = jax.lax.optimization_barrier
 
-    def loss(x, gate, up, q, k, cos, sin):
+    # Every array an argument: one spanning several processes cannot be closed over.
+    def loss(x, gate, up, q, k, cos, sin, cotangent):
         h = barrier(rms_norm(x, norm, config.norm_eps))
         q, k = barrier(rotate(q[None], cos[None], sin[None])), barrier(
             rotate(k[None], cos[None], sin[None]))
@@ -394,7 +395,7 @@ def elementwise_runner(devices: Sequence[jax.Device], config: LlamaConfig,
         return sum(jnp.sum(a.astype(jnp.float32)) for a in (x * cotangent, hidden, q, k))
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-    return lambda: jax.block_until_ready(grads(x, gate, up, q, k, cos, sin))
+    return lambda: jax.block_until_ready(grads(x, gate, up, q, k, cos, sin, cotangent))
 
 
 def elementwise_bytes(config: LlamaConfig, tokens: int, platform: str) -> float:

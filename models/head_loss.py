@@ -38,8 +38,8 @@ MIN_CHUNK_TOKENS = 128  # per row: a chunk's matmuls stay matmul-sized
 
 def token_loss(logits_BxTxV: Array, targets_BxT: Array) -> tuple[Array, Array]:
     """Summed cross-entropy over positions with a target, and their number."""
-    total_B, count = _nll(logits_BxTxV.astype(jnp.float32), targets_BxT)
-    return jnp.sum(total_B), count
+    _, nll_BxT, _ = _cross_entropy(logits_BxTxV.astype(jnp.float32), targets_BxT)
+    return jnp.sum(nll_BxT), jnp.sum(targets_BxT != NO_TARGET)
 
 
 def loss_chunks(B: int, T: int, V: int) -> int:
@@ -65,16 +65,15 @@ def head_loss(x_BxTxD: Array, head_DxV: Array, targets_BxT: Array, seed: Array,
                   chunks), count
 
 
-def _nll(logits_BxTxV: Array, targets_BxT: Array) -> tuple[Array, Array]:
-    """fp32 logits' summed cross-entropy per row [B] and the count of positions with a target.
-    A one-hot contraction rather than a gather: with the vocabulary split over `tensor` each
-    rank reduces its own slice, so full logits are never gathered (vocab-parallel CE); the
-    one-hot of NO_TARGET is all zeros, and those positions are masked out."""
+def _cross_entropy(logits_BxTxV: Array, targets_BxT: Array) -> tuple[Array, Array, Array]:
+    """fp32 logits' log-sum-exp, cross-entropy (0 where there is no target) and the targets'
+    one-hot. A one-hot contraction rather than a gather: with the vocabulary split over
+    `tensor` each rank reduces its own slice, so full logits are never gathered
+    (vocab-parallel CE); the one-hot of NO_TARGET is all zeros."""
     target_BxTxV = jax.nn.one_hot(targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32)
-    target_logit_BxT = jnp.sum(logits_BxTxV * target_BxTxV, axis=-1)
-    nll_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1) - target_logit_BxT
-    valid_BxT = targets_BxT != NO_TARGET
-    return jnp.sum(jnp.where(valid_BxT, nll_BxT, 0.0), axis=-1), jnp.sum(valid_BxT)
+    lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+    nll_BxT = lse_BxT - jnp.sum(logits_BxTxV * target_BxTxV, axis=-1)
+    return lse_BxT, jnp.where(targets_BxT != NO_TARGET, nll_BxT, 0.0), target_BxTxV
 
 
 def _strided(a_BxTx: Array, chunks: int) -> Array:
@@ -98,15 +97,15 @@ def _chunked(x_BxTxD: Array, head_DxV: Array, targets_BxT: Array, seed: Array,
         logits_BxTxV = on_rows(jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV,
                                           preferred_element_type=jnp.float32),
                                ("batch", "inner_seq", "vocab"))
-        total_B, _ = _nll(logits_BxTxV, targets_BxT)
+        lse_BxT, nll_BxT, target_BxTxV = _cross_entropy(logits_BxTxV, targets_BxT)
+        total = total + jnp.sum(nll_BxT)
         if not gradient:
-            return total + jnp.sum(total_B), None
+            return total, None
         # d(nll)/d(logits) = softmax - one-hot, zero where there is no target.
-        lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
         weight_BxT = jnp.where(targets_BxT != NO_TARGET, seed, 0.0)
-        d_BxTxV = (jnp.exp(logits_BxTxV - lse_BxT[..., None]) - jax.nn.one_hot(
-            targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32)) * weight_BxT[..., None]
-        return total + jnp.sum(total_B), d_BxTxV.astype(x_BxTxD.dtype)
+        d_BxTxV = (jnp.exp(logits_BxTxV - lse_BxT[..., None]) - target_BxTxV) * weight_BxT[
+            ..., None]
+        return total, d_BxTxV.astype(x_BxTxD.dtype)
 
     return jax.lax.scan(chunk, jnp.zeros((), jnp.float32),
                         (_strided(x_BxTxD, chunks), _strided(targets_BxT, chunks)))

@@ -95,6 +95,9 @@ class LlamaConfig:
     # compiled micro-step by `hotjax.step.BucketStep`: cuDNN's packed layout is sized by it.
     attention_documents: int = 0
     pipeline_schedule: str = "1f1b"  # one of models.pipeline.SCHEDULES, under `stage`
+    # Layers per iteration of the layer scan; n_layers unrolls it whole (no loop: no slices of
+    # the stacked weights and saved activations copied each layer, a longer compile).
+    scan_unroll: int = 1
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -110,6 +113,9 @@ class LlamaConfig:
         if self.attention_block < 0:
             raise UserError(f"attention_block {self.attention_block}: give a positive block "
                             f"edge, or 0 for the platform's default")
+        if self.scan_unroll < 1:
+            raise UserError(f"scan_unroll {self.scan_unroll}: give the layers per scan "
+                            f"iteration, at least 1 ({self.n_layers} unrolls the loop whole)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
@@ -273,7 +279,8 @@ class Llama(nnx.Module):
         pipeline = None if placement is None else placement.pipeline
         on_rows = constrain  # the activations after the layers
         if pipeline is None:
-            x_BxTxD, _ = jax.lax.scan(lambda x, w: (block(x, w, rows), None), x_BxTxD, stacked)
+            x_BxTxD, _ = jax.lax.scan(lambda x, w: (block(x, w, rows), None), x_BxTxD, stacked,
+                                      unroll=min(cfg.scan_unroll, cfg.n_layers))
         else:
             # A forward pass alone (evaluation) runs GPipe's forward ticks; training under 1F1B
             # goes through `loss_and_gradients`.

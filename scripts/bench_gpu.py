@@ -26,8 +26,8 @@ Parts, each its own process (a failure or a hang in one loses nothing of the oth
   of 2,048 and of 8,192 tokens (three documents a row): model FLOPs (`models.work`, recompute
   not counted) per second over the GPU's dense bf16 peak, attention counted as 3.5 forwards
   (hotjax's cost model) and as 3 (MaxText's and PaLM's convention). `--model 8b-width-4`:
-  four layers of Llama-3-8B's width instead; `--seq-lens`, `--remat` as named; `--trace`:
-  two more steps under JAX's profiler, their kernels summed by name and by kind.
+  four layers of Llama-3-8B's width instead; `--seq-lens`, `--remat`, `--scan-unroll` as
+  named; `--trace`: two more steps under JAX's profiler, their kernels summed by name and by kind.
 - `profile`: `hotjax plan --measure`'s measurement on this GPU, beside `h100-1x8.toml`.
 - `calibrate`: the cost model against this GPU. The profile is measured as `profile` does; then
   the 1B model's gradient micro-step (the bucket step the trainer runs, no optimizer) at 16,384
@@ -410,7 +410,8 @@ def mfu(args) -> dict:
     device = _device()
     model = preset("tiny") if args.quick else LlamaConfig(**MFU_MODELS[args.model])
     config = as_trained(model, compute_dtype="bfloat16" if device.platform == "gpu"
-                        else "float32", attention=args.attention, remat=args.remat)
+                        else "float32", attention=args.attention, remat=args.remat,
+                        scan_unroll=args.scan_unroll)
     per_token, per_pair = training_flops(config)
     per_pair_3 = per_pair * 3 / 3.5  # attention counted as 3 forwards (MaxText, PaLM)
     batch_tokens = 1024 if args.quick else args.batch_tokens
@@ -445,7 +446,7 @@ def mfu(args) -> dict:
               flush=True)
     return {"device": device.device_kind, "versions": _versions(), "peak_tflops": peak,
             "attention": args.attention, "model": "tiny" if args.quick else args.model,
-            "remat": args.remat, "params": config.num_params(), "results": results}
+            "remat": args.remat, "scan_unroll": args.scan_unroll, "params": config.num_params(), "results": results}
 
 
 def kernel_breakdown(trace_dir: str, steps: int, top: int = 40) -> dict:
@@ -683,6 +684,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: 2048,8192)")
     parser.add_argument("--remat", default="none", help="mfu: the remat policy "
                         "(default: %(default)s)")
+    parser.add_argument("--scan-unroll", type=int, default=1, help="mfu: layers per iteration "
+                        "of the layer scan; the model's layer count unrolls it (default: 1)")
     parser.add_argument("--trace", action="store_true", help="mfu: trace two more steps and "
                         "report the kernels they ran, summed by name and kind")
     parser.add_argument("--blockwise", action="store_true",

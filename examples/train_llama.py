@@ -23,9 +23,9 @@ import optax
 import hotjax
 from hotjax.commands.options import add_options
 from hotjax.data import MiniBatches, load_tokenizer, open_corpus
-from models.llama import LlamaConfig, as_trained
-from sharding.strategy import Strategy
-from sharding.table import Bucket, StrategyTable
+from hotjax.models.llama import LlamaConfig, as_trained
+from hotjax.sharding.strategy import Strategy
+from hotjax.sharding.table import Bucket, StrategyTable
 
 
 def model() -> LlamaConfig:

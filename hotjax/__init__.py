@@ -25,17 +25,17 @@ from hotjax.startup import simulate_cpu_devices, start_jax
 from hotjax.version import __version__
 
 if TYPE_CHECKING:
+    from hotjax.models.llama import LlamaConfig
     from hotjax.optim import OptimConfig
     from hotjax.run import Run, resumed_config
-    from models.llama import LlamaConfig
-    from sharding.strategy import Strategy
-    from sharding.table import Bucket, StrategyTable, load_table
+    from hotjax.sharding.strategy import Strategy
+    from hotjax.sharding.table import Bucket, StrategyTable, load_table
 
 # Public names -> the module that defines them (PEP 562: imported when first asked for).
 _LAZY = {"Run": "hotjax.run", "resumed_config": "hotjax.run", "OptimConfig": "hotjax.optim",
-         "LlamaConfig": "models.llama", "StrategyTable": "sharding.table",
-         "Bucket": "sharding.table", "load_table": "sharding.table",
-         "Strategy": "sharding.strategy"}
+         "LlamaConfig": "hotjax.models.llama", "StrategyTable": "hotjax.sharding.table",
+         "Bucket": "hotjax.sharding.table", "load_table": "hotjax.sharding.table",
+         "Strategy": "hotjax.sharding.strategy"}
 __all__ = ["Bucket", "LlamaConfig", "OptimConfig", "Run", "RunConfig", "Strategy", "StrategyTable",
            "__version__", "cache_root", "load_table", "resumed_config", "simulate_cpu_devices",
            "start_jax"]

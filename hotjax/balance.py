@@ -3,7 +3,7 @@ every micro-step has about the same work.
 
 A bucket's rows all have the same length, so their matmuls cost the same; their attention does
 not. The blockwise kernel computes only the block pairs something in them can see
-(`models.attention.visible_blocks`): a row holding one 8K document computes the whole causal
+(`hotjax.models.attention.visible_blocks`): a row holding one 8K document computes the whole causal
 triangle, a row of sixteen 512-token documents a sixteenth of it. Cut in order into micro-batches
 and split over data shards by position, one shard can draw the long documents and the other the
 short ones, and every micro-step waits for the slower (WLB-LLM, OSDI'25, measured an imbalance
@@ -20,7 +20,7 @@ the mean shard's (1.0: even). Where one row outweighs the rest (one long documen
 ones), no placement reaches 1.0 and the metrics say so.
 
 Shards need not meet every micro-step. Where a bucket accumulates each data shard's gradients
-apart and nothing else is split over the shards (`sharding.strategy.independent_shards`: data
+apart and nothing else is split over the shards (`hotjax.sharding.strategy.independent_shards`: data
 parallelism, with tensor, context or pipeline parallelism inside each shard), they exchange
 nothing until the bucket's one gradient reduction, and each device runs its micro-steps as
 fast as it can. Then only each shard's total over the bucket counts, and placement balances
@@ -34,9 +34,9 @@ import dataclasses
 
 import numpy as np
 
-from models.attention import Tokens, block_edge, visible_blocks
-from models.llama import LlamaConfig
-from models.work import attention_kernel, training_flops
+from hotjax.models.attention import Tokens, block_edge, visible_blocks
+from hotjax.models.llama import LlamaConfig
+from hotjax.models.work import attention_kernel, training_flops
 
 EMPTY = -1  # a padding row's slot in a placement: no row of the batch
 
@@ -56,7 +56,7 @@ def row_work(segment_ids_BxT: np.ndarray, positions_BxT: np.ndarray, config: Lla
              platform: str, seq_shards: int = 1) -> np.ndarray:
     """[B] estimated FLOPs of each row's training micro-step: the matmuls by tokens (every
     slot is computed, padding included) and attention by the block pairs the kernel that runs
-    on `platform` computes (`models.work.attention_kernel`; rows split into `seq_shards`
+    on `platform` computes (`hotjax.models.work.attention_kernel`; rows split into `seq_shards`
     chunks): both the blockwise kernel and the packed-attention Pallas kernel on GPU skip the
     blocks no document spans."""
     B, T = segment_ids_BxT.shape
@@ -89,7 +89,7 @@ def place(work_R: np.ndarray, micro_rows: int, shards: int, pad_work: float = 0.
     `shards` data shards (padding rows, added to fill the last micro-step, cost `pad_work`).
     Shards that meet every micro-step: micro-steps of similar rows, each row to its
     micro-step's least loaded shard with room. With `per_bucket` (shards that meet only at
-    the bucket's end, `sharding.strategy.independent_shards`): each row, heaviest first, to
+    the bucket's end, `hotjax.sharding.strategy.independent_shards`): each row, heaviest first, to
     the shard with the least work so far over the whole bucket that has room, each shard's
     rows then in its slots of the micro-steps in turn."""
     rows = len(work_R)

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from hotjax.commands import ckpt, config_file, data, generate, launch, plan, strategy, train
 from hotjax.commands.options import run_config as _run_config
 from hotjax.config import RunConfig
+from hotjax.errors import UserError
 from hotjax.preemption import REQUEUE_EXIT, Preempted
 from hotjax.targets import quiet_plugin_without_a_driver
-from models.errors import UserError
 
 # Each adds one command group.
 COMMANDS = (train, strategy, data, plan, ckpt, generate, launch)

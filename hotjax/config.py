@@ -12,9 +12,9 @@ import os
 import re
 from pathlib import Path
 
-from models.bounds import MAX_SEQ_LEN, MAX_STEP, MAX_VOCAB, host_memory
-from models.errors import UserError
-from models.optimizers import (
+from hotjax.bounds import MAX_SEQ_LEN, MAX_STEP, MAX_VOCAB, host_memory
+from hotjax.errors import UserError
+from hotjax.models.optimizers import (
     BETA1,
     BETA2,
     CLIP_NORM,
@@ -28,11 +28,11 @@ from models.optimizers import (
     WARMUP_STEPS,
     WEIGHT_DECAY,
 )
-from models.optimizers import DEFAULT as DEFAULT_OPTIMIZER
+from hotjax.models.optimizers import DEFAULT as DEFAULT_OPTIMIZER
 
 DEFAULT_BATCH_TOKENS = 8192
 DEFAULT_MODEL = "small"
-DEFAULT_WARMUP_STEPS = WARMUP_STEPS  # the optimizer's own default (`models.optimizers`)
+DEFAULT_WARMUP_STEPS = WARMUP_STEPS  # the optimizer's own default (`hotjax.models.optimizers`)
 DEFAULT_EVAL_TOKENS = 16384
 # Host bytes one token of a mini-batch costs in the data pipeline (`hotjax.data.stream`): its
 # int32 id in a tokenized sequence (4); the packed rows' int32 tokens, segment ids and
@@ -75,10 +75,10 @@ class RunConfig:
     remat: str | None = None  # for buckets whose table names none; None: fit to device_memory
     attention: str = "auto"  # the kernel: auto, blockwise, dense, cudnn, pallas
     attention_block: int = 0  # the blockwise kernel's block edge (0: the platform's default)
-    optimizer: str = DEFAULT_OPTIMIZER  # an entry of `models.optimizers.OPTIMIZERS`
+    optimizer: str = DEFAULT_OPTIMIZER  # an entry of `hotjax.models.optimizers.OPTIMIZERS`
     lr: float = LR
     warmup_steps: int | None = None  # default: DEFAULT_WARMUP_STEPS, or --steps if fewer
-    schedule: str = SCHEDULE  # the learning rate's shape: `models.optimizers.SCHEDULES`
+    schedule: str = SCHEDULE  # the learning rate's shape: `hotjax.models.optimizers.SCHEDULES`
     decay_steps: int | None = None  # the horizon: where the rate reaches its minimum; --steps
     min_lr_ratio: float = MIN_LR_RATIO
     decay_fraction: float = DECAY_FRACTION  # WSD: the share after the warmup that decays

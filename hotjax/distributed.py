@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from models.errors import UserError
+from hotjax.errors import UserError
 
 HEARTBEAT_TIMEOUT_S = 30  # a process silent this long ends the run (JAX's default waits 100)
 TOGETHER_TIMEOUT_S = 1800  # how long `together` waits for the slowest process

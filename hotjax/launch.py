@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import IO
 
 from hotjax.distributed import HEARTBEAT_TIMEOUT_S
+from hotjax.errors import UserError
 from hotjax.link import describe_rate, shaped_namespace
 from hotjax.preemption import REQUEUE_EXIT
-from models.errors import UserError
 
 STOP_GRACE_S = 10  # after SIGTERM, before SIGKILL
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)

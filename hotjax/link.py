@@ -19,7 +19,7 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
-from models.errors import UserError
+from hotjax.errors import UserError
 
 PREFIX = "hotjax"
 # The token bucket's size: what a transfer after a pause moves at once, beyond the rate. A real

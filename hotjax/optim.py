@@ -1,7 +1,7 @@
-"""The optimizer a run trains with (AdamW, Lion or Adafactor: `models.optimizers` declares each),
-with linear warmup and a decay (cosine, linear, none or WSD: `models.optimizers.SCHEDULES`), after
-global-norm clipping; for fp16 compute, behind a loss scale that skips the updates whose
-gradients overflowed."""
+"""The optimizer a run trains with (AdamW, Lion or Adafactor: `hotjax.models.optimizers` declares
+each), with linear warmup and a decay (cosine, linear, none or WSD:
+`hotjax.models.optimizers.SCHEDULES`), after global-norm clipping; for fp16 compute, behind a loss
+scale that skips the updates whose gradients overflowed."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from models.errors import UserError
-from models.llama import Params
-from models.optimizers import (
+from hotjax.errors import UserError
+from hotjax.models.llama import Params
+from hotjax.models.optimizers import (
     BETA1,
     BETA2,
     CLIP_NORM,
@@ -39,11 +39,11 @@ MAX_SKIPPED_IN_A_ROW = 100
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    name: str = DEFAULT  # an entry of `models.optimizers.OPTIMIZERS`
+    name: str = DEFAULT  # an entry of `hotjax.models.optimizers.OPTIMIZERS`
     lr: float = LR
     warmup_steps: int = WARMUP_STEPS
     total_steps: int = 200
-    schedule: str = SCHEDULE  # an entry of `models.optimizers.SCHEDULES`
+    schedule: str = SCHEDULE  # an entry of `hotjax.models.optimizers.SCHEDULES`
     min_lr_ratio: float = MIN_LR_RATIO
     decay_steps: int | None = None  # the horizon, where the rate reaches its minimum: total_steps
     decay_fraction: float = DECAY_FRACTION  # WSD's
@@ -88,7 +88,7 @@ class OptimConfig:
         return shape
 
     def lr_schedule(self) -> optax.Schedule:
-        """The `schedule` shape (`models.optimizers.SCHEDULES`): linear warmup to `lr`, then
+        """The `schedule` shape (`hotjax.models.optimizers.SCHEDULES`): linear warmup to `lr`, then
         down to `lr * min_lr_ratio` at the horizon, `decay_steps` (default `total_steps`)."""
         warmup = min(self.warmup_steps, self.total_steps)
         curve = SCHEDULES[self.schedule](self.lr, self.lr * self.min_lr_ratio, warmup,

@@ -14,7 +14,7 @@ import signal
 import threading
 from collections.abc import Callable
 
-from models.errors import UserError
+from hotjax.errors import UserError
 
 REQUEUE_EXIT = 75  # EX_TEMPFAIL (sysexits.h): stopped with the state saved; run it again
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from rich.console import Console
 
-from hotjax import distributed
+from hotjax import bounds, distributed
 from hotjax.checkpoint import dirs, store
 from hotjax.checkpoint import lock as ckpt_lock
 from hotjax.checkpoint import meta as meta_lib
@@ -37,18 +37,18 @@ from hotjax.data import (
 from hotjax.data.corpus import Corpus, check_batch
 from hotjax.data.held_out import split
 from hotjax.data.tokenizer import SpecialTokens
+from hotjax.errors import UserError
+from hotjax.models import optimizers
+from hotjax.models.llama import LlamaConfig, as_trained, preset
 from hotjax.optim import OptimConfig
 from hotjax.planning import search as plan_lib
 from hotjax.planning.measure import local_profile
 from hotjax.planning.profile import Profile
+from hotjax.sharding.strategy import Strategy
+from hotjax.sharding.table import StrategyTable, load_table, parse_table
 from hotjax.startup import select_devices
 from hotjax.step import TrainState
 from hotjax.train import StepMetrics, Trainer
-from models import bounds, optimizers
-from models.errors import UserError
-from models.llama import LlamaConfig, as_trained, preset
-from sharding.strategy import Strategy
-from sharding.table import StrategyTable, load_table, parse_table
 
 # With no --strategy, every device count trains this hot-switched bucket table, its meshes
 # derived from the count (`default_table`); on 8 devices, the file as written.

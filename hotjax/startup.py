@@ -69,7 +69,7 @@ def select_devices(count: int | None) -> list[jax.Device]:
     """The first `count` devices (None: all of them)."""
     import jax
 
-    from models.errors import UserError
+    from hotjax.errors import UserError
 
     available = jax.devices()
     if count is None:

@@ -41,11 +41,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hotjax.data import Batch
-from hotjax.optim import OptimConfig, loss_scale, make_optimizer, skipped_steps
-from models.attention import choose_backend
-from models.errors import UserError
-from models.head_loss import NO_TARGET
-from models.llama import (
+from hotjax.errors import UserError
+from hotjax.models.attention import choose_backend
+from hotjax.models.head_loss import NO_TARGET
+from hotjax.models.llama import (
     LlamaConfig,
     Params,
     abstract_params,
@@ -53,8 +52,9 @@ from models.llama import (
     loss_and_gradients,
     param_axes,
 )
-from models.pipeline import filled_microbatches
-from sharding.strategy import (
+from hotjax.models.pipeline import filled_microbatches
+from hotjax.optim import OptimConfig, loss_scale, make_optimizer, skipped_steps
+from hotjax.sharding.strategy import (
     ACCUMULATE,
     Layout,
     Rules,
@@ -143,8 +143,8 @@ def chain_inputs(micro: list[dict[str, np.ndarray]], chain: int, data_shards: in
                  microbatches: int) -> dict[str, np.ndarray]:
     """A pipeline bucket's micro-steps as the rows of one schedule of `chain` x `microbatches`
     micro-batches (empty micro-steps added up to `chain`). A micro-step's data shard holds its
-    rows as [rows per micro-batch, micro-batch] (`models.pipeline` takes every M-th row); in the
-    chain each data shard holds all micro-steps' rows the same way, micro-step k's micro-batch
+    rows as [rows per micro-batch, micro-batch] (`hotjax.models.pipeline` takes every M-th row); in
+    the chain each data shard holds all micro-steps' rows the same way, micro-step k's micro-batch
     m becoming micro-batch k·M + m, so that the micro-batches holding rows come first."""
     empty = {k: np.full_like(v, NO_TARGET if k == "targets" else 0)
              for k, v in micro[0].items()}
@@ -321,7 +321,7 @@ class BucketStep:
         """A micro-step's host arrays on its devices. Every process holds the same rows and
         builds its own devices' shards from them: across processes `jax.device_put` would
         first check that they agree, a collective that makes the data shards meet before
-        every micro-step (`sharding.strategy.independent_shards`)."""
+        every micro-step (`hotjax.sharding.strategy.independent_shards`)."""
         sharding = self.layout.batch_sharding
         return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
                 for k, v in arrays.items()}

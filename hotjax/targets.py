@@ -25,7 +25,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from models.errors import UserError
+from hotjax.errors import UserError
 
 SHIPPED = Path(__file__).with_name("targets")
 GPUS_PER_HOST = 8  # a target of more devices is laid out as hosts of eight, as DGX/HGX nodes

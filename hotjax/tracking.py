@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Protocol
 
 from hotjax.config import RunConfig
-from models.errors import UserError
+from hotjax.errors import UserError
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for want of space
 TRACE_DIR = "trace"  # where --trace-steps writes without --tensorboard

@@ -27,10 +27,24 @@ import numpy as np
 import optax
 
 from hotjax.balance import Placement, place, row_work
+from hotjax.choices import REMAT_POLICIES
 from hotjax.config import shown_bytes
 from hotjax.data import Batch, MiniBatch
 from hotjax.distributed import together
+from hotjax.errors import UserError
+from hotjax.models.llama import LlamaConfig, abstract_params, bind, param_axes
+from hotjax.models.optimizers import ADAMW
 from hotjax.optim import OptimConfig
+from hotjax.sharding.report import most_sharded
+from hotjax.sharding.strategy import Strategy, canonical_devices, independent_shards
+from hotjax.sharding.switch import already_laid_out, job_topology, switch
+from hotjax.sharding.table import StrategyTable
+from hotjax.sharding.transfers import (
+    Topology,
+    TransferSchedule,
+    schedule_transfers,
+    strategy_switches,
+)
 from hotjax.step import (
     ACCUMULATE,
     BATCH_KEYS,
@@ -41,15 +55,6 @@ from hotjax.step import (
     home,
     micro_step_inputs,
 )
-from models.errors import UserError
-from models.llama import LlamaConfig, abstract_params, bind, param_axes
-from models.optimizers import ADAMW
-from models.options import REMAT_POLICIES
-from sharding.report import most_sharded
-from sharding.strategy import Strategy, canonical_devices, independent_shards
-from sharding.switch import already_laid_out, job_topology, switch
-from sharding.table import StrategyTable
-from sharding.transfers import Topology, TransferSchedule, schedule_transfers, strategy_switches
 
 MAX_MICRO_UNITS = 64  # rows per batch shard in a micro-step sized to memory, at the most
 

@@ -6,7 +6,7 @@ not later in that document (positions) and not later in the row (columns). Rows 
 document as one run in position order, so the column rule hides nothing a document would show;
 it is what lets whole blocks above the diagonal go uncomputed. Padding sees nothing and its
 output is zero. On GPU packed rows run the same block skipping as a Pallas (Triton) kernel,
-`models.packed_attention`; rows known to be one document each run cuDNN's.
+`hotjax.models.packed_attention`; rows known to be one document each run cuDNN's.
 
 The blockwise kernel (FlashAttention-2's algorithm, in plain JAX) walks query blocks against key
 blocks with an online softmax, so memory is O(T x block) instead of O(T^2). Before it starts it
@@ -20,7 +20,7 @@ Under context parallelism each rank keeps its queries and passes its K/V chunk a
 the K/V gradients around with them. With `balanced` chunks (rank i holds chunks i and 2C-1-i)
 every rank computes about the same number of blocks. Each chunk is computed by the blockwise
 kernel, or on GPU by the ring step's Pallas kernel ("pallas-ring",
-`models.packed_attention.ring_step`) over the same list of visible block pairs; the chunks'
+`hotjax.models.packed_attention.ring_step`) over the same list of visible block pairs; the chunks'
 results merge by their log-sum-exp.
 
 Letters: B rows, T query tokens, S key tokens, N query heads, K K/V heads, G query heads per
@@ -40,13 +40,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from models.cudnn_attention import (
+from hotjax.choices import ATTENTION_BACKENDS
+from hotjax.models.cudnn_attention import (
     cudnn_packed_attention,
     cudnn_packed_support,
     cudnn_pays,
     workspace_bytes,
 )
-from models.options import ATTENTION_BACKENDS
 
 Array = jax.Array
 # Default block edge by platform: small blocks skip more of a packed row; on a GPU larger
@@ -104,8 +104,8 @@ def choose_backend(requested: str, platform: str, *, ring: bool, packed: bool,
     packed rows where its packed layout runs (`cudnn_packed_support`: 16-bit inputs, Hopper or
     later, a JAX whose packed offsets honour GQA) and pays (`cudnn_pays`: long documents, by
     `documents`, the step's cap, 0 when not known; a `workspace` in bytes within its limit,
-    `models.cudnn_attention.workspace_bytes`). Other packed rows take the packed-attention
-    Pallas kernel (`models.packed_attention`, for rows its tiles divide; `seq_len` None: not
+    `hotjax.models.cudnn_attention.workspace_bytes`). Other packed rows take the packed-attention
+    Pallas kernel (`hotjax.models.packed_attention`, for rows its tiles divide; `seq_len` None: not
     yet known). A context-parallel ring takes the ring step's Pallas kernel ("pallas-ring")
     whatever was asked for, where its tiles divide `seq_len`, then the tokens of a rank's
     chunk (of each of its halves when balanced). Every other platform runs the blockwise
@@ -271,7 +271,7 @@ def _local_attention(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
     # A balanced chunk is two halves far apart in the row: no block may straddle them.
     halves = 2 if shard.balanced else 1
     if kernel == "pallas-ring":
-        from models.packed_attention import block_for
+        from hotjax.models.packed_attention import block_for
 
         edge = block_for(q_BxTxNxH.dtype, H, T // halves)
         return _ring(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, tokens, shard,
@@ -492,7 +492,7 @@ def _kernel_forward_chunk(state: _Softmax, q_BxTxKxGxH: Array, k_BxSxKxH: Array,
                           v_BxSxKxH: Array, q: Tokens, k: Tokens, chunks: _Chunks) -> _Softmax:
     """`_forward_chunk` by the ring step's Pallas kernel: its normalised output over the chunk
     is an online softmax whose max is its log-sum-exp and whose sum is 1."""
-    from models.packed_attention import ring_step
+    from hotjax.models.packed_attention import ring_step
 
     B, T, K, G, H = q_BxTxKxGxH.shape
     out_BxTxNxH, lse_BxNxT = ring_step(
@@ -508,7 +508,7 @@ def _kernel_backward_chunk(grads: tuple[Array, Array, Array], q_BxTxKxGxH: Array
                            lse_BxTxKxG: Array, dout_BxTxKxGxH: Array, delta_BxTxKxG: Array,
                            chunks: _Chunks) -> tuple[Array, Array, Array]:
     """`_backward_chunk` by the ring step's Pallas kernel."""
-    from models.packed_attention import ring_step_backward
+    from hotjax.models.packed_attention import ring_step_backward
 
     B, T, K, G, H = q_BxTxKxGxH.shape
 
@@ -596,7 +596,7 @@ def _pallas(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_Bx
             *, interpret: bool = False) -> Array:
     """The packed-attention Pallas kernel (causal by column, as our rows are; GQA without
     repeating K/V; padding's output zero)."""
-    from models.packed_attention import packed_attention
+    from hotjax.models.packed_attention import packed_attention
 
     return packed_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT,
                             interpret=interpret)

@@ -13,7 +13,7 @@ slots as a sequence as long as the row. Measured on an H100 (jax 0.11.2, cuDNN 9
 32/8 heads of 128, forward + backward of an 8K row of 256-token documents): 2.36 ms at M = 48,
 4.14 ms at M = 128, and at M = 512 a 129 GiB workspace (`docs/measurements/h100-2026-11-27/`).
 So the cap is the step's own (`hotjax.step.document_cap`: its rows' most documents, rounded up
-to a power of two), and `models.attention.choose_backend` gives cuDNN only rows of long
+to a power of two), and `hotjax.models.attention.choose_backend` gives cuDNN only rows of long
 documents.
 
 Two facts of JAX decide where this runs at all (`cudnn_packed_support`): the packed layout
@@ -21,7 +21,7 @@ needs Hopper or later and 16-bit inputs, and until jax PR 39521 (merged 2026-07-
 the K/V offsets by the query head count, silently wrong under grouped-query attention (jax
 0.10.2 has the bug; 0.11.2 passed the GQA check on an H100).
 
-Letters as in `models.attention`; M documents per row at most.
+Letters as in `hotjax.models.attention`; M documents per row at most.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Decoding with a K/V cache: the prompt in one pass, then one token a step in a
 `lax.while_loop`, drawn greedily, at a temperature, or from the top-p nucleus, until EOS or
-the step limit. The layers are training's own (`models.llama.layer`); only attention differs,
+the step limit. The layers are training's own (`hotjax.models.llama.layer`); only attention differs,
 reading the cache instead of the row.
 
-Letters as in `models.llama`, and S the cache's slots (the longest sequence decoded), P the
+Letters as in `hotjax.models.llama`, and S the cache's slots (the longest sequence decoded), P the
 prompt's tokens. Slot s holds the token at position s: a query at position p reads slots 0..p,
 each row's own written before it attends, so a slot past a row's end is never read.
 """
@@ -16,8 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from models.attention import accumulating
-from models.llama import (
+from hotjax.models.attention import accumulating
+from hotjax.models.llama import (
     LlamaConfig,
     Params,
     compute_embedding,

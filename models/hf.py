@@ -17,10 +17,10 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
-from models import bounds
-from models.errors import UserError
-from models.llama import Llama, LlamaConfig, abstract_params, bind
-from models.paths import inside
+from hotjax import bounds
+from hotjax.errors import UserError
+from hotjax.models.llama import Llama, LlamaConfig, abstract_params, bind
+from hotjax.paths import inside
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -1,7 +1,7 @@
 """LLaMA in Flax NNX: every parameter carries logical axis names; layers are stacked and scanned.
 
 Letters: B batch rows, T tokens, D model width, V vocabulary, N query heads, K K/V heads, H head
-dim, F MLP width, L layers. Training's forward pass and decoding (`models.decode`) share the
+dim, F MLP width, L layers. Training's forward pass and decoding (`hotjax.models.decode`) share the
 pieces: `compute_embedding`, `embedded`, `rope_tables`, `layer`, `head_weights`, `final_logits`.
 """
 
@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import AttentionSharding, accumulating, attention
-from models.bounds import check_model
-from models.errors import UserError
-from models.head_loss import head_loss
-from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
-from models.pipeline import SCHEDULES, filled_microbatches, gpipe, one_f_one_b
+from hotjax.choices import ATTENTION_BACKENDS, REMAT_POLICIES
+from hotjax.errors import UserError
+from hotjax.models.attention import AttentionSharding, accumulating, attention
+from hotjax.models.fields import check_model
+from hotjax.models.head_loss import head_loss
+from hotjax.models.pipeline import SCHEDULES, filled_microbatches, gpipe, one_f_one_b
 
 Array = jax.Array
 # Logical axis names: strategies map these to mesh axes. `seq` is the residual stream's
@@ -37,7 +37,7 @@ Constrain = Callable[[Array, tuple[str | None, ...]], Array]
 
 
 class Placement(Protocol):
-    """How a strategy lays the model out (`sharding.strategy.Layout` is one)."""
+    """How a strategy lays the model out (`hotjax.sharding.strategy.Layout` is one)."""
 
     def constrain(self, x: Array, axes: tuple[str | None, ...]) -> Array:
         """`x` with the sharding its logical axes map to."""
@@ -94,7 +94,7 @@ class LlamaConfig:
     # The most documents a row of the step holds, a power of two (0: not known); set per
     # compiled micro-step by `hotjax.step.BucketStep`: cuDNN's packed layout is sized by it.
     attention_documents: int = 0
-    pipeline_schedule: str = "1f1b"  # one of models.pipeline.SCHEDULES, under `stage`
+    pipeline_schedule: str = "1f1b"  # one of hotjax.models.pipeline.SCHEDULES, under `stage`
     # Layers per iteration of the layer scan; n_layers unrolls it whole (no loop: no slices of
     # the stacked weights and saved activations copied each layer, a longer compile).
     scan_unroll: int = 1
@@ -253,7 +253,7 @@ class Llama(nnx.Module):
              targets_BxT: Array, seed: Array, placement: Placement | None = None
              ) -> tuple[Array, Array]:
         """The summed cross-entropy against `targets` and the target count, the head and the
-        loss fused (`models.head_loss`): gradients are those of `seed` x the sum."""
+        loss fused (`hotjax.models.head_loss`): gradients are those of `seed` x the sum."""
         x_BxTxD, head_DxV, on_rows = self._trunk(tokens_BxT, segment_ids_BxT, positions_BxT,
                                                  placement)
         return final_loss(self.config, self.final_norm[...], head_DxV, x_BxTxD, targets_BxT,
@@ -331,7 +331,7 @@ def final_logits(cfg: LlamaConfig, final_norm_D: Array, head_DxV: Array, x_BxTxD
 def final_loss(cfg: LlamaConfig, final_norm_D: Array, head_DxV: Array, x_BxTxD: Array,
                targets_BxT: Array, seed: Array, on_rows: Constrain = _no_constraint,
                platform: str | None = None) -> tuple[Array, Array]:
-    """The final norm, the LM head and the cross-entropy fused (`models.head_loss`): the loss
+    """The final norm, the LM head and the cross-entropy fused (`hotjax.models.head_loss`): the loss
     sum against `targets` and the target count, gradients those of `seed` x the sum."""
     x_BxTxD, head_DxV = _head_inputs(cfg, final_norm_D, head_DxV, x_BxTxD, on_rows, platform)
     return head_loss(x_BxTxD, head_DxV, targets_BxT, seed, on_rows)

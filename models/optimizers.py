@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from models.errors import UserError
+from hotjax.errors import UserError
 
 # The defaults of every run's optimizer settings (`hotjax.optim.OptimConfig`, `RunConfig`).
 LR = 1e-3

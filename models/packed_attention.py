@@ -11,14 +11,16 @@ bound up to the diagonal. Backward, one fused kernel on the same grid: dK/dV of 
 query blocks from the diagonal to j's bound, then dQ of query block j like the forward. Query
 head n reads K/V head n // G; with G > 1 each query head's dK/dV are summed outside the kernel.
 
-A context-parallel ring (`models.attention`) runs one step of its own per K/V chunk a rank holds:
+A context-parallel ring (`hotjax.models.attention`) runs one step of its own per K/V chunk a rank
+holds:
 `ring_step` returns its queries' output over that chunk's keys with its log-sum-exp, for the
 ring to merge, and `ring_step_backward` their share of dQ and the chunk's dK/dV from the final
 log-sum-exp. A rank's chunk is not one run of the row (balanced chunks are two), so these mask
 by positions within documents, not columns, and loop over the block pairs a table computed
 outside the kernel lists, forward and backward.
 
-Letters as in `models.attention`; Q and W are blocks of queries and keys (both `block` tokens).
+Letters as in `hotjax.models.attention`; Q and W are blocks of queries and keys (both `block`
+tokens).
 """
 
 from __future__ import annotations
@@ -384,7 +386,7 @@ def ring_step(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
     """One step of a context-parallel ring: a rank's queries against the K/V chunk it holds
     (S = T). Tokens are (segment ids, positions within documents), [B, T] and [B, S];
     `visible_BxIxJ` says which (query block, key block) pairs may see something (at least
-    those: `models.attention.visible_blocks`). Returns the output over this chunk's keys,
+    those: `hotjax.models.attention.visible_blocks`). Returns the output over this chunk's keys,
     fp32 [B, T, N, H], and its natural log-sum-exp, fp32 [B, N, T]; a query that sees none of
     them gets 0 and -inf."""
     _check(q_BxTxNxH, k_BxSxKxH, block)

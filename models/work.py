@@ -11,10 +11,10 @@ packed row computes on a platform.
 
 from __future__ import annotations
 
-from models.attention import DEFAULT_BLOCK, PALLAS_BLOCK, choose_backend
-from models.cudnn_attention import workspace_bytes
-from models.llama import LlamaConfig
-from models.packed_attention import block_for
+from hotjax.models.attention import DEFAULT_BLOCK, PALLAS_BLOCK, choose_backend
+from hotjax.models.cudnn_attention import workspace_bytes
+from hotjax.models.llama import LlamaConfig
+from hotjax.models.packed_attention import block_for
 
 MATMUL_TRAINING = 6  # FLOPs per weight and token, forward and backward
 ATTENTION_TRAINING = 3.5  # attention forward and backward, in forwards
@@ -38,9 +38,9 @@ def training_flops(config: LlamaConfig) -> tuple[float, float]:
 def attention_kernel(config: LlamaConfig, platform: str, seq_len: int, context: int
                      ) -> tuple[int, bool]:
     """The block edge of the attention kernel a packed row of `seq_len` runs on `platform`
-    under a ring of `context` devices (`models.attention.choose_backend`), and whether it skips
-    the blocks no document spans: both kernels do, the packed-attention Pallas kernel on GPU
-    (`models.packed_attention.computed_blocks`) and the blockwise kernel elsewhere and round
+    under a ring of `context` devices (`hotjax.models.attention.choose_backend`), and whether it
+    skips the blocks no document spans: both kernels do, the packed-attention Pallas kernel on GPU
+    (`hotjax.models.packed_attention.computed_blocks`) and the blockwise kernel elsewhere and round
     every ring."""
     if platform == "gpu" and context == 1 and seq_len % PALLAS_BLOCK == 0:
         return block_for(config.dtype, config.head_dim, seq_len), True
@@ -51,7 +51,7 @@ def attention_backend(config: LlamaConfig, platform: str, seq_len: int, context:
                       capability: int | None = None) -> str:
     """The attention kernel rows of `seq_len` tokens, one causal document each (the cost
     model's worst case), run on `platform` under a ring of `context` devices, as
-    `models.attention.choose_backend` picks it for `config.attention` with the installed JAX;
+    `hotjax.models.attention.choose_backend` picks it for `config.attention` with the installed JAX;
     `capability`: the GPU's compute capability (major), None when not known."""
     ring = context > 1
     kernel, _ = choose_backend(

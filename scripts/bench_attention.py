@@ -73,7 +73,7 @@ def bench_case(name: str, segment_ids_BxT: np.ndarray, positions_BxT: np.ndarray
     import jax.numpy as jnp
     import numpy as np
 
-    from models.attention import Tokens, attention, block_edge, visible_blocks
+    from hotjax.models.attention import Tokens, attention, block_edge, visible_blocks
 
     B, T = segment_ids_BxT.shape
     N, K, H = args.heads, args.kv_heads, args.head_dim
@@ -129,7 +129,7 @@ def bench_case(name: str, segment_ids_BxT: np.ndarray, positions_BxT: np.ndarray
 def ring_case(name: str, segment_ids_BxT: np.ndarray, positions_BxT: np.ndarray,
               args: argparse.Namespace) -> dict:
     """Per-rank block pairs of a `--ways` ring over this row, balanced and not."""
-    from models.attention import block_edge, ring_block_counts
+    from hotjax.models.attention import block_edge, ring_block_counts
 
     result = {"name": name, "ways": args.ways,
               "block": block_edge(segment_ids_BxT.shape[1] // args.ways, args.block)}
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from models.attention import DEFAULT_BLOCK
+    from hotjax.models.attention import DEFAULT_BLOCK
 
     device = jax.devices()[0]
     # The block the kernel takes for 0, resolved here so that the ring counts use it too.

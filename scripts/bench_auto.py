@@ -55,11 +55,11 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     from hotjax.cli import run_config as run_config_of
     from hotjax.config import RunConfig
     from hotjax.data import estimated_lengths, load_tokenizer, open_corpus
+    from hotjax.errors import UserError
+    from hotjax.models.llama import preset
     from hotjax.planning import search as plan
     from hotjax.planning.measure import local_profile, profile_path
     from hotjax.run import model_config, plan_search, strategy_table
-    from models.errors import UserError
-    from models.llama import preset
 
     if args.steps < 2 or args.rounds < 1:
         raise UserError("--steps 2 or more (the first is left out) and --rounds 1 or more")

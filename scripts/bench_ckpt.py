@@ -59,7 +59,7 @@ from hotjax.checkpoint.formats import fakes
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from models.llama import LlamaConfig
+    from hotjax.models.llama import LlamaConfig
 
 CHUNK = 64 << 20
 QUICK = {"model": "tiny", "repeats": 1, "steps": 2, "seq_len": 64, "dcp_gb": 0, "hf_gb": 0,
@@ -112,7 +112,7 @@ def foreign_config(gb: float, bytes_per_param: int) -> LlamaConfig:
     """The LLaMA whose checkpoint of `bytes_per_param` per parameter holds at least `gb` GB:
     vocabulary 32000, width 768 (12 heads, MLP 2048) and as many layers as that takes; for
     `gb` 0 the `tiny` preset."""
-    from models.llama import LlamaConfig, preset
+    from hotjax.models.llama import LlamaConfig, preset
 
     if gb <= 0:
         return preset("tiny")
@@ -308,11 +308,11 @@ def state_times(args: argparse.Namespace, root: Path) -> dict:
     from hotjax.checkpoint import meta as meta_lib
     from hotjax.checkpoint import store
     from hotjax.data import Batch, MiniBatch
+    from hotjax.models.llama import preset
     from hotjax.optim import OptimConfig
+    from hotjax.sharding.strategy import Strategy
+    from hotjax.sharding.table import StrategyTable
     from hotjax.train import Trainer
-    from models.llama import preset
-    from sharding.strategy import Strategy
-    from sharding.table import StrategyTable
 
     config = dataclasses.replace(preset(args.model), compute_dtype="float32")
     optim = OptimConfig(total_steps=1000)

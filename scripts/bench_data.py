@@ -56,11 +56,11 @@ def bench_trainer(minibatches: list[MiniBatch], vocab_size: int, model: str, ste
     import jax
 
     from hotjax.compile_cache import enable_compilation_cache
+    from hotjax.models.llama import as_trained, preset
     from hotjax.optim import OptimConfig
     from hotjax.run import Run
-    from models.llama import as_trained, preset
-    from sharding.strategy import Strategy
-    from sharding.table import StrategyTable
+    from hotjax.sharding.strategy import Strategy
+    from hotjax.sharding.table import StrategyTable
 
     enable_compilation_cache()
     devices = jax.devices()

@@ -5,14 +5,14 @@ LLaMA's MFU, and the machine's measured profile beside the shipped H100 one.
 
 Parts, each its own process (a failure or a hang in one loses nothing of the others):
 
-- `check`: the packed-attention Pallas kernel (`models.packed_attention`) and one step of the
+- `check`: the packed-attention Pallas kernel (`hotjax.models.packed_attention`) and one step of the
   ring's kernel pair over the whole row run for real, forward and backward, against the dense
   reference (every score materialised, float32, highest matmul
   precision) on packed rows with GQA, in float32 and bfloat16; and three training steps of the
   `small` model (float32, packed rows, `--attention auto`, so the Pallas kernel) on the GPU
   against the same steps on the host's CPU (the blockwise kernel).
-- `cudnn`: cuDNN's packed attention (`models.cudnn_attention`) against the same reference, with
-  GQA, padding and a row past its document cap (the fallback); the versions that ran.
+- `cudnn`: cuDNN's packed attention (`hotjax.models.cudnn_attention`) against the same reference,
+  with GQA, padding and a row past its document cap (the fallback); the versions that ran.
 - `kernels`: forward + backward of one row of documents of about 256 and about 2,048 tokens and
   of one document, at 8K and 32K, LLaMA-3-8B's attention shape (32 query heads, 8 K/V heads,
   128 wide; and 64 wide), bfloat16: the Pallas kernel; cuDNN's packed layout under the row's
@@ -23,7 +23,7 @@ Parts, each its own process (a failure or a hang in one loses nothing of the oth
   need, as the cost model does.
 - `mfu`: a Llama-3.2-1B-shaped model (16 layers, 2048 wide, vocabulary 128,256, tied
   embeddings) trained by hotjax's own `Trainer` on one GPU, bf16, 16,384 tokens a step of rows
-  of 2,048 and of 8,192 tokens (three documents a row): model FLOPs (`models.work`, recompute
+  of 2,048 and of 8,192 tokens (three documents a row): model FLOPs (`hotjax.models.work`, recompute
   not counted) per second over the GPU's dense bf16 peak, attention counted as 3.5 forwards
   (hotjax's cost model) and as 3 (MaxText's and PaLM's convention). `--model 8b-width-4`:
   four layers of Llama-3-8B's width instead; `--seq-lens`, `--remat`, `--scan-unroll` as
@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from models.options import ATTENTION_BACKENDS  # free of JAX: the parser's choices
+from hotjax.choices import ATTENTION_BACKENDS  # free of JAX: the parser's choices
 
 PARTS = ("check", "cudnn", "kernels", "mfu", "profile", "calibrate")
 # calibrate: (rows, tokens) of the micro-steps timed, full size and --quick.
@@ -138,8 +138,8 @@ def check(args) -> dict:
     import numpy as np
     from bench_attention import make_row
 
-    from models.attention import dense_attention
-    from models.packed_attention import block_for, packed_attention
+    from hotjax.models.attention import dense_attention
+    from hotjax.models.packed_attention import block_for, packed_attention
 
     device = _device()
     interpret = device.platform != "gpu"
@@ -177,11 +177,11 @@ def _steps_vs_cpu(args) -> dict:
     from bench_strategies import synthetic_batch
 
     from hotjax.data import MiniBatch
+    from hotjax.models.llama import as_trained, preset
     from hotjax.optim import OptimConfig
+    from hotjax.sharding.strategy import Strategy
+    from hotjax.sharding.table import Bucket, StrategyTable
     from hotjax.train import Trainer
-    from models.llama import as_trained, preset
-    from sharding.strategy import Strategy
-    from sharding.table import Bucket, StrategyTable
 
     model = preset("tiny" if args.quick else "small")
     config = as_trained(model, compute_dtype="float32")
@@ -210,12 +210,12 @@ def kernels(args) -> dict:
     import numpy as np
     from bench_attention import make_row
 
+    from hotjax.models.attention import _cudnn
+    from hotjax.models.attention import attention as blockwise_or_auto
+    from hotjax.models.cudnn_attention import cudnn_packed_attention
+    from hotjax.models.packed_attention import block_for, computed_blocks, packed_attention
+    from hotjax.models.work import ATTENTION_TRAINING
     from hotjax.step import document_cap
-    from models.attention import _cudnn
-    from models.attention import attention as blockwise_or_auto
-    from models.cudnn_attention import cudnn_packed_attention
-    from models.packed_attention import block_for, computed_blocks, packed_attention
-    from models.work import ATTENTION_TRAINING
 
     device = _device()
     on_gpu = device.platform == "gpu"
@@ -275,14 +275,14 @@ def kernels(args) -> dict:
 
 def ring_step_on_row(seg, pos, block: int, interpret: bool):
     """Attention over a row by one step of the ring's Pallas kernel pair, the row as both the
-    queries' chunk and the K/V chunk held (`models.packed_attention.ring_step`), its backward
+    queries' chunk and the K/V chunk held (`hotjax.models.packed_attention.ring_step`), its backward
     from that step's own log-sum-exp: what a ring step costs on the block the packed kernel
     computes whole, as a differentiable function of (q, k, v)."""
     import jax
     import jax.numpy as jnp
 
-    from models.attention import Tokens, visible_blocks
-    from models.packed_attention import ring_step, ring_step_backward
+    from hotjax.models.attention import Tokens, visible_blocks
+    from hotjax.models.packed_attention import ring_step, ring_step_backward
 
     columns = jnp.broadcast_to(jnp.arange(seg.shape[1], dtype=jnp.int32), seg.shape)
     tokens = Tokens(seg.astype(jnp.int32), pos.astype(jnp.int32), columns)
@@ -324,7 +324,7 @@ def _versions() -> dict:
     """What ran: JAX's packages, cuDNN, and whether JAX's packed K/V offsets honour GQA."""
     from importlib import metadata
 
-    from models.cudnn_attention import gqa_offsets_fixed
+    from hotjax.models.cudnn_attention import gqa_offsets_fixed
 
     found = {}
     for name in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "flax",
@@ -342,18 +342,18 @@ def _versions() -> dict:
 
 
 def cudnn(args) -> dict:
-    """cuDNN's packed attention (`models.cudnn_attention`) against the dense reference, forward
-    and the three gradients, on packed rows with GQA and padding: under its own document cap
+    """cuDNN's packed attention (`hotjax.models.cudnn_attention`) against the dense reference,
+    forward and the three gradients, on packed rows with GQA and padding: under its own document cap
     and under one the rows overflow (so the fallback runs); padding's outputs and gradients."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from bench_attention import make_row
 
+    from hotjax.models.attention import dense_attention
+    from hotjax.models.cudnn_attention import cudnn_packed_attention
+    from hotjax.models.packed_attention import packed_attention
     from hotjax.step import document_cap
-    from models.attention import dense_attention
-    from models.cudnn_attention import cudnn_packed_attention
-    from models.packed_attention import packed_attention
 
     device = _device()
     T = 256 if args.quick else 2048
@@ -402,10 +402,10 @@ def mfu(args) -> dict:
 
     from bench_strategies import TRACED_STEPS, bench_one, synthetic_batch
 
+    from hotjax.models.llama import LlamaConfig, as_trained, preset
+    from hotjax.models.work import training_flops
     from hotjax.optim import OptimConfig
-    from models.llama import LlamaConfig, as_trained, preset
-    from models.work import training_flops
-    from sharding.strategy import Strategy
+    from hotjax.sharding.strategy import Strategy
 
     device = _device()
     model = preset("tiny") if args.quick else LlamaConfig(**MFU_MODELS[args.model])
@@ -446,7 +446,8 @@ def mfu(args) -> dict:
               flush=True)
     return {"device": device.device_kind, "versions": _versions(), "peak_tflops": peak,
             "attention": args.attention, "model": "tiny" if args.quick else args.model,
-            "remat": args.remat, "scan_unroll": args.scan_unroll, "params": config.num_params(), "results": results}
+            "remat": args.remat, "scan_unroll": args.scan_unroll, "params": config.num_params(),
+            "results": results}
 
 
 def kernel_breakdown(trace_dir: str, steps: int, top: int = 40) -> dict:
@@ -511,7 +512,7 @@ def _measured_profile(device, quick: bool) -> dict:
     fitted on the reference model's micro-steps, of `device`."""
     from hotjax.planning import measure
     from hotjax.planning.profile import parse_profile
-    from sharding.strategy import Strategy
+    from hotjax.sharding.strategy import Strategy
 
     kind = ("cpu" if device.platform == "cpu" else "accelerator", quick)
     work = measure.WORKLOADS[kind]
@@ -573,7 +574,7 @@ def _profile_from(found: dict):
 
 
 def _calibration_model(quick: bool, remat: str, platform: str):
-    from models.llama import LlamaConfig, as_trained, preset
+    from hotjax.models.llama import LlamaConfig, as_trained, preset
 
     model = preset("tiny") if quick else LlamaConfig(**ONE_B)
     return as_trained(model, remat=remat,
@@ -584,12 +585,12 @@ def calibrate(args) -> dict:
     """The profile (measured, or `--profile`'s report), then each (shape, remat policy) timed,
     each in a process of its own: this one never opens the device, whose allocator would keep
     what it took from the others."""
+    from hotjax.choices import REMAT_POLICIES
+    from hotjax.errors import UserError
+    from hotjax.models.work import training_flops
     from hotjax.planning.cost import micro_step_memory, micro_step_time
     from hotjax.planning.profile import load_profile
-    from models.errors import UserError
-    from models.options import REMAT_POLICIES
-    from models.work import training_flops
-    from sharding.strategy import Strategy
+    from hotjax.sharding.strategy import Strategy
 
     found = _child(args, "profile") if not args.profile else None
     if found is not None and "error" in found:
@@ -646,8 +647,8 @@ def _calibrate_one(args) -> dict:
     timed, and the allocator's peak after it."""
     from hotjax.planning import measure
     from hotjax.planning.profile import set_allocator_fraction
+    from hotjax.sharding.strategy import Strategy
     from hotjax.step import step_memory
-    from sharding.strategy import Strategy
 
     set_allocator_fraction()  # as `hotjax train` gives JAX's allocator the GPU
     device = _device()

@@ -5,7 +5,7 @@
                                    [--accumulate local,sharded] [--home STRATEGY]
                                    [--device-memory 80GiB] [--target h100]
 
-For each strategy and each remat policy (`models.llama.REMAT_POLICIES`) the bucket's gradient
+For each strategy and each remat policy (`hotjax.models.llama.REMAT_POLICIES`) the bucket's gradient
 micro-step on a micro-step of `--rows` rows of `--seq-len` tokens is compiled ahead of time and
 XLA's memory analysis read: its per-device peak (compute-dtype weights, the fp32 gradient
 accumulator in the bucket's layout, the micro-batch and every temporary). Added to it are the
@@ -39,14 +39,14 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, bel
 from quick_option import machine, parse_args, report  # beside this script
 
 from hotjax.config import memory_size
-from models.errors import UserError
+from hotjax.errors import UserError
 
 if TYPE_CHECKING:
     import jax
     from rich.console import Console
 
-    from models.llama import LlamaConfig
-    from sharding.strategy import Strategy
+    from hotjax.models.llama import LlamaConfig
+    from hotjax.sharding.strategy import Strategy
 
 DEFAULT_STRATEGIES = "data=2,tensor=4; fsdp=8,rules=fsdp"
 QUICK = {"model": "tiny", "rows": 8, "seq_len": 1024}
@@ -74,11 +74,11 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     import jax
 
     from hotjax import targets
+    from hotjax.models.llama import REMAT_POLICIES, as_trained, preset
     from hotjax.optim import OptimConfig
     from hotjax.planning.cost import micro_step_memory
+    from hotjax.sharding.strategy import ACCUMULATE, Strategy
     from hotjax.step import home
-    from models.llama import REMAT_POLICIES, as_trained, preset
-    from sharding.strategy import ACCUMULATE, Strategy
 
     if args.rows < 1 or args.seq_len < 1:
         raise UserError(f"--rows {args.rows} --seq-len {args.seq_len}: both must be positive")
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="strategies separated by ';', each like 'data=2,tensor=4,rules=NAME' "
                         "(default: %(default)s)")
     parser.add_argument("--policies", help="remat policies, comma-separated (default: every "
-                        "one of models.llama.REMAT_POLICIES)")
+                        "one of hotjax.models.llama.REMAT_POLICIES)")
     parser.add_argument("--accumulate", default="local", help="gradient sums, comma-separated: "
                         "local (per data shard, reduced once per bucket), sharded (split over "
                         "the data axes) (default: %(default)s)")

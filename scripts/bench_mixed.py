@@ -69,17 +69,17 @@ from quick_option import (  # beside this script
 
 from hotjax.commands.options import add_options
 from hotjax.config import memory_size, shown_bytes
-from models.errors import UserError
+from hotjax.errors import UserError
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from hotjax.data import MiniBatch
+    from hotjax.models.llama import LlamaConfig
     from hotjax.optim import OptimConfig
+    from hotjax.sharding.strategy import Strategy
+    from hotjax.sharding.table import Bucket, StrategyTable
     from hotjax.train import Trainer
-    from models.llama import LlamaConfig
-    from sharding.strategy import Strategy
-    from sharding.table import Bucket, StrategyTable
 
 MiB = 2**20
 METHODS = {"hot": "hot-switched table", "auto": "--strategies auto (planned)",
@@ -160,7 +160,7 @@ def choose(candidates: list[Strategy], data: list[MiniBatch], args: argparse.Nam
     and, with a `search`, the cost model's on the same documents (`lengths`)."""
     import jax
 
-    from sharding.table import StrategyTable
+    from hotjax.sharding.table import StrategyTable
 
     # Simulated devices share this process's cores: per CPU second. Pinned processes of one
     # device each, or accelerators, run in parallel: per wall second.
@@ -211,13 +211,13 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     import jax
 
     from hotjax.data import MiniBatches, load_tokenizer, open_corpus
+    from hotjax.models.llama import as_trained
     from hotjax.optim import OptimConfig
     from hotjax.planning.measure import profile_toml
     from hotjax.run import named_model
+    from hotjax.sharding.strategy import Strategy
+    from hotjax.sharding.table import Bucket, load_table
     from hotjax.startup import select_devices
-    from models.llama import as_trained
-    from sharding.strategy import Strategy
-    from sharding.table import Bucket, load_table
 
     if args.steps < 1 or args.warmup < 1:
         raise UserError("--steps and --warmup: run at least one of each")
@@ -318,7 +318,7 @@ def method_tables(table: StrategyTable | None, buckets: list[Bucket], static: St
                   auto: StrategyTable | None, context: int) -> dict[str, StrategyTable | None]:
     """Each method's strategy table: hot's (`--table`, or the hand-written one: `buckets`
     below the context and its bucket under (a)), auto's, and the static strategy's."""
-    from sharding.table import Bucket, StrategyTable
+    from hotjax.sharding.table import Bucket, StrategyTable
 
     if table is None:
         short = [b for b in buckets if b.max_len < context]
@@ -333,7 +333,7 @@ def method_tables(table: StrategyTable | None, buckets: list[Bucket], static: St
 def candidate_list(args: argparse.Namespace, config: LlamaConfig, n: int) -> list:
     """The strategies (a)'s static one is chosen from: `--strategy`, `--candidates`, or every
     strategy the planner knows over `n` devices (each fits its remat policy)."""
-    from sharding.strategy import Strategy
+    from hotjax.sharding.strategy import Strategy
 
     if args.strategy or args.candidates:
         texts = [args.strategy] if args.strategy else args.candidates.split(";")

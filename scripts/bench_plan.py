@@ -47,15 +47,15 @@ from quick_option import (  # beside this script
     report,
 )
 
-from models.errors import UserError
+from hotjax.errors import UserError
 
 if TYPE_CHECKING:
     import jax
     from rich.console import Console
 
+    from hotjax.models.llama import LlamaConfig
     from hotjax.planning.profile import Profile
-    from models.llama import LlamaConfig
-    from sharding.strategy import Strategy
+    from hotjax.sharding.strategy import Strategy
 
 # By device count: 8 simulated devices in one process, or 2 pinned processes (`--processes
 # 2`), where the lengths reach 8192 on the `tiny` model in minutes. Flags given take precedence.
@@ -106,10 +106,10 @@ def _ranks(values: list[float]) -> np.ndarray:
 def run(args: argparse.Namespace, progress: Console) -> dict:
     import jax
 
+    from hotjax.models.llama import as_trained, preset
     from hotjax.planning.measure import measure_profile, profile_toml
     from hotjax.run import named_model
-    from models.llama import as_trained, preset
-    from sharding.strategy import Strategy
+    from hotjax.sharding.strategy import Strategy
 
     devices = tuple(jax.devices())
     if args.quick and args.strategies is None:

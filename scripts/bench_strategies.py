@@ -31,16 +31,16 @@ from quick_option import (  # beside this script
     report,
 )
 
-from models.errors import UserError
+from hotjax.errors import UserError
 
 if TYPE_CHECKING:
     import jax
     from rich.console import Console
 
     from hotjax.data import Batch
+    from hotjax.models.llama import LlamaConfig
     from hotjax.optim import OptimConfig
-    from models.llama import LlamaConfig
-    from sharding.strategy import Strategy
+    from hotjax.sharding.strategy import Strategy
 
 DEFAULT_STRATEGIES = "; ".join((
     "data=8,rules=dp", "fsdp=8,rules=zero1", "fsdp=8,rules=zero2", "fsdp=8,rules=fsdp",
@@ -105,8 +105,8 @@ def bench_one(config: LlamaConfig, optim: OptimConfig, strategy: Strategy, batch
 
     from hotjax.data import MiniBatch
     from hotjax.run import Run
+    from hotjax.sharding.table import Bucket, StrategyTable
     from hotjax.step import bucket_step, step_memory
-    from sharding.table import Bucket, StrategyTable
 
     rows, seq_len = batch.tokens.shape
     shards = bucket_step(config, strategy, devices).layout.batch_shards
@@ -156,10 +156,10 @@ def bench_one(config: LlamaConfig, optim: OptimConfig, strategy: Strategy, batch
 def run(args: argparse.Namespace, console: Console) -> dict:
     import jax
 
+    from hotjax.models.llama import as_trained, preset
     from hotjax.optim import OptimConfig
+    from hotjax.sharding.strategy import Strategy
     from hotjax.startup import select_devices
-    from models.llama import as_trained, preset
-    from sharding.strategy import Strategy
 
     strategies = [Strategy.parse(text) for text in _split(args.strategies, ";")]
     seq_lens = [_positive(text, "--seq-lens") for text in _split(args.seq_lens, ",")]

@@ -52,7 +52,7 @@ def bench_pair(values, source, target, topology, repeats: int) -> dict:
     import jax
     import numpy as np
 
-    from sharding.switch import scheduled_switch, switch
+    from hotjax.sharding.switch import scheduled_switch, switch
 
     src = jax.device_put(values, source)
     started = time.perf_counter()
@@ -117,10 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from hotjax.compile_cache import enable_compilation_cache
-    from models.llama import abstract_params, param_axes, preset
-    from sharding.strategy import Layout, fit_to_model
-    from sharding.table import load_table, parse_table
-    from sharding.transfers import Topology
+    from hotjax.models.llama import abstract_params, param_axes, preset
+    from hotjax.sharding.strategy import Layout, fit_to_model
+    from hotjax.sharding.table import load_table, parse_table
+    from hotjax.sharding.transfers import Topology
 
     enable_compilation_cache()
     devices = jax.devices()
@@ -194,8 +194,8 @@ def bench_across_processes(values, source, target, topology, repeats: int) -> di
     import jax
     import numpy as np
 
-    from sharding.switch import switch
-    from sharding.transfers import schedule_transfers, sharding_switches
+    from hotjax.sharding.switch import switch
+    from hotjax.sharding.transfers import schedule_transfers, sharding_switches
 
     src = jax.device_put(values, source)
     moved = switch(src, target, "device_put")

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from hotjax.data import open_corpus
-from models.errors import UserError
+from hotjax.errors import UserError
 
 
 def pieces(texts: Iterator[str], rng: np.random.Generator, median: float, sigma: float,

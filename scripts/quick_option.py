@@ -56,7 +56,7 @@ def _launched(script: str, args: argparse.Namespace) -> dict | int:
     from pathlib import Path
 
     from hotjax import launch
-    from models.errors import UserError
+    from hotjax.errors import UserError
 
     if args.processes < 1:
         raise UserError(f"--processes {args.processes}: pass a positive number")
@@ -111,8 +111,8 @@ def report(name: str, args: argparse.Namespace, run, print_table, devices: int |
     import json
     from pathlib import Path
 
+    from hotjax.errors import UserError
     from hotjax.startup import SIMULATED_CPU_DEVICES, simulate_cpu_devices, start_jax
-    from models.errors import UserError
 
     progress = console(stderr=True, width=width)
     processes = _process_args(args)

@@ -72,7 +72,7 @@ COLUMNS = ("plan", "paper c1", "paper c2", "static, masked", "static, no masking
 
 def paper_strategy(dp: int, tp: int, pp: int):
     """<DP, TP, PP> as a hotjax strategy: Megatron tensor parallelism, 1F1B pipeline stages."""
-    from sharding.strategy import Strategy
+    from hotjax.sharding.strategy import Strategy
 
     mesh = {"stage": pp, "data": dp, "tensor": tp}
     return Strategy.create({a: n for a, n in mesh.items() if n > 1} or {"data": 1},
@@ -81,9 +81,9 @@ def paper_strategy(dp: int, tp: int, pp: int):
 
 def simulate(model: str, devices: int, context: int, documents, profile, batch: int) -> dict:
     from hotjax.data.buckets import cut
+    from hotjax.models.llama import preset
     from hotjax.planning import search as plan
-    from models.llama import preset
-    from sharding.strategy import fit_to_model
+    from hotjax.sharding.strategy import fit_to_model
 
     config = preset(model)
     lengths = plan.typical_batch(cut(documents, context, "truncate"), batch)

@@ -8,13 +8,13 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from models.attention import DEFAULT_BLOCK, choose_backend
-from models.cudnn_attention import CUDNN_TOKENS_PER_DOCUMENT, cudnn_packed_support
-from models.errors import UserError
-from models.llama import LlamaConfig, abstract_params, param_axes
-from models.optimizers import ADAMW, Optimizer
-from models.pipeline import bubble, in_flight
-from sharding.strategy import Strategy, fit_to_model, partial_axes, ways
+from hotjax.errors import UserError
+from hotjax.models.attention import DEFAULT_BLOCK, choose_backend
+from hotjax.models.cudnn_attention import CUDNN_TOKENS_PER_DOCUMENT, cudnn_packed_support
+from hotjax.models.llama import LlamaConfig, abstract_params, param_axes
+from hotjax.models.optimizers import ADAMW, Optimizer
+from hotjax.models.pipeline import bubble, in_flight
+from hotjax.sharding.strategy import Strategy, fit_to_model, partial_axes, ways
 
 # Where activations are constrained in the model, by their logical axes.
 ACTIVATIONS = {

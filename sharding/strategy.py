@@ -11,9 +11,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from models.attention import AttentionSharding
-from models.errors import UserError
-from models.llama import ACTIVATION_AXES, PARAM_AXES, LlamaConfig
+from hotjax.errors import UserError
+from hotjax.models.attention import AttentionSharding
+from hotjax.models.llama import ACTIVATION_AXES, PARAM_AXES, LlamaConfig
 
 # Outermost to innermost: the innermost axes stay inside a node, where links are fastest, and
 # pipeline stages, which exchange only one micro-batch's activations, cross nodes first (as

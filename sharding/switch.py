@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
-from models.errors import UserError
-from sharding.transfers import (
+from hotjax.errors import UserError
+from hotjax.sharding.transfers import (
     MIN_PIECE_BYTES,
     Box,
     Piece,

@@ -25,9 +25,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from models.errors import UserError
-from models.options import REMAT_POLICIES
-from sharding.strategy import RULE_SETS, Rules, Strategy
+from hotjax.choices import REMAT_POLICIES
+from hotjax.errors import UserError
+from hotjax.sharding.strategy import RULE_SETS, Rules, Strategy
 
 
 @dataclasses.dataclass(frozen=True)

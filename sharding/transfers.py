@@ -21,8 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec, Sharding
 
-from models.errors import UserError
-from sharding.strategy import MESH_AXES, Strategy, ways
+from hotjax.errors import UserError
+from hotjax.sharding.strategy import MESH_AXES, Strategy, ways
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in the array's global indices
 POLICIES = ("greedy", "first-owner", "round-robin")

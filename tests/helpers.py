@@ -17,12 +17,12 @@ import jax
 import numpy as np
 
 from hotjax.data import Batch, MiniBatch
+from hotjax.models.llama import PRESETS, LlamaConfig, abstract_params
 from hotjax.optim import OptimConfig
+from hotjax.sharding.strategy import Strategy
+from hotjax.sharding.table import Bucket, StrategyTable
 from hotjax.step import Accumulator, Home
 from hotjax.train import Trainer
-from models.llama import PRESETS, LlamaConfig, abstract_params
-from sharding.strategy import Strategy
-from sharding.table import Bucket, StrategyTable
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = Path(__file__).resolve().parent / "tables"

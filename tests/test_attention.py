@@ -11,10 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hotjax.optim import OptimConfig
-from hotjax.step import BucketStep, balanced_order, next_token_targets, step_memory
-from hotjax.train import Trainer
-from models.attention import (
+from hotjax.models.attention import (
     Tokens,
     _pallas,
     attention,
@@ -23,10 +20,13 @@ from models.attention import (
     ring_block_counts,
     visible_blocks,
 )
-from models.head_loss import token_loss
-from models.llama import bind, init_params
-from sharding.strategy import Layout, Strategy, fit_to_model
-from sharding.table import Bucket, StrategyTable, parse_table
+from hotjax.models.head_loss import token_loss
+from hotjax.models.llama import bind, init_params
+from hotjax.optim import OptimConfig
+from hotjax.sharding.strategy import Layout, Strategy, fit_to_model
+from hotjax.sharding.table import Bucket, StrategyTable, parse_table
+from hotjax.step import BucketStep, balanced_order, next_token_targets, step_memory
+from hotjax.train import Trainer
 
 TOLERANCE = 1e-5  # fp32: only the order of the softmax sums differs
 TINY = dataclasses.replace(helpers.TINY, vocab_size=256)
@@ -297,7 +297,7 @@ def test_a_ring_falls_back_to_blockwise_where_its_kernel_cannot_run(monkeypatch)
     assert choose_backend("auto", "gpu", ring=True, packed=True, seq_len=40) == (
         "blockwise", "the ring's Pallas kernel tiles a rank's chunk (40 tokens) in blocks of 16 "
         "or more")
-    monkeypatch.setattr("models.attention._pallas_available", lambda: False)
+    monkeypatch.setattr("hotjax.models.attention._pallas_available", lambda: False)
     assert choose_backend("auto", "gpu", ring=True, packed=True) == (
         "blockwise", "the Pallas GPU kernel is not importable")
 

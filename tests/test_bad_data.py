@@ -12,14 +12,14 @@ import pytest
 import tokenizers
 from helpers import capped_hotjax, one_line
 
+from hotjax import bounds
 from hotjax.config import RunConfig
 from hotjax.data import MiniBatches, load_tokenizer, open_corpus
 from hotjax.data.records import MAX_BLOCK_BYTES, MAX_DOCUMENT_BYTES
 from hotjax.data.tokenizer import MAX_TOKENIZER_BYTES
+from hotjax.errors import UserError
+from hotjax.models.llama import PRESETS
 from hotjax.run import model_config
-from models import bounds
-from models.errors import UserError
-from models.llama import PRESETS
 
 # A capped child (helpers.capped) that never starts JAX runs in ~100 MiB resident with pyarrow
 # and tokenizers loaded; a hostile file may not raise it much.

@@ -18,16 +18,17 @@ import numpy as np
 import pytest
 from helpers import capped, capped_hotjax, error, one_line
 
+from hotjax import bounds
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint.formats import deepspeed, megatron, megatron_core
 from hotjax.data import ByteTokenizer, MiniBatches, open_corpus
 from hotjax.data.corpus import check_batch
 from hotjax.data.records import MAX_DOCUMENT_BYTES
+from hotjax.errors import UserError
+from hotjax.models.fields import MODEL_OPTIONAL, MODEL_REQUIRED, ROPE_DEFAULTS, check_model
+from hotjax.models.hf import config_from_hf, config_to_hf, read_json
+from hotjax.models.llama import PRESETS, LlamaConfig, RopeScaling
 from hotjax.optim import OptimConfig
-from models import bounds
-from models.errors import UserError
-from models.hf import config_from_hf, config_to_hf, read_json
-from models.llama import PRESETS, LlamaConfig, RopeScaling
 
 TINY = PRESETS["tiny"]
 # A model with every optional field set, Llama 3's rope scaling included.
@@ -176,10 +177,10 @@ def test_the_shared_validator_knows_every_field_of_llama_config():
     fields = dataclasses.fields(LlamaConfig)
     required = tuple(f.name for f in fields if f.default is dataclasses.MISSING)
     optional = tuple(f.name for f in fields if f.default is not dataclasses.MISSING)
-    assert (required, optional) == (bounds.MODEL_REQUIRED, bounds.MODEL_OPTIONAL)
-    assert dataclasses.asdict(RopeScaling()) == bounds.ROPE_DEFAULTS
+    assert (required, optional) == (MODEL_REQUIRED, MODEL_OPTIONAL)
+    assert dataclasses.asdict(RopeScaling()) == ROPE_DEFAULTS
     for config in PRESETS.values():  # every real model passes (unsized: some exceed a laptop)
-        assert bounds.check_model(config.to_dict(), "preset", "", fits_host=False)
+        assert check_model(config.to_dict(), "preset", "", fits_host=False)
     for config in (TINY, SCALED):
         assert LlamaConfig.checked(config.to_dict(), "preset", "") == config
 
@@ -442,7 +443,7 @@ def test_fuzzed_metadata_and_configs_end_clean_or_in_one_line_within_bounded_mem
 _READ_EACH = """
 import json, sys
 from hotjax.data import load_tokenizer, open_corpus
-from models.errors import UserError
+from hotjax.errors import UserError
 out = open(sys.argv[1], "w", buffering=1)
 for case in json.load(open(sys.argv[2])):
     out.write("start " + case + "\\n")
@@ -539,8 +540,8 @@ def test_fuzzed_tokenizers_and_parquet_footers_end_clean_or_in_one_line_in_a_cap
 _RESTORE_EACH = """
 import json, sys
 from hotjax.checkpoint import describe, store
-from models.errors import UserError
-from models.llama import abstract_params, preset
+from hotjax.errors import UserError
+from hotjax.models.llama import abstract_params, preset
 out = open(sys.argv[1], "w", buffering=1)
 targets = {"params": abstract_params(preset("tiny"))}
 for case in json.load(open(sys.argv[2])):
@@ -566,7 +567,7 @@ def test_fuzzed_orbax_metadata_of_hotjax_checkpoints_end_clean_or_in_one_line_in
     import tensorstore as ts
 
     from hotjax.checkpoint import store
-    from models.llama import abstract_params
+    from hotjax.models.llama import abstract_params
 
     rng = random.Random(46)
     normal = np.random.default_rng(0).normal

@@ -16,10 +16,10 @@ from hotjax.balance import (
     row_work,
 )
 from hotjax.data import Batch
+from hotjax.models.llama import preset
+from hotjax.models.work import ATTENTION_TRAINING, MATMUL_TRAINING
+from hotjax.sharding.strategy import Layout, Strategy
 from hotjax.step import NO_TARGET, micro_step_inputs, next_token_targets
-from models.llama import preset
-from models.work import ATTENTION_TRAINING, MATMUL_TRAINING
-from sharding.strategy import Layout, Strategy
 
 TINY = dataclasses.replace(preset("tiny"), vocab_size=384)
 
@@ -135,7 +135,7 @@ def test_shards_that_meet_once_per_bucket_balance_their_totals():
     ("data=2,fsdp=2,rules=fsdp", "local", False), ("tensor=2", "local", False)])
 def test_data_shards_meet_once_per_bucket_only_where_nothing_splits_over_them(
         text, accumulate, independent):
-    from sharding.strategy import independent_shards
+    from hotjax.sharding.strategy import independent_shards
 
     assert independent_shards(Strategy.parse(text), accumulate) is independent
 

@@ -25,13 +25,13 @@ from hotjax.checkpoint.lock import LOCK_FILE
 from hotjax.checkpoint.training import restore_state
 from hotjax.cli import main
 from hotjax.data import Batch, MiniBatch
+from hotjax.errors import UserError
+from hotjax.models.hf import load_hf_checkpoint
+from hotjax.models.llama import PRESETS, LlamaConfig, abstract_params
 from hotjax.optim import OptimConfig
+from hotjax.sharding.strategy import Strategy
+from hotjax.sharding.table import StrategyTable
 from hotjax.train import Trainer
-from models.errors import UserError
-from models.hf import load_hf_checkpoint
-from models.llama import PRESETS, LlamaConfig, abstract_params
-from sharding.strategy import Strategy
-from sharding.table import StrategyTable
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=4)
 # As tests/test_cli.py runs it, so that compiled steps are shared through the cache.
@@ -446,7 +446,7 @@ def test_import_and_export_hf_hold_one_parameter_at_a_time_not_the_checkpoint(tm
     # and writing whole trees held three times the checkpoint at the peak.
     from safetensors.numpy import save_file
 
-    from models.hf import CONFIG_FILE, WEIGHTS_FILE, config_to_hf, hf_tensor_shapes
+    from hotjax.models.hf import CONFIG_FILE, WEIGHTS_FILE, config_to_hf, hf_tensor_shapes
 
     config = MEMORY_MODEL
     hf = tmp_path / "hf"

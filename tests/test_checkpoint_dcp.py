@@ -22,13 +22,13 @@ from hotjax.checkpoint.formats import dcp
 from hotjax.checkpoint.training import restore_state
 from hotjax.cli import main
 from hotjax.data import Batch, MiniBatch
+from hotjax.errors import UserError
+from hotjax.models.hf import config_from_hf, params_to_hf_state
+from hotjax.models.llama import abstract_params, bind, param_axes
 from hotjax.optim import OptimConfig, make_optimizer
+from hotjax.sharding.strategy import Strategy
+from hotjax.sharding.table import StrategyTable
 from hotjax.train import Trainer
-from models.errors import UserError
-from models.hf import config_from_hf, params_to_hf_state
-from models.llama import abstract_params, bind, param_axes
-from sharding.strategy import Strategy
-from sharding.table import StrategyTable
 
 sys.path.insert(0, str(Path(__file__).parent))
 import torch_llama  # noqa: E402

@@ -76,9 +76,9 @@ def _import(runs: Path, stage: int, source: str, out: Path) -> Path:
 
 def _resume(path: Path, strategy: str, devices):
     from hotjax.checkpoint.training import restore_state
+    from hotjax.sharding.strategy import Strategy
+    from hotjax.sharding.table import StrategyTable
     from hotjax.train import Trainer
-    from sharding.strategy import Strategy
-    from sharding.table import StrategyTable
 
     table = StrategyTable.single(Strategy.parse(strategy), torch_llama.TOKENS, strategy)
     trainer = Trainer(CONFIG, OPTIM, table, devices)
@@ -233,7 +233,7 @@ def test_a_zero2_import_holds_a_few_tensors_at_a_time_not_the_rank_files(tmp_pat
     from test_checkpoint import import_growth
 
     from hotjax.checkpoint.formats import fakes  # ZeRO-2: random weights and moments
-    from models.hf import config_to_hf
+    from hotjax.models.hf import config_to_hf
 
     def write(directory: Path, model) -> list:
         fakes.write_zero(directory, model, dp=4)

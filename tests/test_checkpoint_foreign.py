@@ -14,9 +14,9 @@ from hotjax.checkpoint import store
 from hotjax.checkpoint.formats import foreign, shards
 from hotjax.checkpoint.manifest import load as load_manifest
 from hotjax.cli import main
-from models.errors import UserError
-from models.hf import params_to_hf_state
-from models.llama import abstract_params, init_params
+from hotjax.errors import UserError
+from hotjax.models.hf import params_to_hf_state
+from hotjax.models.llama import abstract_params, init_params
 
 TP, PP, DP, ALIGN = 2, 2, 2, 16
 V, D, F, H = TINY.vocab_size, TINY.dim, TINY.ffn_dim, TINY.head_dim
@@ -160,7 +160,7 @@ def test_tp2_pp2_zero_shard_set_imports_to_exactly_the_original_arrays(suffix, t
 def test_tensors_read_in_any_order_equal_those_converted_ahead_by_workers(tmp_path, params):
     # Workers convert tasks in the order the import reads them, a few ahead; a read out of that
     # order starts its task at once; a task's other tensors wait until they are read.
-    from models.hf import hf_read_order
+    from hotjax.models.hf import hf_read_order
 
     manifest = write_shard_set(tmp_path, "npz", params)
     order = hf_read_order(TINY)
@@ -173,7 +173,7 @@ def test_tensors_read_in_any_order_equal_those_converted_ahead_by_workers(tmp_pa
 
 
 def _plan(manifest: Path):
-    from models.hf import hf_tensor_shapes
+    from hotjax.models.hf import hf_tensor_shapes
 
     return foreign.plan(load_manifest(manifest), TINY.n_layers, hf_tensor_shapes(TINY))
 

@@ -18,9 +18,9 @@ from helpers import TINY, TINY_RUN, capped, capped_hotjax, error, one_line
 
 from hotjax.checkpoint import dirs, store
 from hotjax.checkpoint import meta as meta_lib
+from hotjax.errors import UserError
+from hotjax.models.llama import abstract_params, param_axes
 from hotjax.optim import OptimConfig, make_optimizer
-from models.errors import UserError
-from models.llama import abstract_params, param_axes
 
 STEP = 2
 OPTIM = OptimConfig()
@@ -286,7 +286,7 @@ def _chunked(rows: int, width: int) -> dict:
 RESTORE = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
            "from test_checkpoint_hostile import _targets\n"
            "from hotjax.checkpoint import store\n"
-           "from models.errors import UserError\n"
+           "from hotjax.errors import UserError\n"
            "try:\n    store.restore(sys.argv[1], _targets())\n"
            "except UserError as e:\n"
            "    sys.exit(print(f'hotjax: error: {e}', file=sys.stderr) or 2)\n")

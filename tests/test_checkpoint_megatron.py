@@ -21,9 +21,9 @@ from hotjax.checkpoint import model, store
 from hotjax.checkpoint.formats import foreign, megatron, shards
 from hotjax.checkpoint.manifest import load as load_manifest
 from hotjax.cli import main
-from models.errors import UserError
-from models.hf import config_to_hf, hf_tensor_shapes, params_to_hf_state
-from models.llama import PRESETS, LlamaConfig, abstract_params, init_params
+from hotjax.errors import UserError
+from hotjax.models.hf import config_to_hf, hf_tensor_shapes, params_to_hf_state
+from hotjax.models.llama import PRESETS, LlamaConfig, abstract_params, init_params
 
 # GQA (8 query heads in 4 groups), an odd vocabulary, two layers on each of two stages.
 TINY = dataclasses.replace(PRESETS["tiny"], n_layers=4, compute_dtype="float32")

@@ -19,8 +19,8 @@ from hotjax.checkpoint import dirs
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint.formats import dcp, pivot
 from hotjax.cli import main
-from models.hf import config_to_hf
-from models.llama import LlamaConfig
+from hotjax.models.hf import config_to_hf
+from hotjax.models.llama import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 import megatron_core_save as run  # noqa: E402

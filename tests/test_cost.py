@@ -10,6 +10,11 @@ import numpy as np
 import pytest
 
 from hotjax import targets
+from hotjax.errors import UserError
+from hotjax.models.attention import Tokens, block_edge, ring_block_counts, visible_blocks
+from hotjax.models.llama import as_trained, preset
+from hotjax.models.pipeline import bubble
+from hotjax.models.work import attention_backend, attention_kernel
 from hotjax.optim import OptimConfig
 from hotjax.planning.cost import (
     BUS_FACTOR,
@@ -29,15 +34,10 @@ from hotjax.planning.profile import (
     parse_profile,
     set_allocator_fraction,
 )
+from hotjax.sharding.report import resident_bytes
+from hotjax.sharding.strategy import Strategy
+from hotjax.sharding.transfers import ArraySwitch, schedule_transfers
 from hotjax.step import Home, bucket_step, step_memory
-from models.attention import Tokens, block_edge, ring_block_counts, visible_blocks
-from models.errors import UserError
-from models.llama import as_trained, preset
-from models.pipeline import bubble
-from models.work import attention_backend, attention_kernel
-from sharding.report import resident_bytes
-from sharding.strategy import Strategy
-from sharding.transfers import ArraySwitch, schedule_transfers
 
 LLAMA2_7B = preset("llama2-7b")
 # LLaMA2-7B's widths (hidden 4096, MLP 11008, 32 heads, vocabulary 32000) with 4 of its 32
@@ -272,7 +272,7 @@ def _packed(documents: list[int], seq_len: int) -> tuple:
 def test_document_pairs_are_the_block_pairs_the_blockwise_kernel_lists(documents, context,
                                                                        balanced, block):
     """The planner's pairs from document lengths alone equal the kernel's own listing of
-    visible blocks over the packed row (`models.attention`), per ring rank."""
+    visible blocks over the packed row (`hotjax.models.attention`), per ring rank."""
     segment_ids, positions = _packed(documents, 2048)
     edge = block_edge(2048 // context // (2 if balanced else 1), block)
     if context == 1:
@@ -377,7 +377,7 @@ def test_the_pipeline_bubble_is_the_gpipe_share_of_the_stage_work():
     times = {m: micro_step_time(LLAMA2_7B, Strategy.parse(
         f"stage=2,tensor=4,microbatches={m},rules=megatron"), shape, unpriced) for m in (2, 4)}
     assert times[2].bubble == pytest.approx(2 * times[4].bubble)
-    # The bubble's share of all iterations is models.pipeline.bubble's.
+    # The bubble's share of all iterations is hotjax.models.pipeline.bubble's.
     time = times[4]
     head = 6 * 8 * 4096 * 4096 * 32000 / 4 / 2 / (989e12 * 0.52)  # rows split over stages
     head_tensor = (1 + 2) * 2 * 3 / 4 * 8 * 4096 * 4096 * 2 / (450 * GB)  # the head's fp32
@@ -450,9 +450,9 @@ def test_shipped_profiles_hold_the_papers_cluster_and_an_h100_node():
 ])
 def test_attention_is_priced_at_the_efficiency_of_the_kernel_that_runs(
         monkeypatch, platform, capability, fixed, context, kernel):
-    import models.cudnn_attention
+    import hotjax.models.cudnn_attention
 
-    monkeypatch.setattr(models.cudnn_attention, "gqa_offsets_fixed", lambda: fixed)
+    monkeypatch.setattr(hotjax.models.cudnn_attention, "gqa_offsets_fixed", lambda: fixed)
     profile = dataclasses.replace(
         H100, platform=platform, compute_capability=capability,
         attention_by_kernel=(("cudnn", 0.5), ("pallas-ring", 0.25), ("blockwise", 0.125)))
@@ -632,7 +632,7 @@ def test_every_rule_set_is_a_planned_candidate_and_priced():
     """Each entry of `RULE_SETS` (but `auto`, Megatron's placement under another name) is a
     candidate on 8 devices, and the cost model prices it: nothing else names them."""
     from hotjax.planning.search import candidate_strategies
-    from sharding.strategy import RULE_SETS
+    from hotjax.sharding.strategy import RULE_SETS
 
     tiny = dataclasses.replace(preset("tiny"), vocab_size=256)
     profile = load_profile("a800-4x8")

@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 from test_attention import TOLERANCE, packed_rows, qkv, values_and_grads
 
-import models.cudnn_attention as cudnn_attention
-from hotjax.step import BucketStep, document_cap
-from models.attention import choose_backend, dense_attention
-from models.cudnn_attention import (
+import hotjax.models.cudnn_attention as cudnn_attention
+from hotjax.models.attention import choose_backend, dense_attention
+from hotjax.models.cudnn_attention import (
     WORKSPACE_LIMIT,
     cudnn_packed_attention,
     document_runs,
     runs_mask,
     workspace_bytes,
 )
-from sharding.strategy import Strategy
+from hotjax.sharding.strategy import Strategy
+from hotjax.step import BucketStep, document_cap
 
 
 def document_mask(segment_ids_BxT: np.ndarray, positions_BxT: np.ndarray) -> np.ndarray:

@@ -26,7 +26,7 @@ from hotjax.data import (
     to_sequences,
 )
 from hotjax.data.buckets import cut, typical_rows
-from models.errors import UserError
+from hotjax.errors import UserError
 
 BOS, EOS, PAD = 257, 258, 256  # the byte tokenizer's specials
 
@@ -455,7 +455,7 @@ def test_packing_leaves_each_documents_logits_unchanged() -> None:
     """Document masking and restarted positions: a document sees only itself in a packed row."""
     from helpers import TINY
 
-    from models.llama import init_model
+    from hotjax.models.llama import init_model
 
     model = init_model(TINY, seed=0)
     rng = np.random.default_rng(0)

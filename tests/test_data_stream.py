@@ -28,7 +28,7 @@ from hotjax.data import (
     assemble,
     open_corpus,
 )
-from models.errors import UserError
+from hotjax.errors import UserError
 
 BYTES = ByteTokenizer()
 Sequence = tuple[int, ...]

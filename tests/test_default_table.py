@@ -13,8 +13,8 @@ from helpers import TINY_RUN, records
 from hotjax.cli import main
 from hotjax.config import RunConfig
 from hotjax.run import DEFAULT_TABLE, default_table, strategy_table
-from sharding.strategy import Strategy
-from sharding.table import load_table
+from hotjax.sharding.strategy import Strategy
+from hotjax.sharding.table import load_table
 
 RULES = ("megatron", "megatron-sp", "megatron")  # default.toml's, bucket by bucket
 

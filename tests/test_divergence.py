@@ -10,8 +10,8 @@ from test_preemption import RUN, corpus  # noqa: F401 - corpus: a fixture
 
 from hotjax.checkpoint import dirs
 from hotjax.cli import main
+from hotjax.errors import UserError
 from hotjax.train import check_finite
-from models.errors import UserError
 
 # A learning rate that makes step 1's update take the weights past fp32's range by step 2 or 3.
 DIVERGING = ["--lr", "1e30", "--warmup-steps", "0", "--steps", "4"]

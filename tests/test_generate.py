@@ -11,8 +11,8 @@ import pytest
 from helpers import TINY, TINY_RUN, error, one_line
 
 from hotjax.cli import main
-from models.decode import Sampling, generate
-from models.llama import bind, init_params
+from hotjax.models.decode import Sampling, generate
+from hotjax.models.llama import bind, init_params
 
 TOL = 1e-4  # max |logit diff| between the cached decoding and the training forward, fp32
 EOS, VOCAB = 258, 259  # the byte tokenizer's EOS and vocabulary
@@ -121,7 +121,7 @@ def _greedy_text(checkpoint: str, prompt: str, new: int) -> str:
     from hotjax.checkpoint import meta as meta_lib
     from hotjax.checkpoint.model import saved
     from hotjax.data import load_tokenizer
-    from models.llama import abstract_params
+    from hotjax.models.llama import abstract_params
 
     step_dir = dirs.find(checkpoint)
     config = saved(meta_lib.read(step_dir), step_dir)

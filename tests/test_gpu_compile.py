@@ -16,16 +16,16 @@ from jax.sharding import SingleDeviceSharding
 
 from hotjax import targets
 from hotjax.data.buckets import cut
+from hotjax.models.attention import choose_backend
+from hotjax.models.llama import abstract_params, param_axes, preset
 from hotjax.planning import search
 from hotjax.planning.cost import micro_step_memory
 from hotjax.planning.profile import load_profile
+from hotjax.sharding.report import resident_bytes
+from hotjax.sharding.strategy import Layout, Strategy, fit_to_model
+from hotjax.sharding.switch import ScheduledSwitch
+from hotjax.sharding.transfers import Topology, schedule_transfers, sharding_switches
 from hotjax.step import bucket_step, step_memory
-from models.attention import choose_backend
-from models.llama import abstract_params, param_axes, preset
-from sharding.report import resident_bytes
-from sharding.strategy import Layout, Strategy, fit_to_model
-from sharding.switch import ScheduledSwitch
-from sharding.transfers import Topology, schedule_transfers, sharding_switches
 
 TRITON = "__gpu$xla.gpu.triton"  # the custom call a Pallas (Triton) kernel compiles to
 GB = 1e9
@@ -75,7 +75,7 @@ def test_every_strategy_family_compiles_for_h100_with_the_kernel_it_chose(h100, 
 
 def test_a_context_ring_runs_the_ring_step_kernel_for_each_chunk(h100):
     """The ring family's micro-step on H100s: per step of its ring of 4, one Triton forward and
-    one backward of the ring step's kernel (`models.packed_attention.ring_step`), where XLA's
+    one backward of the ring step's kernel (`hotjax.models.packed_attention.ring_step`), where XLA's
     blockwise kernel ran before; the micro-step is the family test's, compiled once."""
     _, devices = h100
     step = bucket_step(SMALL, Strategy.parse("data=2,context=4,rules=context,balanced=true"),

@@ -1,5 +1,5 @@
-"""The fused LM head and cross-entropy (`models.head_loss`) against the loss from whole logits by
-autodiff: alone, in every chunking, in bf16; and a training step cut into chunks, under
+"""The fused LM head and cross-entropy (`hotjax.models.head_loss`) against the loss from whole
+logits by autodiff: alone, in every chunking, in bf16; and a training step cut into chunks, under
 strategies that split the rows, the sequence and the vocabulary, against one device uncut."""
 
 import dataclasses
@@ -13,13 +13,13 @@ from helpers import TINY
 
 from hotjax import step
 from hotjax.data import Batch, MiniBatch
+from hotjax.models import head_loss
+from hotjax.models.head_loss import NO_TARGET, loss_chunks, token_loss
+from hotjax.models.llama import bind, init_params
 from hotjax.optim import OptimConfig
+from hotjax.sharding.strategy import Strategy
+from hotjax.sharding.table import StrategyTable
 from hotjax.train import Trainer
-from models import head_loss
-from models.head_loss import NO_TARGET, loss_chunks, token_loss
-from models.llama import bind, init_params
-from sharding.strategy import Strategy
-from sharding.table import StrategyTable
 
 B, T, D, V = 2, 64, 16, 40
 # A vocabulary no other test module uses: the steps compiled here, cut into chunks, are this

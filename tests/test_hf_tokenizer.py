@@ -18,9 +18,9 @@ from hotjax.checkpoint.formats import hf
 from hotjax.checkpoint.tokenizer import carried
 from hotjax.cli import main
 from hotjax.data import ByteTokenizer
-from models.errors import UserError
-from models.hf import load_hf_checkpoint
-from models.llama import PRESETS, abstract_params
+from hotjax.errors import UserError
+from hotjax.models.hf import load_hf_checkpoint
+from hotjax.models.llama import PRESETS, abstract_params
 
 TOL = 1e-4  # max |logit diff| between hotjax and transformers, both in fp32 (as tests/test_hf.py)
 TEXT = "def parse(header):\n    return header.split(': ', 1)  # naïve — \U0001F642\n"

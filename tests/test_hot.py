@@ -16,11 +16,11 @@ import pytest
 from helpers import MODEL, OPTIM
 
 from hotjax.data import Batch, ByteTokenizer, MiniBatch, MiniBatches, open_corpus
+from hotjax.errors import UserError
+from hotjax.sharding.report import most_sharded
+from hotjax.sharding.strategy import Strategy
+from hotjax.sharding.table import Bucket, StrategyTable, parse_table
 from hotjax.train import BucketMetrics, Trainer, best_order
-from models.errors import UserError
-from sharding.report import most_sharded
-from sharding.strategy import Strategy
-from sharding.table import Bucket, StrategyTable, parse_table
 
 # Vocabulary padded to 384 so that it splits over tensor=4; fp32 so that every layout must give
 # the same numbers to fp32 reduction-order noise.

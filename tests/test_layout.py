@@ -10,11 +10,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("hotjax", "models", "sharding", "scripts")
+# The folders at the top of the tree that install inside `hotjax` (pyproject.toml's package-dir).
+INSTALLED_AS = {"models": "hotjax.models", "sharding": "hotjax.sharding"}
 # The floors, lowest first: a module imports from its own floor and those below, never above. A
 # module's floor is that of the longest name here it starts with.
 FLOORS = (
-    ("models",),  # the model alone
-    ("sharding",),  # strategies: how the model is laid out on devices
+    # The ground floor: errors, bounds on untrusted values, paths, the choices of options.
+    ("hotjax.errors", "hotjax.bounds", "hotjax.paths", "hotjax.choices"),
+    ("hotjax.models",),  # the model alone
+    ("hotjax.sharding",),  # strategies: how the model is laid out on devices
     ("hotjax",),  # the library: runs, data, checkpoints, planning
     # The command line, thin users of the library: its commands and its two `python -m` entries
     # (`hotjax.peak` runs `hotjax.cli.main`).
@@ -24,8 +28,11 @@ FLOORS = (
 
 
 def _module(path: Path, root: Path = ROOT) -> str:
+    """The name `path` is imported by once installed."""
     parts = path.relative_to(root).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    top, dot, rest = name.partition(".")
+    return INSTALLED_AS[top] + dot + rest if top in INSTALLED_AS else name
 
 
 def _type_checking(tree: ast.AST) -> set[ast.AST]:
@@ -127,19 +134,21 @@ def test_no_import_climbs_a_floor():
 
 def test_the_floor_checker_finds_every_climb():
     graph = {
-        "models.llama": {"sharding.strategy"},
-        "sharding.table": {"hotjax.config"},
+        "hotjax.models.llama": {"hotjax.sharding.strategy", "hotjax.errors"},
+        "hotjax.sharding.table": {"hotjax.config"},
+        "hotjax.errors": {"hotjax.models.llama"},
         "hotjax.data.stats": {"hotjax.commands.options", "hotjax.config"},
         "hotjax.checkpoint.store": {"hotjax.cli"},
-        "hotjax.run": {"models.llama", "scripts.bench_ckpt"},
+        "hotjax.run": {"hotjax.models.llama", "scripts.bench_ckpt"},
         "hotjax.commands.ckpt": {"hotjax.run", "hotjax.cli"},
-        "scripts.bench_ckpt": {"hotjax.cli", "models.llama"},
+        "scripts.bench_ckpt": {"hotjax.cli", "hotjax.models.llama"},
     }
     assert _climbs(graph) == [("hotjax.checkpoint.store", "hotjax.cli"),
                               ("hotjax.data.stats", "hotjax.commands.options"),
+                              ("hotjax.errors", "hotjax.models.llama"),
+                              ("hotjax.models.llama", "hotjax.sharding.strategy"),
                               ("hotjax.run", "scripts.bench_ckpt"),
-                              ("models.llama", "sharding.strategy"),
-                              ("sharding.table", "hotjax.config")]
+                              ("hotjax.sharding.table", "hotjax.config")]
 
 
 def test_a_climb_inside_a_function_or_by_name_is_found(tmp_path):
@@ -235,3 +244,33 @@ def test_the_sys_path_checker_finds_every_edit(tmp_path):
                       "sys.path += ['..']\nsys.path[0:0] = ['.']\nsite.addsitedir('.')\n"
                       "print(sys.path[0])\n")
     assert _sys_path_edits(script) == [5, 6, 7, 8]
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The top-level packages `path`'s import statements name."""
+    tree = ast.parse(path.read_text())
+    return {alias.name.partition(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+            for alias in node.names} | {(node.module or "").partition(".")[0]
+                                        for node in ast.walk(tree)
+                                        if isinstance(node, ast.ImportFrom) and not node.level}
+
+
+def test_models_and_sharding_are_imported_inside_hotjax():
+    """Run from the tree's root, `import models` would find the folder and pass here while an
+    installed copy fails; every file imports them by the names they install under."""
+    files = [f for folder in (*PACKAGES, "tests", "examples")
+             for f in (ROOT / folder).rglob("*.py")]
+    assert sorted(str(f.relative_to(ROOT)) for f in files
+                  if _top_level_imports(f) & set(INSTALLED_AS)) == []
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists its packages by hand (two install under other names): a new folder
+    with an `__init__.py` is listed, or an installed copy lacks it."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {_module(f.parent / "__init__.py") for p in ("hotjax", *INSTALLED_AS)
+               for f in (ROOT / p).rglob("__init__.py")}
+    assert sorted(setup["packages"]) == sorted(folders)
+    assert setup["package-dir"] == {name: folder for folder, name in INSTALLED_AS.items()}

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from hotjax import launch, link
-from models.errors import UserError
+from hotjax.errors import UserError
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),

@@ -11,10 +11,10 @@ import pytest
 from helpers import MODEL, minibatch
 
 from hotjax.data import MiniBatch
+from hotjax.errors import UserError
 from hotjax.optim import OptimConfig, loss_scale, make_optimizer
+from hotjax.sharding.table import parse_table
 from hotjax.train import Trainer
-from models.errors import UserError
-from sharding.table import parse_table
 
 FP16 = dataclasses.replace(MODEL, compute_dtype="float16")
 TABLE = parse_table({"bucket": [

@@ -17,7 +17,7 @@ from hotjax.planning.measure import (
     reference_model,
 )
 from hotjax.planning.profile import COLLECTIVES, load_profile, parse_profile
-from sharding.strategy import Strategy
+from hotjax.sharding.strategy import Strategy
 
 
 @pytest.fixture(scope="module")

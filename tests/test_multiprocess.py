@@ -369,7 +369,7 @@ def test_plan_measures_the_devices_of_every_process_as_nodes(tmp_path):
     alone reports and writes the table, for the 4 devices."""
     from hotjax.planning.cost import COST_MODEL_VERSION
     from hotjax.planning.profile import load_profile
-    from sharding.table import load_table
+    from hotjax.sharding.table import load_table
 
     def plan(*flags: str) -> str:
         done = hotjax("launch", "--processes", "2", "--devices-per-process", "2", "--", "plan",

@@ -1,4 +1,4 @@
-"""SGD with momentum, added as one entry of `models.optimizers.OPTIMIZERS`: its updates equal
+"""SGD with momentum, added as one entry of `hotjax.models.optimizers.OPTIMIZERS`: its updates equal
 torch.optim.SGD's (momentum, weight decay on matrices only), and its torch form goes out and
 comes back through DCP, read by torch's own SGD on the way (the generic optimizer tests of
 tests/test_optimizers.py cover its state, memory and resume)."""
@@ -15,11 +15,11 @@ from hotjax.checkpoint import store
 from hotjax.checkpoint.formats.dcp import export_dcp, import_dcp
 from hotjax.checkpoint.formats.pivot import ExportSource
 from hotjax.data import Batch, MiniBatch
+from hotjax.models.optimizers import SGD
 from hotjax.optim import OptimConfig, make_optimizer
+from hotjax.sharding.strategy import Strategy
+from hotjax.sharding.table import StrategyTable
 from hotjax.train import Trainer
-from models.optimizers import SGD
-from sharding.strategy import Strategy
-from sharding.table import StrategyTable
 
 SETTINGS = dict(name="sgd", lr=0.1, b1=0.9, weight_decay=0.05, clip_norm=float("inf"),
                 warmup_steps=1, total_steps=8, schedule="constant")

@@ -1,7 +1,7 @@
-"""Each optimizer declares its state (`models.optimizers`): the arrays it declares per weight are
-optax's, the bytes `strategy show` and the home choice count are the home's, its checkpoint
-resumes where an uninterrupted run goes, and another optimizer's checkpoint is refused in one
-line unless only its weights are restored."""
+"""Each optimizer declares its state (`hotjax.models.optimizers`): the arrays it declares per
+weight are optax's, the bytes `strategy show` and the home choice count are the home's, its
+checkpoint resumes where an uninterrupted run goes, and another optimizer's checkpoint is refused
+in one line unless only its weights are restored."""
 
 import dataclasses
 
@@ -17,14 +17,14 @@ from hotjax.checkpoint import store
 from hotjax.checkpoint.formats.pivot import ExportSource
 from hotjax.checkpoint.training import restore_state
 from hotjax.data import Batch, MiniBatch
+from hotjax.errors import UserError
+from hotjax.models.llama import PRESETS, abstract_params, param_axes
+from hotjax.models.optimizers import FACTOR_MIN, OPTIMIZERS, SCHEDULES
 from hotjax.optim import OptimConfig, make_optimizer
+from hotjax.sharding.report import state_bytes
+from hotjax.sharding.strategy import Strategy
+from hotjax.sharding.table import StrategyTable
 from hotjax.train import Trainer
-from models.errors import UserError
-from models.llama import PRESETS, abstract_params, param_axes
-from models.optimizers import FACTOR_MIN, OPTIMIZERS, SCHEDULES
-from sharding.report import state_bytes
-from sharding.strategy import Strategy
-from sharding.table import StrategyTable
 
 # Wide enough that Adafactor factors its matrices (both of their dimensions >= FACTOR_MIN).
 WIDE = PRESETS["small"]

@@ -9,9 +9,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hotjax import targets
-from hotjax.planning.cost import document_pairs
-from models.attention import Tokens, dense_attention, visible_blocks
-from models.packed_attention import (
+from hotjax.models.attention import Tokens, dense_attention, visible_blocks
+from hotjax.models.packed_attention import (
     block_bounds,
     block_for,
     computed_blocks,
@@ -19,6 +18,7 @@ from models.packed_attention import (
     ring_step,
     ring_step_backward,
 )
+from hotjax.planning.cost import document_pairs
 
 TOLERANCE = 1e-5  # fp32: only the order of the softmax sums differs
 

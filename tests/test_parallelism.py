@@ -11,6 +11,7 @@ from helpers import MODEL, compiled_update, packed_rows, trainer
 
 from hotjax import step
 from hotjax.data import Batch, MiniBatch
+from hotjax.sharding.strategy import Strategy
 from hotjax.step import (
     BATCH_KEYS,
     balanced_order,
@@ -20,7 +21,6 @@ from hotjax.step import (
     step_memory,
 )
 from hotjax.train import Trainer
-from sharding.strategy import Strategy
 
 # GQA with 4 K/V heads for 8 query heads, and with 2.
 CONFIG = MODEL

@@ -12,12 +12,12 @@ from helpers import MODEL, OPTIM, TINY_RUN, compiled_update, error, minibatch, t
 
 from hotjax.cli import main
 from hotjax.data import Batch, MiniBatch
+from hotjax.errors import UserError
+from hotjax.models.llama import PRESETS, abstract_params
+from hotjax.models.pipeline import bubble, filled_microbatches, in_flight
+from hotjax.sharding.report import describe
+from hotjax.sharding.strategy import Strategy
 from hotjax.step import Home, bucket_step, chain_inputs, micro_step_inputs, step_memory
-from models.errors import UserError
-from models.llama import PRESETS, abstract_params
-from models.pipeline import bubble, filled_microbatches, in_flight
-from sharding.report import describe
-from sharding.strategy import Strategy
 
 # Eight layers, so that each of eight stages holds one; fp32, so that every layout must give the
 # one-device numbers to reduction-order noise.
@@ -107,7 +107,7 @@ def test_chained_micro_batches_are_the_micro_steps_own_on_the_same_data_shards()
     micro = [{"tokens": (100 * k + np.arange(R, dtype=np.int32))[:, None].repeat(3, axis=1)}
              for k in range(K)]
     tokens = chain_inputs(micro, 4, shards, M)["tokens"][:, 0]
-    by_micro_batch = tokens.reshape(-1, 4 * M).T  # `models.pipeline._micro_batches`
+    by_micro_batch = tokens.reshape(-1, 4 * M).T  # `hotjax.models.pipeline._micro_batches`
     for k in range(K):
         own = micro[k]["tokens"][:, 0].reshape(-1, M).T  # the micro-step run alone
         for m in range(M):
@@ -194,7 +194,7 @@ def test_rules_that_cannot_hold_a_pipeline_are_refused(rules, expected):
     with pytest.raises(UserError, match=expected):
         import tomllib
 
-        from sharding.table import parse_table
+        from hotjax.sharding.table import parse_table
 
         parse_table(tomllib.loads(f"[[bucket]]\nmax_len = 64\nmesh = {{ stage = 2, data = 4 }}\n"
                                   f"rules = {rules}\n"), "t.toml")

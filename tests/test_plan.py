@@ -14,12 +14,12 @@ import pytest
 
 from hotjax.checkpoint import meta
 from hotjax.cli import main
+from hotjax.models.llama import preset
 from hotjax.planning import search as plan
 from hotjax.planning.cost import COST_MODEL_VERSION
 from hotjax.planning.measure import profile_path
 from hotjax.planning.profile import load_profile
-from models.llama import preset
-from sharding.table import load_table, parse_table
+from hotjax.sharding.table import load_table, parse_table
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = ROOT / "docs" / "stdlib-lengths.json"
@@ -274,7 +274,7 @@ def test_a_rule_set_added_to_rule_sets_is_planned_and_priced_by_what_it_maps(mon
     rules map, not by the axes' names: on `fsdp=2·tensor=4` it costs what Megatron costs on
     `fsdp=4·tensor=2` (a tensor-parallel group of 2, weights gathered over 4), term by term."""
     from hotjax.planning.cost import micro_step_time
-    from sharding.strategy import RULE_SETS, Rules, Strategy
+    from hotjax.sharding.strategy import RULE_SETS, Rules, Strategy
 
     tensor_like = {"heads": "fsdp", "kv_heads": "fsdp", "mlp": "fsdp", "vocab": "fsdp"}
     swapped = Rules.from_mappings("swapped", {"layers": "stage", "embed": "tensor", **tensor_like},
@@ -304,9 +304,9 @@ def test_the_table_recorded_is_the_one_written_not_its_fit_to_the_model(devices)
     rules lose `kv_heads`). The run's table, as checkpoints record it, keeps the rules the user
     named, and so does its home."""
     from hotjax.optim import OptimConfig
+    from hotjax.sharding.strategy import Strategy
+    from hotjax.sharding.table import StrategyTable
     from hotjax.train import Trainer
-    from sharding.strategy import Strategy
-    from sharding.table import StrategyTable
 
     written = StrategyTable.single(Strategy.parse("tensor=8,rules=megatron"), 256, "test")
     trainer = Trainer(TINY, OptimConfig(), written, devices)
@@ -323,9 +323,9 @@ def test_a_declared_memory_wall_refuses_whole_rows_and_admits_a_ring(devices):
     under that budget whatever it recomputes and trains the second."""
     from hotjax.optim import OptimConfig
     from hotjax.planning.wall import keeps_whole_rows, memory_wall
+    from hotjax.sharding.strategy import Strategy
+    from hotjax.sharding.table import StrategyTable
     from hotjax.train import Trainer
-    from sharding.strategy import Strategy
-    from sharding.table import StrategyTable
 
     config = dataclasses.replace(TINY, compute_dtype="float32")
     whole, ring = Strategy.parse("data=2"), Strategy.parse("context=2,balanced=true")

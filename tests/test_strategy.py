@@ -8,9 +8,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.errors import UserError
-from models.llama import PRESETS, abstract_params, padded_vocab, param_axes
-from sharding.strategy import (
+from hotjax.errors import UserError
+from hotjax.models.llama import PRESETS, abstract_params, padded_vocab, param_axes
+from hotjax.sharding.strategy import (
     DEFAULT_RULES,
     RULE_SETS,
     Layout,
@@ -19,7 +19,7 @@ from sharding.strategy import (
     fit_to_model,
     ways,
 )
-from sharding.table import Bucket, StrategyTable, load_table, parse_table
+from hotjax.sharding.table import Bucket, StrategyTable, load_table, parse_table
 
 TINY = PRESETS["tiny"]  # V=259, D=64, L=2, N=8, K=4, H=8, F=176
 

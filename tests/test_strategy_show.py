@@ -8,7 +8,7 @@ import pytest
 from helpers import write_table
 
 from hotjax.cli import main
-from models.llama import PRESETS, padded_vocab
+from hotjax.models.llama import PRESETS, padded_vocab
 
 FP32 = 4
 # As `strategy show` (and `hotjax train`) builds them: vocabularies padded to 128s.
@@ -166,10 +166,10 @@ def test_bad_input_is_one_error_line_and_exit_code_2(strategy, model, expected, 
     (True, "cudnn", None), (False, "pallas", "places packed K/V wrongly under GQA")])
 def test_a_gpu_report_names_the_kernel_of_long_documents(monkeypatch, jax_fixed,
                                                         long_documents, unused):
-    import models.cudnn_attention as cudnn_attention
-    from models.llama import as_trained
-    from sharding.report import describe
-    from sharding.strategy import Strategy
+    import hotjax.models.cudnn_attention as cudnn_attention
+    from hotjax.models.llama import as_trained
+    from hotjax.sharding.report import describe
+    from hotjax.sharding.strategy import Strategy
 
     monkeypatch.setattr(cudnn_attention, "gqa_offsets_fixed", lambda: jax_fixed)
     config = as_trained(TINY, compute_dtype="bfloat16")

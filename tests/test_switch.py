@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models.errors import UserError
-from models.llama import PRESETS, abstract_params, param_axes
-from sharding.strategy import Layout, Strategy, fit_to_model
-from sharding.switch import chosen_method, scheduled_switch, switch
-from sharding.transfers import MIN_PIECE_BYTES, Topology
+from hotjax.errors import UserError
+from hotjax.models.llama import PRESETS, abstract_params, param_axes
+from hotjax.sharding.strategy import Layout, Strategy, fit_to_model
+from hotjax.sharding.switch import chosen_method, scheduled_switch, switch
+from hotjax.sharding.transfers import MIN_PIECE_BYTES, Topology
 
 TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=256)
 TWO_NODES_OF_4 = Topology(devices_per_node=4)

@@ -11,13 +11,13 @@ from helpers import ROOT, python, table
 from hotjax import targets
 from hotjax.cli import main
 from hotjax.config import RunConfig
+from hotjax.errors import UserError
+from hotjax.models.llama import preset
 from hotjax.planning.profile import ALLOCATOR_FRACTION
 from hotjax.run import model_config
+from hotjax.sharding.report import resident_bytes
+from hotjax.sharding.table import load_table
 from hotjax.step import bucket_step, step_memory
-from models.errors import UserError
-from models.llama import preset
-from sharding.report import resident_bytes
-from sharding.table import load_table
 
 STDLIB = ROOT / "docs" / "stdlib-lengths.json"
 GiB, MiB = 2**30, 2**20

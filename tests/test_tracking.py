@@ -74,10 +74,10 @@ def test_evaluations_are_the_held_out_loss_of_the_weights_by_the_python_api(trai
     import jax
 
     from hotjax.data.held_out import take
+    from hotjax.models.head_loss import token_loss
+    from hotjax.models.llama import bind
     from hotjax.run import Run
     from hotjax.step import next_token_targets
-    from models.head_loss import token_loss
-    from models.llama import bind
 
     evaluated = [r for r in trained.records if "eval_loss" in r]
     assert [r["step"] for r in evaluated] == [2, 3]

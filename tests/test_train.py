@@ -12,12 +12,12 @@ import pytest
 from helpers import MODEL, OPTIM, trainer
 
 from hotjax.data import Batch, ByteTokenizer, MiniBatch, MiniBatches, open_corpus
+from hotjax.errors import UserError
+from hotjax.models.head_loss import NO_TARGET, token_loss
+from hotjax.sharding.strategy import Layout, Strategy
+from hotjax.sharding.table import Bucket, StrategyTable
 from hotjax.step import micro_step_inputs, next_token_targets
 from hotjax.train import Trainer
-from models.errors import UserError
-from models.head_loss import NO_TARGET, token_loss
-from sharding.strategy import Layout, Strategy
-from sharding.table import Bucket, StrategyTable
 
 # The shared model and optimizer, so that compiled steps are shared with the other test files
 # (one per config, strategy, devices and shape).
@@ -77,8 +77,8 @@ def _plain_jax_training(batches: list[MiniBatch]):
     """The reference the trainer answers to, written without any of its code: the model's loss
     over every row of a mini-batch by `jax.value_and_grad`, divided by the target count, then
     one Optax update — no buckets, micro-batches, switches or accumulators."""
+    from hotjax.models.llama import bind, init_params, param_axes
     from hotjax.optim import make_optimizer
-    from models.llama import bind, init_params, param_axes
 
     tx = make_optimizer(OPTIM, param_axes(TINY))
     params = init_params(TINY, seed=0)
@@ -187,9 +187,9 @@ def test_a_run_built_from_parts_steps_without_waiting_and_trains_as_the_trainer(
     """`Run` of a model, a table and an optax optimizer made in Python: each step returns
     before its metrics are read (device values, fetched when asked), and the losses and weights
     are the trainer's with hotjax's own AdamW."""
+    from hotjax.models.llama import param_axes
     from hotjax.optim import make_optimizer
     from hotjax.run import Run
-    from models.llama import param_axes
 
     table = StrategyTable.single(Strategy.parse("data=1"), SEQ, "in Python")
     run = Run(TINY, table, make_optimizer(OPTIM, param_axes(TINY)), stdlib_batches,

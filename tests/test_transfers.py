@@ -9,10 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from models.errors import UserError
-from models.llama import PRESETS, abstract_params, param_axes
-from sharding.strategy import Layout, Strategy, fit_to_model
-from sharding.transfers import (
+from hotjax.errors import UserError
+from hotjax.models.llama import PRESETS, abstract_params, param_axes
+from hotjax.sharding.strategy import Layout, Strategy, fit_to_model
+from hotjax.sharding.transfers import (
     POLICIES,
     ArraySwitch,
     Topology,

@@ -21,8 +21,8 @@ import torch.distributed.checkpoint as torch_dcp
 from safetensors.numpy import save_file
 
 from hotjax.cli import main
-from models.hf import INDEX_FILE, WEIGHTS_FILE, config_to_hf, hf_tensor_shapes, hf_tensors_of
-from models.llama import preset
+from hotjax.models.hf import INDEX_FILE, WEIGHTS_FILE, config_to_hf, hf_tensor_shapes, hf_tensors_of
+from hotjax.models.llama import preset
 
 TINY = preset("tiny")
 EMBED = "embedding.word_embeddings.weight"  # Megatron-Core's
@@ -267,7 +267,7 @@ def test_an_index_that_is_not_an_object_is_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("step", [float("nan"), -3.0, 2.5, "two"])
 def test_a_deepspeed_adam_step_that_is_no_step_count_is_one_line(step, tmp_path):
     from hotjax.checkpoint.formats.deepspeed import _step_number
-    from models.errors import UserError
+    from hotjax.errors import UserError
 
     with pytest.raises(UserError, match=r"rank0\.pt: group 0's AdamW step is .*, not a whole "
                                         r"number from 0 to 2,147,483,647: the checkpoint is"):

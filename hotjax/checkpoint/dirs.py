@@ -21,7 +21,7 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 
-from models.errors import UserError
+from hotjax.errors import UserError
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 # The items of a step directory: the arrays, the metadata (`meta`), the data position and the

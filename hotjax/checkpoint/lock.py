@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 from hotjax.checkpoint import dirs
-from models.errors import UserError
+from hotjax.errors import UserError
 
 LOCK_FILE = ".hotjax.lock"  # a file: Orbax counts only directories named by a step
 _HOLDER_BYTES = 4096  # what is read of a lock file: hotjax writes it, but it is found on disk

@@ -66,8 +66,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from models import bounds
-from models.errors import UserError
+from hotjax import bounds
+from hotjax.errors import UserError
 
 FORMAT = "hotjax-shards/1"
 PATTERNS = ("replicate", "shard_v", "shard_h", "shard_nc", "partial_sum", "partial_mean")

@@ -11,11 +11,11 @@ Free of JAX and Orbax, so `inspect` and the shard importer's workers stay light.
     tokenizer       {identity, vocab_size, bos_id, eos_id, pad_id}, or null when unknown
     seed            the run's seed: it initialised the parameters and orders the data
     data            what the data position refers to: {source, seq_len, batch_tokens, seed}
-    optimizer       the `OptimConfig` fields (its `name`: an entry of `models.optimizers`; absent:
-                    AdamW), or an import's {name, source, loss_scaling, torch hyperparameters};
-                    null for weights only
+    optimizer       the `OptimConfig` fields (its `name`: an entry of `hotjax.models.optimizers`;
+                    absent: AdamW), or an import's {name, source, loss_scaling, torch
+                    hyperparameters}; null for weights only
     strategy_table  the run's strategy table, home included, as `StrategyTable.to_dict()` writes it
-                    (`sharding.table.parse_table` loads it back), or null
+                    (`hotjax.sharding.table.parse_table` loads it back), or null
     written_from    the layout that wrote it (for `inspect` only; restore never reads it)
     run             the options of the `hotjax train` that wrote it, every one's final value
                     (`RunConfig`'s fields; `inspect` prints them as a --config file), or null
@@ -29,10 +29,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from hotjax import bounds
+from hotjax.errors import UserError
+from hotjax.models import fields
+from hotjax.models.optimizers import DEFAULT, OPTIMIZERS, SCHEDULE, SCHEDULES
 from hotjax.version import __version__
-from models import bounds
-from models.errors import UserError
-from models.optimizers import DEFAULT, OPTIMIZERS, SCHEDULE, SCHEDULES
 
 FORMAT = "hotjax-checkpoint/1"
 META_FILE = Path("meta") / "metadata"  # where Orbax's JSON handler puts the `meta` item
@@ -71,7 +72,7 @@ def tokenizer_record(tokenizer: Any) -> dict[str, Any]:
 
 def layout_record(layout: Any) -> dict[str, Any]:
     """The writer's layout, for `inspect`: strategy, mesh and devices."""
-    from sharding.table import strategy_dict
+    from hotjax.sharding.table import strategy_dict
 
     devices = layout.mesh.devices.flat
     first = next(iter(devices))
@@ -118,7 +119,7 @@ def _check(meta: dict[str, Any], where: str) -> None:
                         f"{' and '.join(ITEMS)} with {PARAMS}: {DAMAGED}")
     # Sized against this host where a parameter is built (`LlamaConfig.checked`), not here:
     # `inspect` reads the metadata of checkpoints too large for the machine it runs on.
-    bounds.check_model(meta["model"], f"{where}: model", DAMAGED, fits_host=False)
+    fields.check_model(meta["model"], f"{where}: model", DAMAGED, fits_host=False)
     bounds.whole(meta.get("fingerprint_version", 1), "fingerprint_version", 1,
                  FINGERPRINT_VERSION, where, DAMAGED)
     fingerprints = bounds.mapping(meta["fingerprints"], "fingerprints", where, DAMAGED)

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from hotjax.checkpoint import meta as meta_lib
-from models.errors import UserError
-from models.hf import CONFIG_FILE, config_from_hf, read_json
-from models.llama import LlamaConfig, preset
+from hotjax.errors import UserError
+from hotjax.models.hf import CONFIG_FILE, config_from_hf, read_json
+from hotjax.models.llama import LlamaConfig, preset
 
 
 def saved(meta: dict[str, Any], step_dir: Path) -> LlamaConfig:

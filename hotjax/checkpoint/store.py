@@ -35,6 +35,7 @@ from orbax.checkpoint import checkpoint_managers as keep_policies
 from orbax.checkpoint import type_handlers
 from orbax.checkpoint.metadata import value as value_metadata
 
+from hotjax import bounds
 from hotjax.checkpoint import dirs, failures, fingerprint
 from hotjax.checkpoint import lock as ckpt_lock
 from hotjax.checkpoint import meta as meta_lib
@@ -50,8 +51,7 @@ from hotjax.checkpoint.dirs import (
     find,
     write_atomically,
 )
-from models import bounds
-from models.errors import UserError
+from hotjax.errors import UserError
 
 
 class Pending:

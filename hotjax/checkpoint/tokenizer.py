@@ -16,7 +16,7 @@ from hotjax.data.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
-from models.errors import UserError
+from hotjax.errors import UserError
 
 
 def carried(step_dir: Path, meta: dict[str, Any]) -> Tokenizer | None:

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 
 from hotjax.checkpoint import dirs, store
 from hotjax.checkpoint import meta as meta_lib
+from hotjax.errors import UserError
+from hotjax.models.optimizers import DEFAULT
 from hotjax.optim import OptimConfig
 from hotjax.step import Home, TrainState
-from models.errors import UserError
-from models.optimizers import DEFAULT
 
 
 class Resumed(NamedTuple):

@@ -93,7 +93,7 @@ def _export(fmt: Format, args: argparse.Namespace) -> None:
 def _report_import(step_dir: Path) -> None:
     """What an import wrote; of a foreign run's state, its optimizer and the settings recorded."""
     from hotjax.checkpoint import meta as meta_lib
-    from models.optimizers import DEFAULT, named
+    from hotjax.models.optimizers import DEFAULT, named
 
     meta = meta_lib.read(step_dir)
     foreign = (meta.get("written_from") or {}).get("foreign") or {}
@@ -122,8 +122,8 @@ def _print_table(record: dict[str, Any] | None, console: Any) -> None:
     """The run's strategy table as the TOML `hotjax train --strategies` loads."""
     from rich.markup import escape
 
-    from models.errors import UserError
-    from sharding.table import parse_table
+    from hotjax.errors import UserError
+    from hotjax.sharding.table import parse_table
 
     if record is None:
         console.print("[bold]strategy table[/]: none recorded")

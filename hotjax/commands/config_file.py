@@ -12,9 +12,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from hotjax.bounds import MAX_JSON_BYTES
 from hotjax.commands.options import EXCLUSIVE
-from models.bounds import MAX_JSON_BYTES
-from models.errors import UserError
+from hotjax.errors import UserError
 
 # Not `config`: `hotjax ckpt import-hf --config` names a model's config.json.
 DEST = "config_file"

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from hotjax.bounds import MAX_SEQ_LEN, MAX_VOCAB
 from hotjax.commands.options import add_options
 from hotjax.config import RunConfig, at_least, at_most
 from hotjax.data.packing import LONG_DOCUMENTS
-from models.bounds import MAX_SEQ_LEN, MAX_VOCAB
-from models.errors import UserError
+from hotjax.errors import UserError
 
 _RUN = RunConfig()  # the defaults `hotjax train` uses
 
@@ -76,7 +76,7 @@ def _buckets(args: argparse.Namespace) -> tuple[list[int], int]:
         raise UserError(f"--context {args.context}: pass a positive number of tokens")
     at_most("--context", args.context, MAX_SEQ_LEN, "MAX_SEQ_LEN")
     if args.strategies:
-        from sharding.table import load_table
+        from hotjax.sharding.table import load_table
 
         max_lens = [b.max_len for b in load_table(args.strategies).buckets]
     elif args.buckets:

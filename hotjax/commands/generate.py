@@ -1,6 +1,6 @@
 """`hotjax generate`: a checkpoint's model continues a prompt, its parameters laid out by a
 strategy of one's choice; the text drawn goes to stdout, alone. The decoding is
-`models.decode`'s."""
+`hotjax.models.decode`'s."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from models.errors import UserError
+from hotjax.errors import UserError
 
 DEFAULT_STRATEGY = "data=1"
 SLOTS = 64  # prompts and caches are sized in steps of this many tokens, so compiles are reused
@@ -71,7 +71,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     from hotjax.checkpoint import dirs, model
     from hotjax.checkpoint import meta as meta_lib
-    from models.decode import Sampling, generate
+    from hotjax.models.decode import Sampling, generate
 
     step_dir = dirs.find(args.checkpoint)
     meta = meta_lib.read(step_dir)
@@ -128,8 +128,8 @@ def _restore(step_dir: Path, config: Any, spec: str, devices: list) -> Any:
     import jax
 
     from hotjax.checkpoint import store
-    from models.llama import abstract_params, param_axes
-    from sharding.strategy import Layout, Strategy, fit_to_model
+    from hotjax.models.llama import abstract_params, param_axes
+    from hotjax.sharding.strategy import Layout, Strategy, fit_to_model
 
     strategy, _ = fit_to_model(Strategy.parse(spec), config)
     if strategy.num_devices > len(devices):

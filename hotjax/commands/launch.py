@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hotjax.errors import UserError
 from hotjax.launch import core_shares, run
 from hotjax.link import check_tools, resolve
-from models.errors import UserError
 
 
 def register(commands: argparse._SubParsersAction) -> None:

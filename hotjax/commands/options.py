@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 from typing import Any
 
+from hotjax.choices import ATTENTION_BACKENDS, REMAT_POLICIES
 from hotjax.config import (
     DEFAULT_BATCH_TOKENS,
     DEFAULT_MODEL,
@@ -18,10 +19,9 @@ from hotjax.config import (
 from hotjax.data.held_out import HELD_OUT_SHARE
 from hotjax.data.hf_datasets import DEFAULT_SPLIT
 from hotjax.distributed import HEARTBEAT_TIMEOUT_S
+from hotjax.models.optimizers import OPTIMIZERS, SCHEDULES
 from hotjax.preemption import REQUEUE_EXIT
 from hotjax.startup import SIMULATED_CPU_DEVICES
-from models.optimizers import OPTIMIZERS, SCHEDULES
-from models.options import ATTENTION_BACKENDS, REMAT_POLICIES
 
 _RUN = RunConfig()  # the defaults
 

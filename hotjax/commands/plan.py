@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from hotjax import bounds
 from hotjax.commands.options import (
     DATA,
     MODEL,
@@ -18,8 +19,7 @@ from hotjax.commands.options import (
     run_config,
 )
 from hotjax.config import DEFAULT_MODEL, at_least, positive, shown_bytes
-from models import bounds
-from models.errors import UserError
+from hotjax.errors import UserError
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -88,7 +88,7 @@ def _plan(args: argparse.Namespace) -> None:
         found = planning.plan(search, lengths, run.context, args.max_buckets)
         compared = planning.baselines(search, lengths, run.context)
         for path in args.compare:
-            from sharding.table import load_table
+            from hotjax.sharding.table import load_table
 
             table = load_table(path)
             compared[f"table {path}"] = planning.fixed_table(
@@ -179,8 +179,8 @@ def _compile_for_target(report: dict, found, search, target) -> None:
     import dataclasses
 
     from hotjax import targets
+    from hotjax.sharding.strategy import ACCUMULATE
     from hotjax.step import bucket_step, step_memory
-    from sharding.strategy import ACCUMULATE
 
     home = search.resident[found.home]
     for choice, entry in zip(found.buckets, report["plan"]["buckets"], strict=True):

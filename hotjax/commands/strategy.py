@@ -11,10 +11,10 @@ import argparse
 import dataclasses
 import json
 
+from hotjax.choices import REMAT_POLICIES
 from hotjax.commands.options import add_options, run_config
 from hotjax.config import DEFAULT_MODEL
-from models.errors import UserError
-from models.options import REMAT_POLICIES
+from hotjax.errors import UserError
 
 
 def _step_memory(config, bucket, rows: int, policies: list[str], target
@@ -61,9 +61,9 @@ def _show(args: argparse.Namespace) -> None:
     start_jax(None)
     import jax
 
+    from hotjax.models.optimizers import named
     from hotjax.run import model_config, named_model, strategy_table
-    from models.optimizers import named
-    from sharding.report import most_sharded, state_bytes
+    from hotjax.sharding.report import most_sharded, state_bytes
 
     optimizer = named(run.optimizer)
     table = strategy_table(run)
@@ -97,12 +97,12 @@ def _show(args: argparse.Namespace) -> None:
 
 
 def _reports(buckets: list, config, platform: str, optimizer) -> list[dict]:
-    """Per bucket, `sharding.report.describe`'s report of its strategy, with the table's
+    """Per bucket, `hotjax.sharding.report.describe`'s report of its strategy, with the table's
     micro-step rows and remat policy, and a ring's blocks per rank."""
     import numpy as np
 
-    from models.attention import ring_block_counts
-    from sharding.report import describe
+    from hotjax.models.attention import ring_block_counts
+    from hotjax.sharding.report import describe
 
     reports = [describe(b.strategy, config, platform, optimizer)
                | {"micro_rows": b.micro_rows, "remat": b.remat} for b in buckets]

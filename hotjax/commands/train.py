@@ -21,8 +21,8 @@ from hotjax.commands.options import (
     run_config,
 )
 from hotjax.config import RunConfig, shown_bytes
+from hotjax.errors import UserError
 from hotjax.preemption import Preempted, StopSignals, parse_signal
-from models.errors import UserError
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from hotjax.data import hf_datasets, index_cache, records, token_ids
-from models.errors import UserError
+from hotjax.errors import UserError
 
 BINARY_SNIFF_BYTES = 8192  # a NUL byte this early marks a file as binary
 EMBEDDED_CORPORA = ("stdlib", "shakespeare")

@@ -10,7 +10,7 @@ import numpy as np
 
 from hotjax.data.corpus import Corpus
 from hotjax.data.tokenizer import Tokenizer
-from models.errors import UserError
+from hotjax.errors import UserError
 
 if TYPE_CHECKING:
     from hotjax.data.stream import MiniBatch

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from hotjax import bounds
 from hotjax.data import records
-from models import bounds
-from models.errors import UserError
+from hotjax.errors import UserError
 
 INFO, STATE, SPLITS = "dataset_info.json", "state.json", "dataset_dict.json"  # as `datasets`
 DEFAULT_SPLIT = "train"  # of a DatasetDict, unless --data-split names another

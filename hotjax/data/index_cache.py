@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from hotjax import bounds
 from hotjax.config import cache_root
 from hotjax.data import records
-from models import bounds
 
 VERSION = 1
 # How `Corpus` reads each file; stored by position, so a new kind goes at the end.

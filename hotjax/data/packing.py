@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hotjax.data.tokenizer import Tokenizer
-from models.errors import UserError
+from hotjax.errors import UserError
 
 LONG_DOCUMENTS = ("truncate", "split", "error")  # what to do with a document over the context
 

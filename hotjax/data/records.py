@@ -14,7 +14,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from models.errors import UserError
+from hotjax.errors import UserError
 
 # The most bytes one document may hold: it is read, decoded and tokenized whole, its token ids
 # Python ints while tokenizing (up to ~40 host bytes per byte of text), so 16 MiB of text

@@ -13,7 +13,7 @@ from hotjax.data.buckets import cut, pack_buckets
 from hotjax.data.corpus import Corpus
 from hotjax.data.packing import pack_rows, to_sequences
 from hotjax.data.tokenizer import Tokenizer
-from models.errors import UserError
+from hotjax.errors import UserError
 
 TOKENIZE_CHUNK = 256  # documents per tokenizer call
 QUANTILES = 1024  # document lengths kept in the report, at evenly spaced quantiles (for plans)

@@ -28,14 +28,14 @@ from typing import Any
 import grain
 import numpy as np
 
+from hotjax import bounds
+from hotjax.bounds import host_memory
 from hotjax.config import BATCH_HOST_FRACTION
 from hotjax.data.buckets import pack_buckets
 from hotjax.data.corpus import Corpus
 from hotjax.data.packing import LONG_DOCUMENTS, Batch, assemble, to_sequences
 from hotjax.data.tokenizer import Tokenizer
-from models import bounds
-from models.bounds import host_memory
-from models.errors import UserError
+from hotjax.errors import UserError
 
 READ_THREADS = 2  # threads reading and tokenizing ahead of the packer
 READ_AHEAD = 256  # documents read ahead

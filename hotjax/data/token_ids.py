@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from hotjax.data import records
-from models.errors import UserError
+from hotjax.errors import UserError
 
 SUFFIX = ".npy"
 RECORDS = ".array_record"  # in the name: Grain's shards are NAME.array_record-00000-of-00008

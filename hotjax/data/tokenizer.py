@@ -20,11 +20,11 @@ import numpy as np
 import sentencepiece
 import tokenizers
 
+from hotjax import bounds
+from hotjax.bounds import MAX_VOCAB
 from hotjax.config import cache_root
 from hotjax.data.corpus import Corpus
-from models import bounds
-from models.bounds import MAX_VOCAB
-from models.errors import UserError
+from hotjax.errors import UserError
 
 BPE_SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2 of a trained BPE
 BPE_SAMPLE_CHARS = 8 << 20  # train on about this much text, so training takes seconds

@@ -8,5 +8,5 @@
 - `cli`: the `hotjax plan` command.
 
 Moving parameters between strategies at run time is not planning but switching
-(`sharding.transfers`).
+(`hotjax.sharding.transfers`).
 """

@@ -1,7 +1,7 @@
 """The analytic cost model: the time of one bucket's micro-step and its per-device memory, for a
 model, a strategy and a micro-step shape (rows, tokens per row), on a hardware profile.
 
-Letters as in `models.llama`, plus t tensor ways, c context ring size, S stages, M pipeline
+Letters as in `hotjax.models.llama`, plus t tensor ways, c context ring size, S stages, M pipeline
 micro-batches. Each row is one causal document (a bucket's worst case); counts are per device.
 
 Time (seconds per micro-step; `MicroStepTime` keeps each term):
@@ -13,17 +13,17 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   each stage group takes 1/S of the rows through the LM head.
 - Attention: 4·N·H FLOPs per visible (query, key) pair forward, 2.5x that backward
   (FlashAttention-2's five matmuls against two: Dao 2023, arXiv:2307.08691), counted over the
-  blocks the kernel that runs computes (`models.work.attention_kernel`): on GPU a packed row
-  runs the packed-attention Pallas kernel (tiles of `models.packed_attention.block_for`), on CPU and
-  round every context ring the blockwise kernel; both skip the blocks above the causal diagonal
-  and those no document spans (`document_pairs`). `micro_step_time` prices every row as one
+  blocks the kernel that runs computes (`hotjax.models.work.attention_kernel`): on GPU a packed row
+  runs the packed-attention Pallas kernel (tiles of `hotjax.models.packed_attention.block_for`), on
+  CPU and round every context ring the blockwise kernel; both skip the blocks above the causal
+  diagonal and those no document spans (`document_pairs`). `micro_step_time` prices every row as one
   causal document (the worst case); `MicroStepTime.with_attention` reprices it at the busiest
   device's pairs, which the planner finds by placing a bucket's packed rows on data shards as
   the trainer does. A context ring waits for its busiest rank (rank c-1 in row order; every
   rank alike with `balanced` chunks on causal rows, not on packed ones).
 - Matmuls at the profile's peak x its matmul efficiency, by each GEMM's smallest dimension per
   device where the profile measured sizes (`hotjax.planning.profile.MatmulEfficiency`); attention at
-  the peak x the efficiency of the kernel that runs (`models.work.attention_backend`: cuDNN's
+  the peak x the efficiency of the kernel that runs (`hotjax.models.work.attention_backend`: cuDNN's
   packed layout, the packed or the ring's Pallas kernel, the blockwise kernel), the profile's
   own for that kernel where it has one (`Profile.attention_at`).
 - A collective moving a tensor of `bytes` over a group of n devices takes the profile's latency
@@ -66,15 +66,15 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   one all-gather per weight array, each paying the profile's latency.
 - Gradient reduction (`hotjax.step.ACCUMULATE`): under `local` accumulation each data shard
   keeps its own fp32 partial sum over the leading data axes no gradient is split on
-  (`sharding.strategy.partial_axes`), and the bucket reduces them once at its end
+  (`hotjax.sharding.strategy.partial_axes`), and the bucket reduces them once at its end
   (`bucket_reduction_seconds`: an all-reduce of the fp32 sums, as Megatron's and DeepSpeed's
   data parallelism reduce once per optimizer step). Every micro-step still reduces its
   compute-dtype gradients over the other axes that split its tokens (fsdp under ZeRO-2/3,
   context): a reduce-scatter over those the accumulator is split on, an all-reduce over the
   rest. Under `sharded` accumulation the data axes are reduce-scattered every micro-step too,
   into an accumulator split over them.
-- Pipeline (`models.pipeline`, 1F1B or GPipe by `config.pipeline_schedule`): M + S - 1 ticks of
-  each stage's forward and as many of its backward, each sending a micro-batch's activations to
+- Pipeline (`hotjax.models.pipeline`, 1F1B or GPipe by `config.pipeline_schedule`): M + S - 1 ticks
+  of each stage's forward and as many of its backward, each sending a micro-batch's activations to
   the next stage forward (again in a stage recomputed under remat "full"), and their gradient
   backward; the S - 1 ticks beyond M are the bubble, the same share under both schedules, priced
   at the layers' work per tick. 1F1B also sends each micro-batch from the last stage to the
@@ -94,8 +94,8 @@ Memory (bytes per device at the micro-step's peak; `MicroStepMemory` keeps each 
   carries its stage's gradient sum through the ticks, in and out of each (1F1B its head's and
   embedding's too, in fp32, beside each tick's gradients).
 - Activations saved for the backward pass: per layer and token, `SAVED` arrays of each width by
-  remat policy, for each micro-batch a pipeline stage holds (`models.pipeline.in_flight`: GPipe
-  every one of its M + S - 1 ticks', with the scan's carry, the stage slot and the M finished
+  remat policy, for each micro-batch a pipeline stage holds (`hotjax.models.pipeline.in_flight`:
+  GPipe every one of its M + S - 1 ticks', with the scan's carry, the stage slot and the M finished
   micro-batches; 1F1B at most 2S - 1, beside a carry of two stage slots:
   nothing grows with the micro-batches a schedule runs); under remat "full" a pipeline keeps only
   those micro-batches' stage inputs and recomputes one micro-batch's layers at a time. Under 1F1B
@@ -113,8 +113,8 @@ and 14 % at 2 layers per stage (one layer per stage XLA plans 15-30 % leaner); r
 calibrated: over-predicted by 25-50 % at 32 layers). A 1F1B pipeline (stage=2, tensor=4 at 4 layers,
 its bucket in one schedule) within 2 % at M = 2 and 8; GPipe's terms were fitted at M = 2 and
 over-predict by 24 % at M = 8, where XLA plans 1F1B a third leaner than GPipe.
-`sharding.report.resident_bytes` is what stays besides: the home's fp32 weights, the optimizer's
-state and the gradient sum.
+`hotjax.sharding.report.resident_bytes` is what stays besides: the home's fp32 weights, the
+optimizer's state and the gradient sum.
 """
 
 from __future__ import annotations
@@ -128,15 +128,15 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from hotjax.errors import UserError
+from hotjax.models.attention import block_edge
+from hotjax.models.head_loss import loss_chunks
+from hotjax.models.llama import LlamaConfig, param_leaves
+from hotjax.models.pipeline import in_flight
+from hotjax.models.work import attention_backend, attention_kernel
 from hotjax.planning.profile import Profile
-from models.attention import block_edge
-from models.errors import UserError
-from models.head_loss import loss_chunks
-from models.llama import LlamaConfig, param_leaves
-from models.pipeline import in_flight
-from models.work import attention_backend, attention_kernel
-from sharding.strategy import MESH_AXES, Strategy, fit_to_model, partial_axes, ways
-from sharding.transfers import TransferSchedule, boxes_from_strategy
+from hotjax.sharding.strategy import MESH_AXES, Strategy, fit_to_model, partial_axes, ways
+from hotjax.sharding.transfers import TransferSchedule, boxes_from_strategy
 
 # Bumped whenever a change to this model changes what a measured profile's fitted constants
 # mean (they are fitted through `micro_step_time`): cached profiles of another version are
@@ -224,7 +224,7 @@ class Working:
     """The backward pass's working set at its peak: copies of one layer's (and the embedding's
     and head's) gradients in the compute dtype (outside a pipeline), activation gradients per
     token (widths as in `SAVED`), and layers recomputed at once. No logits: the fused head
-    (`models.head_loss`) consumed them in the forward pass."""
+    (`hotjax.models.head_loss`) consumed them in the forward pass."""
 
     gradients: int
     widths: tuple[int, int, int, int]
@@ -240,11 +240,12 @@ WORKING = {"none": Working(1, (4, 2, 1, 0), 0),
 # bytes are real, their cause not isolated (tests/test_cost.py).
 WORKING_LOGITS = {"gpu": {"none": 3, "dots": 2, "full": 2}}
 # The head's phase, at the end of the forward pass, beside everything the layers saved: the
-# loss's gradient with respect to the logits, whole, in the compute dtype (`models.head_loss`),
-# and per chunk of the loss some fp32 logits-sized arrays, and residual-stream arrays per token.
-# On XLA:CPU one chunk array and four residual arrays: a 256-wide, 8K-vocabulary model (2
-# layers, fp32) on 2K-token rows, whose peak this phase is, within 3 % under tensor + sequence
-# parallelism (remat "full") and data parallelism ("dots") (tests/test_cost.py).
+# loss's gradient with respect to the logits, whole, in the compute dtype
+# (`hotjax.models.head_loss`), and per chunk of the loss some fp32 logits-sized arrays, and
+# residual-stream arrays per token. On XLA:CPU one chunk array and four residual arrays: a
+# 256-wide, 8K-vocabulary model (2 layers, fp32) on 2K-token rows, whose peak this phase is, within
+# 3 % under tensor + sequence parallelism (remat "full") and data parallelism ("dots")
+# (tests/test_cost.py).
 HEAD_PHASE = {"cpu": (1, 4)}  # platform: (fp32 logits-sized arrays per chunk, residual arrays)
 
 
@@ -691,7 +692,7 @@ def document_pairs(documents_R: Sequence[Sequence[int]], seq_len: int, context: 
     """[R, context] (query, key) pairs each ring rank's blockwise kernel computes, summed over
     the ring's steps, for rows of `seq_len` holding documents of the given lengths end to end
     from column 0 (the rest padding): the block pairs some document spans, below the diagonal
-    (as `models.attention.visible_blocks` lists them), whole. With `balanced`, rank r holds
+    (as `hotjax.models.attention.visible_blocks` lists them), whole. With `balanced`, rank r holds
     chunks r and 2c-1-r of 2c."""
     pieces = context * (2 if balanced else 1)
     edge = block_edge(seq_len // pieces, block)

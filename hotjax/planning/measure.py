@@ -63,6 +63,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hotjax import distributed
 from hotjax.config import cache_root
 from hotjax.data import Batch
+from hotjax.errors import UserError
+from hotjax.models.attention import DEFAULT_BLOCK, AttentionSharding, attention
+from hotjax.models.llama import LlamaConfig, as_trained, init_params, preset, rope_tables
+from hotjax.models.llama import _rms_norm as rms_norm  # the model's own ops, timed alone
+from hotjax.models.llama import _rotate as rotate
 from hotjax.planning.cost import (
     BUS_FACTOR,
     COST_MODEL_VERSION,
@@ -72,13 +77,8 @@ from hotjax.planning.cost import (
     visible_pairs,
 )
 from hotjax.planning.profile import COLLECTIVES, GIGA, TERA, GiB, Profile, parse_profile
+from hotjax.sharding.strategy import Strategy, canonical_devices
 from hotjax.step import bucket_step, micro_step_inputs
-from models.attention import DEFAULT_BLOCK, AttentionSharding, attention
-from models.errors import UserError
-from models.llama import LlamaConfig, as_trained, init_params, preset, rope_tables
-from models.llama import _rms_norm as rms_norm  # the model's own ops, timed alone
-from models.llama import _rotate as rotate
-from sharding.strategy import Strategy, canonical_devices
 
 SIGNIFICANT = 4  # digits kept of each measured figure: the repeats scatter more than that
 FIT_ROWS = 4  # the larger fitted micro-step's rows, per the smaller one's

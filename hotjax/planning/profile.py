@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from models.errors import UserError
-from sharding.transfers import Topology
+from hotjax.errors import UserError
+from hotjax.sharding.transfers import Topology
 
 PROFILES = Path(__file__).parent / "profiles"
 # Collectives by name: a ring all-reduce, its two halves, and one point-to-point send (pipeline
@@ -36,7 +36,7 @@ PROFILES = Path(__file__).parent / "profiles"
 # `hotjax.planning.cost`).
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "send")
 # The attention kernels a profile may price apart (`[efficiency] attention_KERNEL`, "-" as
-# "_"), by `models.attention.choose_backend`'s names; `attention` prices the others.
+# "_"), by `hotjax.models.attention.choose_backend`'s names; `attention` prices the others.
 ATTENTION_KERNELS = ("cudnn", "pallas", "pallas-ring", "blockwise")
 _TOP_KEYS = ("name", "platform", "nodes", "devices_per_node", "device", "efficiency", "links",
              "collectives")
@@ -147,7 +147,8 @@ class Profile:
         return MatmulEfficiency(self.matmul_efficiency, self.matmul_by_size)
 
     def attention_at(self, kernel: str) -> float:
-        """The share of peak attention kernel `kernel` reaches (`models.attention`'s names)."""
+        """The share of peak attention kernel `kernel` reaches (`hotjax.models.attention`'s
+        names)."""
         return dict(self.attention_by_kernel).get(kernel, self.attention_efficiency)
 
     @property

@@ -37,8 +37,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hotjax.balance import EMPTY, place
+from hotjax.choices import REMAT_POLICIES
 from hotjax.data.buckets import pack_buckets, typical_rows
 from hotjax.data.stats import quantiles
+from hotjax.errors import UserError
+from hotjax.models.llama import LlamaConfig, param_leaves
+from hotjax.models.optimizers import ADAMW, Optimizer
+from hotjax.models.work import attention_kernel, training_flops
 from hotjax.planning.cost import (
     MicroStepTime,
     bucket_reduction_seconds,
@@ -49,14 +54,8 @@ from hotjax.planning.cost import (
     visible_pairs,
 )
 from hotjax.planning.profile import Profile
-from hotjax.train import micro_units
-from models.errors import UserError
-from models.llama import LlamaConfig, param_leaves
-from models.optimizers import ADAMW, Optimizer
-from models.options import REMAT_POLICIES
-from models.work import attention_kernel, training_flops
-from sharding.report import ACTIVATIONS, most_sharded, resident_bytes
-from sharding.strategy import (
+from hotjax.sharding.report import ACTIVATIONS, most_sharded, resident_bytes
+from hotjax.sharding.strategy import (
     ACCUMULATE,
     MESH_AXES,
     RULE_SETS,
@@ -66,7 +65,8 @@ from sharding.strategy import (
     independent_shards,
     ways,
 )
-from sharding.table import Bucket, StrategyTable
+from hotjax.sharding.table import Bucket, StrategyTable
+from hotjax.train import micro_units
 
 MIN_BUCKET = 512  # the shortest bucket boundary considered
 CHECK_ROUNDS = 4  # plans made by `plan_checked` before it gives up

@@ -13,7 +13,7 @@ The wall is found the same way: for every candidate strategy over the devices
 (`hotjax.planning.search.candidate_strategies`), every remat policy and both gradient
 accumulations (the trainer tries them all), XLA's peak of a micro-step of one row per batch
 shard at the row length, plus the strategy's resident state as its own home
-(`sharding.report.resident_bytes`). Strategies whose residual stream and attention keep rows
+(`hotjax.sharding.report.resident_bytes`). Strategies whose residual stream and attention keep rows
 whole (data, FSDP/ZeRO, Megatron without sequence parallelism, pipelines) set the ceiling:
 the budget lies below the least of their peaks, halfway down to the least peak of a strategy
 that splits rows (a context ring, sequence parallelism).
@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING
 
 import jax
 
+from hotjax.choices import REMAT_POLICIES
+from hotjax.errors import UserError
+from hotjax.models.llama import LlamaConfig
+from hotjax.models.optimizers import ADAMW, Optimizer
+from hotjax.sharding.report import resident_bytes
+from hotjax.sharding.strategy import ACCUMULATE, Strategy, partial_axes, ways
 from hotjax.step import bucket_step
-from models.errors import UserError
-from models.llama import LlamaConfig
-from models.optimizers import ADAMW, Optimizer
-from models.options import REMAT_POLICIES
-from sharding.report import resident_bytes
-from sharding.strategy import ACCUMULATE, Strategy, partial_axes, ways
 
 if TYPE_CHECKING:
     from hotjax.planning.search import Choice

@@ -3,7 +3,7 @@ one `spec.Format` (`FORMAT`); `hotjax ckpt import-NAME` and `export-NAME` are bu
 (`commands.ckpt`). Adding a format is its module, one entry in `MODULES`, and its test.
 
 The pivot. Every PyTorch format converts through one form (`pivot`): an import reads its files
-into a `pivot.TorchState` — the weights under Hugging Face LLaMA names (`models.hf`), fp32
+into a `pivot.TorchState` — the weights under Hugging Face LLaMA names (`hotjax.models.hf`), fp32
 numpy, each read when it is accessed, the optimizer's per-weight state by torch's names (AdamW's
 `exp_avg`, `exp_avg_sq`) shaped as the weights or None, the step, and the torch run's
 hyperparameters, recorded, never applied — and `pivot.save_torch_state` writes it as a hotjax

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from models.paths import shown
+from hotjax.paths import shown
 
 
 @functools.cache

@@ -33,17 +33,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hotjax import bounds
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint.formats import torch_load
 from hotjax.checkpoint.formats.spec import EMBEDDING, Format, Option, dtype_option
-from models import bounds
-from models.errors import UserError
-from models.optimizers import ADAMW, TORCH_SETTINGS, Optimizer, with_torch_state
-from models.options import CHECKPOINT_NAMINGS
+from hotjax.choices import CHECKPOINT_NAMINGS
+from hotjax.errors import UserError
+from hotjax.models.optimizers import ADAMW, TORCH_SETTINGS, Optimizer, with_torch_state
 
 if TYPE_CHECKING:
     from hotjax.checkpoint.formats.pivot import TorchState
-    from models.llama import LlamaConfig
+    from hotjax.models.llama import LlamaConfig
 
 NAMINGS = CHECKPOINT_NAMINGS
 _GROUP_FIELDS = ("lr", *TORCH_SETTINGS, "weight_decay", "params")
@@ -158,7 +158,7 @@ def read_dcp(directory: str | Path, config: LlamaConfig, naming: str | None = No
         interleaved_to_halves,
         rotary_heads,
     )
-    from models.hf import LazyTensors, hf_tensor_shapes
+    from hotjax.models.hf import LazyTensors, hf_tensor_shapes
 
     directory = Path(directory).absolute()
     metadata = read_metadata(directory)
@@ -227,7 +227,7 @@ def _entries(tensors: dict[str, Any], parts: dict[str, list[str]], config: Llama
     its shape, with AdamW state for every weight or for none; other tensors refused unless they
     are rotary tables (or, tied, the head's copy of the embedding)."""
     from hotjax.checkpoint.formats.pivot import BUFFERS, HEADS, foreign_names, resolve
-    from models.hf import hf_tensor_shapes
+    from hotjax.models.hf import hf_tensor_shapes
 
     names = _inverse(config, naming)
     expected = hf_tensor_shapes(config)
@@ -352,7 +352,7 @@ def export_dcp(path: str | Path, out: str | Path, *, naming: str = "hf",
         halves_to_interleaved,
         rotary_heads,
     )
-    from models.hf import hf_tensors
+    from hotjax.models.hf import hf_tensors
 
     out = dirs.check_new_directory(out)
     source = ExportSource.of(path)

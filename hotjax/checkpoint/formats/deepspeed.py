@@ -31,16 +31,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hotjax import bounds
 from hotjax.checkpoint.formats import allowed, torch_load
 from hotjax.checkpoint.formats.spec import EMBEDDING, Format
-from models import bounds
-from models.errors import UserError
-from models.optimizers import ADAMW
-from models.paths import inside
+from hotjax.errors import UserError
+from hotjax.models.optimizers import ADAMW
+from hotjax.paths import inside
 
 if TYPE_CHECKING:
     from hotjax.checkpoint.formats.pivot import TorchState
-    from models.llama import LlamaConfig
+    from hotjax.models.llama import LlamaConfig
 
 _TAG_BYTES = 4096  # what is read of `latest`: a step directory's name ("global_step2")
 MOMENTS = ADAMW.torch_names("import-deepspeed")  # the optimizer state an import reads
@@ -450,7 +450,7 @@ def read_state(checkpoint: DeepSpeedCheckpoint, config: LlamaConfig) -> TorchSta
     """The checkpoint's weights and AdamW state under Hugging Face names, checked against
     `config`."""
     from hotjax.checkpoint.formats import pivot
-    from models.hf import LazyTensors, hf_tensor_shapes
+    from hotjax.models.hf import LazyTensors, hf_tensor_shapes
 
     names = pivot.foreign_names(config, "hf")
     expected = hf_tensor_shapes(config)

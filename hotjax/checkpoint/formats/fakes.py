@@ -30,7 +30,7 @@ from hotjax.checkpoint.formats.megatron import (
 )
 
 if TYPE_CHECKING:
-    from models.llama import LlamaConfig
+    from hotjax.models.llama import LlamaConfig
 
 DCP_WRITERS = 4  # torch's writer threads: one .distcp file each
 HF_SHARD_BYTES = 1 << 30
@@ -38,7 +38,7 @@ MEGATRON_ITERATION = 5
 
 
 def write_config(directory: Path, config: LlamaConfig) -> Path:
-    from models.hf import CONFIG_FILE, config_to_hf
+    from hotjax.models.hf import CONFIG_FILE, config_to_hf
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_FILE).write_text(json.dumps(config_to_hf(config, "float32")))
@@ -51,7 +51,7 @@ def write_hf(directory: Path, config: LlamaConfig) -> None:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from models.hf import INDEX_FILE, WEIGHTS_FILE, hf_tensor_shapes
+    from hotjax.models.hf import INDEX_FILE, WEIGHTS_FILE, hf_tensor_shapes
 
     write_config(directory, config)
     rng = np.random.default_rng(0)
@@ -85,8 +85,8 @@ def write_dcp(directory: Path, config: LlamaConfig) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from models.hf import params_to_hf_state
-    from models.llama import abstract_params
+    from hotjax.models.hf import params_to_hf_state
+    from hotjax.models.llama import abstract_params
 
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda s: rng.standard_normal(s.shape, np.float32),
@@ -113,7 +113,7 @@ def write_zero(directory: Path, config: LlamaConfig, dp: int) -> None:
     import does not read, left empty)."""
     import torch
 
-    from models.hf import hf_tensor_shapes
+    from hotjax.models.hf import hf_tensor_shapes
 
     @dataclasses.dataclass
     class fragment_address:  # noqa: N801 - pickled under DeepSpeed's own name, which

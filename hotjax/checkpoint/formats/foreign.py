@@ -4,8 +4,8 @@ derives one), rebuilt into logical tensors and written as a checkpoint (`formats
 
 The parent reads only the files' headers, checks them against the manifest and plans one task
 per logical tensor (per layer); worker processes read the slices, reassemble and cross-check
-them, and return Hugging Face-named tensors, from which `models.hf.hf_param_makers` makes each
-parameter as the checkpoint writes it: the workers convert the tensors in the order the
+them, and return Hugging Face-named tensors, from which `hotjax.models.hf.hf_param_makers` makes
+each parameter as the checkpoint writes it: the workers convert the tensors in the order the
 parameters need them, a few ahead, so that the parent holds a few tensors at a time, not the
 checkpoint. Workers import neither JAX nor Orbax. Every inconsistency names the rank
 file and the tensor.
@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from hotjax.checkpoint.formats import allowed, torch_load
 from hotjax.checkpoint.manifest import Manifest, TensorSpec
-from models.errors import UserError
+from hotjax.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,8 +455,8 @@ def import_manifest(manifest: Manifest, out: str | Path, workers: int | None, *,
     weights-only checkpoint at `out`, recording `source` and the `layout` that wrote it."""
     from hotjax.checkpoint import meta as meta_lib
     from hotjax.checkpoint import model, store
-    from models.hf import LazyTensors, hf_param_makers, hf_read_order, hf_tensor_shapes
-    from models.llama import abstract_params
+    from hotjax.models.hf import LazyTensors, hf_param_makers, hf_read_order, hf_tensor_shapes
+    from hotjax.models.llama import abstract_params
 
     config = model.from_manifest(manifest.model, manifest.path)
     shapes = hf_tensor_shapes(config)

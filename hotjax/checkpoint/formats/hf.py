@@ -10,7 +10,7 @@ from typing import Any
 
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint.formats.spec import Format, dtype_option
-from models.errors import UserError
+from hotjax.errors import UserError
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, tokenizer: Any = None) -> Path:
@@ -18,8 +18,14 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, tokenizer: Any = None) -> 
     tokenizer (loaded, else the directory's tokenizer.json or tokenizer.model if any)."""
     from hotjax.checkpoint import dirs, store
     from hotjax.checkpoint import tokenizer as checkpoint_tokenizer
-    from models.hf import CONFIG_FILE, config_from_hf, hf_param_makers, hf_tensors_of, read_json
-    from models.llama import abstract_params
+    from hotjax.models.hf import (
+        CONFIG_FILE,
+        config_from_hf,
+        hf_param_makers,
+        hf_tensors_of,
+        read_json,
+    )
+    from hotjax.models.llama import abstract_params
 
     dirs.check_new_directory(out)
     hf_dir = Path(hf_dir).absolute()
@@ -45,8 +51,8 @@ def export_hf(path: str | Path, out: str | Path, dtype: str = "float32") -> Path
     from hotjax.checkpoint import dirs, model, store
     from hotjax.checkpoint import tokenizer as checkpoint_tokenizer
     from hotjax.data.tokenizer import hf_files
-    from models.hf import param_keys, write_hf_directory
-    from models.llama import abstract_params, param_axes
+    from hotjax.models.hf import param_keys, write_hf_directory
+    from hotjax.models.llama import abstract_params, param_axes
 
     out = dirs.check_new_directory(out)
     step_dir = dirs.find(path)

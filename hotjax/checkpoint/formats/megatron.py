@@ -17,14 +17,14 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hotjax import bounds
 from hotjax.checkpoint.formats import foreign
 from hotjax.checkpoint.manifest import FORMAT, Manifest, parse
-from models import bounds
-from models.errors import UserError
-from models.paths import inside
+from hotjax.errors import UserError
+from hotjax.paths import inside
 
 if TYPE_CHECKING:
-    from models.llama import LlamaConfig
+    from hotjax.models.llama import LlamaConfig
 
 FILE = "model_optim_rng.pt"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -171,7 +171,7 @@ _ARG_NAMES = {"vocab_size": "the embedding's rows", "dim": "args.hidden_size",
 def config_from_args(args: argparse.Namespace, file: Path, vocab_size: int) -> LlamaConfig:
     """The model Megatron's `args` describe, with `vocab_size` rows of vocabulary, every value
     checked (`LlamaConfig.checked`)."""
-    from models.llama import LlamaConfig
+    from hotjax.models.llama import LlamaConfig
 
     missing = [f for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
                if getattr(args, f, None) is None]

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hotjax import bounds
 from hotjax.checkpoint.formats import dcp, megatron
 from hotjax.checkpoint.formats.megatron import EMBED, FC1, FC2, FINAL_NORM, HEAD, NORMS, PROJ, QKV
 from hotjax.checkpoint.formats.megatron_dist import (
@@ -45,12 +46,11 @@ from hotjax.checkpoint.formats.megatron_dist import (
     read_common,
 )
 from hotjax.checkpoint.formats.spec import RECORDED, Format, Option
-from models import bounds
-from models.errors import UserError
-from models.optimizers import ADAMW
+from hotjax.errors import UserError
+from hotjax.models.optimizers import ADAMW
 
 if TYPE_CHECKING:
-    from models.llama import LlamaConfig
+    from hotjax.models.llama import LlamaConfig
 
 BACKEND = "torch_dist"
 _STATE = re.compile(r"(?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)"
@@ -295,7 +295,7 @@ class _Unfused:
         """The params tree of `store.Pending` leaves, each made from the tensor `reads[model
         key]()` returns (a model tensor, or Adam's `field` of it)."""
         from hotjax.checkpoint import store
-        from models.llama import abstract_params
+        from hotjax.models.llama import abstract_params
 
         shapes = abstract_params(self.config)
         tree: dict[str, Any] = {}
@@ -312,7 +312,7 @@ class _Unfused:
         return tree
 
     def _take(self, source: tuple[str, str], read: Any, path: tuple) -> np.ndarray:
-        from models.hf import NOT_FINITE
+        from hotjax.models.hf import NOT_FINITE
 
         if source not in self._read:
             x = read()

@@ -18,11 +18,11 @@ import numpy as np
 
 from hotjax.checkpoint.formats import dcp, torch_load
 from hotjax.checkpoint.formats.megatron import EMBED, FC1, FC2, FINAL_NORM, HEAD, PROJ, QKV
-from models.errors import UserError
-from models.optimizers import ADAMW
+from hotjax.errors import UserError
+from hotjax.models.optimizers import ADAMW
 
 if TYPE_CHECKING:
-    from models.llama import LlamaConfig
+    from hotjax.models.llama import LlamaConfig
 
 LAYERS = "decoder.layers."
 BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_.+"

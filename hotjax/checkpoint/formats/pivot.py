@@ -3,10 +3,10 @@ through, in both directions, and torch's names for a LLaMA's tensors.
 
 The contract a format keeps:
 - An import reads its files into a `TorchState`: the weights under Hugging Face names
-  (`models.hf`), fp32 numpy, each read when it is accessed (`LazyTensors`), so that host memory
-  holds one tensor at a time; the optimizer's per-weight state by torch's names, shaped as the
-  weights (`models.optimizers`: AdamW's `exp_avg`, `exp_avg_sq`), or None for weights only;
-  the optimizer's step; and the torch run's hyperparameters, recorded and never applied (the
+  (`hotjax.models.hf`), fp32 numpy, each read when it is accessed (`LazyTensors`), so that host
+  memory holds one tensor at a time; the optimizer's per-weight state by torch's names, shaped as
+  the weights (`hotjax.models.optimizers`: AdamW's `exp_avg`, `exp_avg_sq`), or None for weights
+  only; the optimizer's step; and the torch run's hyperparameters, recorded and never applied (the
   hotjax run keeps its own). `save_torch_state` writes it as a hotjax checkpoint that resumes on
   any strategy. A format whose tensors are not Hugging Face's (Megatron-Core's fused ones)
   builds hotjax's parameter trees itself, leaves `store.Pending`, and calls `save_trees`.
@@ -34,14 +34,15 @@ import jax
 import numpy as np
 import optax
 
+from hotjax import bounds
 from hotjax.checkpoint import dirs, model, store
 from hotjax.checkpoint import meta as meta_lib
+from hotjax.errors import UserError
+from hotjax.models import optimizers
+from hotjax.models.hf import hf_param_makers, hf_tensor_shapes, param_keys
+from hotjax.models.llama import LlamaConfig, abstract_params, param_axes
+from hotjax.models.optimizers import ADAMW, DEFAULT, TORCH_SETTINGS, TORCH_STATE, Optimizer
 from hotjax.optim import OptimConfig, make_optimizer
-from models import bounds, optimizers
-from models.errors import UserError
-from models.hf import hf_param_makers, hf_tensor_shapes, param_keys
-from models.llama import LlamaConfig, abstract_params, param_axes
-from models.optimizers import ADAMW, DEFAULT, TORCH_SETTINGS, TORCH_STATE, Optimizer
 
 WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module"}
 BUFFERS = ("rotary_emb.inv_freq", "freqs_cis")  # rotary tables some models persist

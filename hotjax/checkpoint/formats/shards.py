@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 from hotjax.checkpoint.formats import foreign, megatron
 from hotjax.checkpoint.formats.spec import RECORDED, Format, Option
 from hotjax.checkpoint.manifest import load as load_manifest
-from models.errors import UserError
+from hotjax.errors import UserError
 
 if TYPE_CHECKING:
-    from models.llama import LlamaConfig
+    from hotjax.models.llama import LlamaConfig
 
 
 def import_shards(source: str | Path, out: str | Path, *, format: str = "manifest",

@@ -19,8 +19,8 @@ from typing import Any, BinaryIO
 
 from hotjax.checkpoint.formats import allowed
 from hotjax.checkpoint.meta import first_line
-from models.errors import UserError
-from models.paths import inside, shown
+from hotjax.errors import UserError
+from hotjax.paths import inside, shown
 
 _CRAFTED = "the file is not a PyTorch checkpoint's, or was crafted; nothing was run"
 # A DCP `.metadata` lists every chunk of every tensor: a few MiB for a 70B model saved by a

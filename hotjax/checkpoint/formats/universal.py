@@ -30,7 +30,7 @@ def export_universal(path: str | Path, out: str | Path) -> Path:
     torch = torch_load.need_torch(NEEDS_TORCH)
     from hotjax.checkpoint import dirs, store
     from hotjax.checkpoint.formats.pivot import ExportSource
-    from models.hf import hf_tensor_shapes, hf_tensors
+    from hotjax.models.hf import hf_tensor_shapes, hf_tensors
 
     out = dirs.check_new_directory(out)
     source = ExportSource.of(path)

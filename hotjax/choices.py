@@ -1,8 +1,9 @@
 """The model's named choices, free of JAX imports so the command line can offer them before JAX
 starts: attention kernels and rematerialisation policies."""
 
-# "auto": the fastest correct kernel for the platform (see `models.attention.choose_backend`);
-# "dense" materialises every score and is the reference the others are tested against.
+# "auto": the fastest correct kernel for the platform (see
+# `hotjax.models.attention.choose_backend`); "dense" materialises every score and is the reference
+# the others are tested against.
 ATTENTION_BACKENDS = ("auto", "blockwise", "dense", "cudnn", "pallas")
 # What each layer keeps for the backward pass: everything; the outputs of its weight matmuls
 # (the rest, attention included, recomputed: MaxText's "minimal", Megatron's selective

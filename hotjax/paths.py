@@ -1,12 +1,13 @@
 """File names read from a checkpoint, kept inside its directory: the one check of every name an
-index, tracker or metadata file gives (`hotjax.checkpoint.formats` and `models.hf` use it)."""
+index, tracker or metadata file gives (`hotjax.checkpoint.formats` and `hotjax.models.hf` use
+it)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from models.errors import UserError
+from hotjax.errors import UserError
 
 _SHOWN_CHARS = 512
 

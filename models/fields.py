@@ -83,7 +83,7 @@ def check_model(fields: Any, where: str, fix: str, names: Mapping[str, str] | No
         if field in fields:
             whole(fields[field], name(field), low, MAX_SEQ_LEN, where, fix)
     if "scan_unroll" in fields:
-        whole(fields["scan_unroll"], name("scan_unroll"), 1, MAX_LAYERS, where, fix)
+        whole(fields["scan_unroll"], name("scan_unroll"), 0, MAX_LAYERS, where, fix)
     if "rope_theta" in fields:
         out["rope_theta"] = real(fields["rope_theta"], name("rope_theta"), where, fix)
     if "norm_eps" in fields:

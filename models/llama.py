@@ -95,9 +95,8 @@ class LlamaConfig:
     # compiled micro-step by `hotjax.step.BucketStep`: cuDNN's packed layout is sized by it.
     attention_documents: int = 0
     pipeline_schedule: str = "1f1b"  # one of hotjax.models.pipeline.SCHEDULES, under `stage`
-    # Layers per iteration of the layer scan; n_layers unrolls it whole (no loop: no slices of
-    # the stacked weights and saved activations copied each layer, a longer compile).
-    scan_unroll: int = 1
+    # Layers per iteration of the layer scan (`layers_unrolled`); 0: the platform's choice.
+    scan_unroll: int = 0
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -113,9 +112,10 @@ class LlamaConfig:
         if self.attention_block < 0:
             raise UserError(f"attention_block {self.attention_block}: give a positive block "
                             f"edge, or 0 for the platform's default")
-        if self.scan_unroll < 1:
+        if self.scan_unroll < 0:
             raise UserError(f"scan_unroll {self.scan_unroll}: give the layers per scan "
-                            f"iteration, at least 1 ({self.n_layers} unrolls the loop whole)")
+                            f"iteration ({self.n_layers} unrolls the loop whole), or 0 for the "
+                            f"platform's choice")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
@@ -280,7 +280,7 @@ class Llama(nnx.Module):
         on_rows = constrain  # the activations after the layers
         if pipeline is None:
             x_BxTxD, _ = jax.lax.scan(lambda x, w: (block(x, w, rows), None), x_BxTxD, stacked,
-                                      unroll=min(cfg.scan_unroll, cfg.n_layers))
+                                      unroll=layers_unrolled(cfg, platform_of(placement)))
         else:
             # A forward pass alone (evaluation) runs GPipe's forward ticks; training under 1F1B
             # goes through `loss_and_gradients`.
@@ -312,6 +312,19 @@ def head_weights(cfg: LlamaConfig, weights: Array, constrain: Constrain = _no_co
     the embedding already in its compute layout."""
     return weights.T if cfg.tie_embeddings else constrain(weights.astype(cfg.dtype),
                                                           ("embed", "vocab"))
+
+
+def layers_unrolled(cfg: LlamaConfig, platform: str | None) -> int:
+    """Layers per iteration of the layer scan: the config's, else on a GPU under remat "none"
+    all of them, else one. Unrolled, the loop no longer slices each layer's weights and saved
+    activations out of stacks (on one H100, bf16, 8,192 tokens: a step of the 1B shape 182 ->
+    155 ms, XLA's temporary memory 24.4 -> 13.0 GiB, 800 copies a step gone; compile 4 -> 38 s).
+    Under remat "dots" or "full" the scan stays: unrolled, a 32K row of the 1B shape under "dots"
+    asked 50 GiB more and did not fit where the scan ran (`docs/measurements/h100-2026-11-27c`)."""
+    if cfg.scan_unroll:
+        return min(cfg.scan_unroll, cfg.n_layers)
+    platform = platform or jax.default_backend()
+    return cfg.n_layers if platform == "gpu" and cfg.remat == "none" else 1
 
 
 def platform_of(placement: Placement | None) -> str | None:

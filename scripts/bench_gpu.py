@@ -685,8 +685,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: 2048,8192)")
     parser.add_argument("--remat", default="none", help="mfu: the remat policy "
                         "(default: %(default)s)")
-    parser.add_argument("--scan-unroll", type=int, default=1, help="mfu: layers per iteration "
-                        "of the layer scan; the model's layer count unrolls it (default: 1)")
+    parser.add_argument("--scan-unroll", type=int, default=0, help="mfu: layers per iteration "
+                        "of the layer scan; the model's layer count unrolls it; 0: the "
+                        "platform's choice (default: 0)")
     parser.add_argument("--trace", action="store_true", help="mfu: trace two more steps and "
                         "report the kernels they ran, summed by name and kind")
     parser.add_argument("--blockwise", action="store_true",

@@ -21,7 +21,7 @@ from hotjax.models.attention import (
     visible_blocks,
 )
 from hotjax.models.head_loss import token_loss
-from hotjax.models.llama import bind, init_params
+from hotjax.models.llama import bind, init_params, layers_unrolled
 from hotjax.optim import OptimConfig
 from hotjax.sharding.strategy import Layout, Strategy, fit_to_model
 from hotjax.sharding.table import Bucket, StrategyTable, parse_table
@@ -345,8 +345,21 @@ def test_remat_policies_change_memory_not_the_gradients(devices):
         results[policy] = compiled(jax.device_put(params, step.param_shardings), step.zeros(),
                                    step.place(batch), step.place_scale(jnp.float32(1)))
     assert peaks["full"] < peaks["dots"] < peaks["none"]
-    for policy in ("dots", "full"):
+    # The layer loop unrolled (a GPU's choice under "none") computes the same gradients.
+    unrolled = BucketStep(dataclasses.replace(TINY, scan_unroll=TINY.n_layers), strategy,
+                          devices).compiled((2, 256))
+    results["unrolled"] = unrolled(jax.device_put(params, step.param_shardings), step.zeros(),
+                                   step.place(batch), step.place_scale(jnp.float32(1)))
+    for policy in ("dots", "full", "unrolled"):
         assert_close(results[policy], results["none"])
+
+
+def test_the_layer_loop_unrolls_on_a_gpu_without_remat_and_where_asked():
+    assert layers_unrolled(TINY, "cpu") == 1
+    assert layers_unrolled(TINY, "gpu") == TINY.n_layers
+    assert layers_unrolled(dataclasses.replace(TINY, remat="dots"), "gpu") == 1
+    assert layers_unrolled(dataclasses.replace(TINY, scan_unroll=1), "gpu") == 1
+    assert layers_unrolled(dataclasses.replace(TINY, scan_unroll=99), "cpu") == TINY.n_layers
 
 
 def test_a_memory_budget_picks_the_cheapest_remat_policy_that_fits(devices):

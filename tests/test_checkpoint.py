@@ -500,3 +500,14 @@ def test_megatron_imports_hold_a_few_tensors_at_a_time_not_the_checkpoint(source
     growth, nbytes, w_gate = import_growth(tmp_path, write)
     largest, times = (2 * w_gate, 5) if source == "megatron-core" else (w_gate, 4)
     assert growth < times * largest < nbytes, (growth, largest, nbytes)
+
+
+def test_a_checkpoint_resumes_under_other_execution_fields_not_another_architecture(tmp_path):
+    """How the layers run (remat, kernel, dtype, the layer loop unrolled) is the run's choice;
+    the shapes and meaning of the parameters are the checkpoint's."""
+    meta = {"model": TINY.to_dict(), "data": {}}
+    ran = dataclasses.replace(TINY, remat="full", attention="dense", compute_dtype="bfloat16",
+                              scan_unroll=TINY.n_layers)
+    meta_lib.check_model(meta, ran.to_dict(), tmp_path)
+    with pytest.raises(UserError, match="n_layers=2 but this run's has n_layers=3"):
+        meta_lib.check_model(meta, dataclasses.replace(TINY, n_layers=3).to_dict(), tmp_path)

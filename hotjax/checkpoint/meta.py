@@ -49,7 +49,7 @@ _TEXT_LIMIT = 8192  # a source names a path (4096 bytes at most on Linux) and a 
 DAMAGED = "the checkpoint is damaged: resume from another checkpoint"
 # Fields that change neither the parameters' shapes nor their meaning.
 _NOT_ARCHITECTURE = ("vocab_size", "compute_dtype", "remat", "attention", "attention_block",
-                     "max_seq_len")
+                     "max_seq_len", "scan_unroll")
 
 
 def record(*, step: int, source: str, items: list[str], model: dict[str, Any],

@@ -90,7 +90,8 @@ Memory (bytes per device at the micro-step's peak; `MicroStepMemory` keeps each 
   widens the compute dtype (XLA:CPU runs bf16 dots in fp32: `HELD_BYTES`), widened. With remat
   "none" XLA keeps every layer's so from the forward pass for the backward; under remat, one
   layer's at a time.
-- Weight gradients: the layer loop stacks them (reduce-scattered first under fsdp); a pipeline
+- Weight gradients: the layer loop stacks them (reduce-scattered first under fsdp), unless it
+  is unrolled (`UNROLLED_WORKING`: a GPU under remat "none"); a pipeline
   carries its stage's gradient sum through the ticks, in and out of each (1F1B its head's and
   embedding's too, in fp32, beside each tick's gradients).
 - Activations saved for the backward pass: per layer and token, `SAVED` arrays of each width by
@@ -131,7 +132,7 @@ from jax.sharding import PartitionSpec
 from hotjax.errors import UserError
 from hotjax.models.attention import block_edge
 from hotjax.models.head_loss import loss_chunks
-from hotjax.models.llama import LlamaConfig, param_leaves
+from hotjax.models.llama import LlamaConfig, layers_unrolled, param_leaves
 from hotjax.models.pipeline import in_flight
 from hotjax.models.work import attention_backend, attention_kernel
 from hotjax.planning.profile import Profile
@@ -217,6 +218,13 @@ class PlatformScale:
 # sums. Fitted on M = 2 and 4, stage=2 with tensor=4 and with data=2·tensor=2: within 2 %.
 # Pipelines under remat are not scaled (the model over-predicts them by 4-8 % on GPU).
 PLATFORM_SCALE = {"gpu": PlatformScale(gathered=0.65, stash=2.9, stage_gradients=1.7)}
+# The layer loop unrolled (`hotjax.models.llama.layers_unrolled`: a GPU under remat "none"): no
+# stacked gradients (each layer's reaches the accumulator as it is made) and a working set of
+# about half the scan's, without its logits-sized arrays. Fitted on XLA:GPU's plans for H100s
+# (LLaMA2-7B widths, 4 layers, 8 x 1,024 tokens): model / XLA data 1.05, fsdp 0.93, megatron
+# 1.14 (its replicated residual stream saved less than counted), megatron-sp 0.99, context with
+# tensor 1.00; the scan's model was 1.23-1.49 over the same unrolled plans.
+UNROLLED_WORKING = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,10 +433,14 @@ def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int,
         gradients *= scale.stage_gradients
     work = WORKING[config.remat]
     logits = s.inner_tokens * V / s.vocab_ways * FP32 / head_rows
+    unrolled = S == 1 and layers_unrolled(config, platform) >= config.n_layers
     layers_phase = (work.gradients * (S == 1) * (s.layer_weights / s.layers + s.other_weights)
-                    * compute + WORKING_LOGITS.get(platform, {}).get(config.remat, 0) * logits
+                    * compute + (not unrolled) * WORKING_LOGITS.get(platform, {}).get(
+                        config.remat, 0) * logits
                     + per_token(work.widths, tokens, inner)
                     + work.recomputed * per_token(SAVED["none"], tokens, inner))
+    if unrolled:
+        gradients, layers_phase = 0, UNROLLED_WORKING * layers_phase
     chunk_arrays, head_residual = HEAD_PHASE.get(platform, (1, 0))
     chunks = loss_chunks(max(shape[0] // (M if S > 1 and not gpipe else 1), 1), shape[1], V)
     head_phase = ((chunk_arrays / chunks + compute / FP32) * logits

@@ -53,34 +53,73 @@ def block_for(dtype, head_dim: int, seq_len: int) -> int:
     return edge
 
 
-def block_bounds(segment_ids_BxT, block: int):
-    """([B, T/block], [B, T/block]) int32: for each query block the first key block it may
-    see, and for each key block one past the last query block that may see it; a block of
-    padding gets an empty range (first > its own index, end <= it). NumPy segment ids give
-    NumPy answers (the host's count of the kernel's work)."""
+def _runs(segment_ids_BxT):
+    """([B, T], [B, T]): the column where each token's run (document) starts and ends; runs
+    are cut where the id changes. NumPy in, NumPy out."""
     xp = np if isinstance(segment_ids_BxT, np.ndarray) else jnp
     seg = segment_ids_BxT
     B, T = seg.shape
     columns = xp.arange(T, dtype=np.int32)
-    # Where each token's run (document) starts and ends: runs are cut where the id changes.
     starts = xp.concatenate([xp.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
     ends = xp.concatenate([seg[:, 1:] != seg[:, :-1], xp.ones((B, 1), bool)], axis=1)
     if xp is np:
         run_start = np.maximum.accumulate(np.where(starts, columns, 0), axis=1)
         run_end = np.minimum.accumulate(np.where(ends, columns, T - 1)[:, ::-1], axis=1)[:, ::-1]
-    else:
-        # lax's cumulative max/min, an associative scan: `jnp.maximum.accumulate` is a
-        # sequential loop of T steps, which on a GPU cost more than the kernel it feeds
-        # (384 ms of a 8K-token row's forward and backward on an H200, for 160 blocks).
-        run_start = lax.cummax(jnp.where(starts, columns, 0), axis=1)
-        run_end = lax.cummin(jnp.where(ends, columns, T - 1), axis=1, reverse=True)
-    real = (seg > 0).reshape(B, T // block, block)
-    own = xp.arange(T // block, dtype=np.int32)
-    first = xp.min(xp.where(real, (run_start // block).reshape(real.shape), T), axis=-1)
-    last = xp.max(xp.where(real, (run_end // block).reshape(real.shape), -1), axis=-1)
-    first = xp.where(real.any(axis=-1), first, own + 1)
-    end = xp.where(real.any(axis=-1), last + 1, own)
+        return run_start, run_end
+    # lax's cumulative max/min, an associative scan: `jnp.maximum.accumulate` is a
+    # sequential loop of T steps, which on a GPU cost more than the kernel it feeds
+    # (384 ms of a 8K-token row's forward and backward on an H200, for 160 blocks).
+    return (lax.cummax(jnp.where(starts, columns, 0), axis=1),
+            lax.cummin(jnp.where(ends, columns, T - 1), axis=1, reverse=True))
+
+
+def block_bounds(segment_ids_BxT, block: int, key_block: int = 0):
+    """([B, T/block], [B, T/key_block]) int32: for each query block the first key block it
+    may see, and for each key block one past the last query block that may see it; a block of
+    padding gets an empty range (first past its diagonal; end at the first query block its
+    keys could reach). Key blocks are `block` tokens unless `key_block` says otherwise.
+    NumPy segment ids give NumPy answers (the host's count of the kernel's work)."""
+    xp = np if isinstance(segment_ids_BxT, np.ndarray) else jnp
+    seg, (run_start, run_end) = segment_ids_BxT, _runs(segment_ids_BxT)
+    B, T = seg.shape
+    key_block = key_block or block
+    real_BxIxQ = (seg > 0).reshape(B, T // block, block)
+    real_BxJxW = (seg > 0).reshape(B, T // key_block, key_block)
+    own_I = xp.arange(T // block, dtype=np.int32)
+    first = xp.min(xp.where(real_BxIxQ, (run_start // key_block).reshape(real_BxIxQ.shape), T),
+                   axis=-1)
+    last = xp.max(xp.where(real_BxJxW, (run_end // block).reshape(real_BxJxW.shape), -1),
+                  axis=-1)
+    past_diagonal_I = (own_I * block + block - 1) // key_block + 1
+    first = xp.where(real_BxIxQ.any(axis=-1), first, past_diagonal_I)
+    diagonal_J = xp.arange(T // key_block, dtype=np.int32) * key_block // block
+    end = xp.where(real_BxJxW.any(axis=-1), last + 1, diagonal_J)
     return first.astype(np.int32), end.astype(np.int32)
+
+
+def interior_blocks(segment_ids_BxT, block: int, key_block: int):
+    """Where tiles need no mask: ([B, T/block] x 2, [B, T/key_block] x 2) int32, per query
+    block the range [lo, hi) of key blocks it sees whole, and per key block the range of
+    query blocks that see it whole. A tile is whole when all its keys precede all its queries
+    and one document spans from its first key to its last query; the kernels clip these
+    ranges to their loops' bounds and mask the tiles outside them (the diagonal, and the
+    edges of documents)."""
+    xp = np if isinstance(segment_ids_BxT, np.ndarray) else jnp
+    seg, (run_start, run_end) = segment_ids_BxT, _runs(segment_ids_BxT)
+    T = seg.shape[1]
+    own_I = xp.arange(T // block, dtype=np.int32)
+    own_J = xp.arange(T // key_block, dtype=np.int32)
+    # Query block i: its last token's document reaches back to key block lo; the keys of
+    # blocks below hi all precede its first query.
+    last_I = own_I * block + block - 1
+    lo_I = xp.where(seg[:, last_I] > 0, -(-run_start[:, last_I] // key_block), T)
+    hi_I = xp.broadcast_to(own_I * block // key_block, lo_I.shape)
+    # Key block j: the first query block after all its keys, to the last one its first
+    # token's document covers.
+    first_J = own_J * key_block
+    lo_J = xp.broadcast_to(-(-(first_J + key_block) // block), lo_I.shape[:1] + own_J.shape)
+    hi_J = xp.where(seg[:, first_J] > 0, (run_end[:, first_J] + 1) // block, 0)
+    return tuple(x.astype(np.int32) for x in (lo_I, hi_I, lo_J, hi_J))
 
 
 def computed_blocks(segment_ids_BxT, block: int = BLOCK):
@@ -117,22 +156,25 @@ def _columns(index, block: int) -> Array:
     return index * block + jnp.arange(block)
 
 
-def _scores(queries: _Queries, keys: _Keys, scale: float) -> tuple[Array, Array]:
+def _scores(queries: _Queries, keys: _Keys, scale: float, masked: bool = True
+            ) -> tuple[Array, Array | None]:
     """Base-2 scaled scores of a query block against a key block, and the mask: the same
-    document, not padding, the key not later."""
+    document, not padding, the key not later. An interior tile (`masked` False) has none."""
     s_QxW = plgpu.dot(queries.q_QxH, keys.k_WxH.T) * (scale * _LOG2E)
+    if not masked:
+        return s_QxW, None
     q_seg_Q = queries.seg_Q
     mask_QxW = ((q_seg_Q[:, None] == keys.seg_W[None, :]) & (q_seg_Q[:, None] > 0)
                 & (keys.order_W[None, :] <= queries.order_Q[:, None]))
     return jnp.where(mask_QxW, s_QxW, _MASKED), mask_QxW
 
 
-def _fold(carry, queries: _Queries, keys: _Keys, scale: float):
+def _fold(carry, queries: _Queries, keys: _Keys, scale: float, masked: bool = True):
     """A key block folded into a query block's online softmax (output, max, sum; base 2).
     Masked scores weigh until a real one lifts the max above them (then exp2 gives 0): a row
     that sees nothing ends with its max at _MASKED or below."""
     acc_QxH, m_Q, l_Q = carry
-    s_QxW, _ = _scores(queries, keys, scale)
+    s_QxW, _ = _scores(queries, keys, scale, masked)
     m_next = jnp.maximum(m_Q, s_QxW.max(axis=-1))
     p_QxW = jnp.exp2(s_QxW - m_next[:, None])
     shrink = jnp.exp2(m_Q - m_next)
@@ -145,43 +187,57 @@ def _empty(block: int, H: int):
             jnp.zeros((block,), jnp.float32))
 
 
-def _probabilities(queries: _Queries, keys: _Keys, scale: float) -> Array:
-    s_QxW, mask_QxW = _scores(queries, keys, scale)
-    # Masked explicitly: a padding query's lse is no normaliser of its masked scores.
-    return jnp.where(mask_QxW, jnp.exp2(s_QxW - queries.lse_Q[:, None]), 0)
+def _score_grads(queries: _Queries, keys: _Keys, scale: float, masked: bool = True
+                 ) -> tuple[Array, Array]:
+    """A tile's probabilities P and the gradient dS of its (unscaled) scores, fp32."""
+    s_QxW, mask_QxW = _scores(queries, keys, scale, masked)
+    p_QxW = jnp.exp2(s_QxW - queries.lse_Q[:, None])
+    if masked:  # explicitly: a padding query's lse is no normaliser of its masked scores
+        p_QxW = jnp.where(mask_QxW, p_QxW, 0)
+    dp_QxW = plgpu.dot(queries.do_QxH, keys.v_WxH.T)
+    return p_QxW, p_QxW * (dp_QxW - queries.delta_Q[:, None]) * scale
 
 
-def _key_grads(carry, queries: _Queries, keys: _Keys, scale: float):
-    """A query block's share of a key block's dK and dV (fp32)."""
+def _key_grads(carry, queries: _Queries, keys: _Keys, scale: float, masked: bool = True):
+    """A query block's share of a key block's dK and dV (fp32), and the tile's dS."""
     dk_WxH, dv_WxH = carry
-    p_QxW = _probabilities(queries, keys, scale)
-    do_QxH = queries.do_QxH
-    dv_WxH = dv_WxH + plgpu.dot(p_QxW.astype(do_QxH.dtype).T, do_QxH)
-    dp_QxW = plgpu.dot(do_QxH, keys.v_WxH.T)
-    ds_QxW = p_QxW * (dp_QxW - queries.delta_Q[:, None]) * scale
-    return dk_WxH + plgpu.dot(ds_QxW.astype(queries.q_QxH.dtype).T, queries.q_QxH), dv_WxH
+    p_QxW, ds_QxW = _score_grads(queries, keys, scale, masked)
+    dv_WxH = dv_WxH + plgpu.dot(p_QxW.astype(queries.do_QxH.dtype).T, queries.do_QxH)
+    dk_WxH = dk_WxH + plgpu.dot(ds_QxW.astype(queries.q_QxH.dtype).T, queries.q_QxH)
+    return (dk_WxH, dv_WxH), ds_QxW
 
 
 def _query_grads(dq_QxH: Array, queries: _Queries, keys: _Keys, scale: float) -> Array:
     """A key block's share of a query block's dQ (fp32)."""
-    p_QxW = _probabilities(queries, keys, scale)
-    dp_QxW = plgpu.dot(queries.do_QxH, keys.v_WxH.T)
-    ds_QxW = p_QxW * (dp_QxW - queries.delta_Q[:, None]) * scale
+    _, ds_QxW = _score_grads(queries, keys, scale)
     return dq_QxH + plgpu.dot(ds_QxW.astype(keys.k_WxH.dtype), keys.k_WxH)
 
 
-def _forward_kernel(first_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, block: int,
-                    scale: float):
+def _three_ranges(body, start, lo, hi, end, carry):
+    """`body(masked)` looped over [start, end): masked outside [lo, hi), which is clipped to
+    it, and plain inside."""
+    lo = jnp.clip(lo, start, end)
+    hi = jnp.clip(hi, lo, end)
+    carry = lax.fori_loop(start, lo, body(True), carry)
+    carry = lax.fori_loop(lo, hi, body(False), carry)
+    return lax.fori_loop(hi, end, body(True), carry)
+
+
+def _forward_kernel(first_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref,
+                    *, block: int, scale: float):
     i = pl.program_id(2)
     q_seg_Q = seg_ref[pl.ds(i * block, block)]
     queries = _Queries(q_ref[...], q_seg_Q, _columns(i, block))
 
-    def body(j, carry):
-        keys = pl.ds(j * block, block)
-        return _fold(carry, queries, _Keys(k_ref[keys, :], v_ref[keys, :], seg_ref[keys],
-                                           _columns(j, block)), scale)
+    def fold(masked: bool):
+        def body(j, carry):
+            keys = pl.ds(j * block, block)
+            return _fold(carry, queries, _Keys(k_ref[keys, :], v_ref[keys, :], seg_ref[keys],
+                                               _columns(j, block)), scale, masked)
+        return body
 
-    acc_QxH, m_Q, l_Q = lax.fori_loop(first_ref[i], i + 1, body, _empty(block, q_ref.shape[-1]))
+    acc_QxH, m_Q, l_Q = _three_ranges(fold, first_ref[i], lo_ref[i], hi_ref[i], i + 1,
+                                      _empty(block, q_ref.shape[-1]))
     real_Q = q_seg_Q > 0
     # A padding query's row is all masks: its sums are junk, its output zero.
     o_ref[...] = jnp.where(real_Q[:, None], acc_QxH / l_Q[:, None], 0).astype(o_ref.dtype)
@@ -205,7 +261,7 @@ def _backward_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, l
     keys = key_block(j)
     zeros = jnp.zeros((block, q_ref.shape[-1]), jnp.float32)
     dk_WxH, dv_WxH = lax.fori_loop(
-        j, end_ref[j], lambda i, carry: _key_grads(carry, query_block(i), keys, scale),
+        j, end_ref[j], lambda i, carry: _key_grads(carry, query_block(i), keys, scale)[0],
         (zeros, zeros))
     dk_ref[...] = dk_WxH.astype(dk_ref.dtype)
     dv_ref[...] = dv_WxH.astype(dv_ref.dtype)
@@ -215,6 +271,36 @@ def _backward_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, l
     dq_ref[...] = lax.fori_loop(
         first_ref[j], j + 1, lambda jj, dq: _query_grads(dq, queries, key_block(jj), scale),
         zeros).astype(dq_ref.dtype)
+
+
+def _fa2_backward_kernel(end_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, seg_ref, do_ref,
+                         lse_ref, delta_ref, dq_zeros_ref, dq_ref, dk_ref, dv_ref, *,
+                         rows: int, scale: float):
+    """Key block j of one K/V head, for each of its G query heads the query blocks from the
+    diagonal to the last that sees it: dK and dV summed in registers over heads and blocks,
+    each tile's dS·K added into dQ (fp32, zeros aliased in: `dq_zeros_ref` is `dq_ref`)."""
+    del dq_zeros_ref
+    j = pl.program_id(2)
+    W, H = k_ref.shape
+    keys = _Keys(k_ref[...], v_ref[...], seg_ref[pl.ds(j * W, W)], _columns(j, W))
+
+    def head(g, carry):
+        def tile(masked: bool):
+            def body(i, carry):
+                r = pl.ds(i * rows, rows)
+                queries = _Queries(q_ref[r, g, :], seg_ref[r], _columns(i, rows),
+                                   do_ref[r, g, :], lse_ref[g, r], delta_ref[g, r])
+                carry, ds_QxW = _key_grads(carry, queries, keys, scale, masked)
+                plgpu.atomic_add(dq_ref, (r, g, slice(None)),
+                                 plgpu.dot(ds_QxW.astype(keys.k_WxH.dtype), keys.k_WxH))
+                return carry
+            return body
+        return _three_ranges(tile, j * W // rows, lo_ref[j], hi_ref[j], end_ref[j], carry)
+
+    zeros = jnp.zeros((W, H), jnp.float32)
+    dk_WxH, dv_WxH = lax.fori_loop(0, q_ref.shape[1], head, (zeros, zeros))
+    dk_ref[...] = dk_WxH.astype(dk_ref.dtype)
+    dv_ref[...] = dv_WxH.astype(dv_ref.dtype)
 
 
 def _ring_forward_kernel(count_ref, listed_ref, q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref,
@@ -253,7 +339,7 @@ def _ring_backward_kernel(k_count_ref, k_listed_ref, q_count_ref, q_listed_ref, 
     zeros = jnp.zeros((block, q_ref.shape[-1]), jnp.float32)
     dk_WxH, dv_WxH = lax.fori_loop(
         0, q_count_ref[j],
-        lambda n, carry: _key_grads(carry, query_block(q_listed_ref[j, n]), keys, scale),
+        lambda n, carry: _key_grads(carry, query_block(q_listed_ref[j, n]), keys, scale)[0],
         (zeros, zeros))
     dk_ref[...] = dk_WxH
     dv_ref[...] = dv_WxH
@@ -294,54 +380,113 @@ def _warps(block: int) -> int:
     return 4 if block <= 64 else 8
 
 
+class Tiles(NamedTuple):
+    """The FA2 backward's tiling: `query` rows per step of a program's loop over query blocks,
+    `key` rows of the key block a program owns, Triton's warps and pipeline stages."""
+
+    query: int
+    key: int
+    warps: int
+    stages: int
+
+
+# The FA2 backward's tiles by (bytes per input element, head dim). None is measured on a GPU
+# yet (`scripts/bench_gpu.py kernels` times them beside the two-loop backward); each compiles
+# for an H100 within its shared memory (tests/test_packed_attention.py, two of them).
+BACKWARD_TILES = {
+    # FlashAttention-2's tiles at H=128: 64 queries by 128 keys, 8 warps. dK and dV (fp32,
+    # 128 x H) take 128 registers a thread, the P, dP and dS tiles 32 each: 128 x 128 tiles
+    # (the two-loop kernel's) double those and spill.
+    (2, 128): Tiles(64, 128, 8, 2),
+    # Half the width: 4 warps hold dK and dV in as many registers; a stage more hides loads.
+    (2, 64): Tiles(64, 128, 4, 3),
+    # Twice the width: dK and dV at 64 keys keep 128 registers at 8 warps; K and V (64 KiB)
+    # leave shared memory for one stage of Q and dO.
+    (2, 256): Tiles(64, 64, 8, 1),
+    # fp32 doubles every tile's bytes: the two-loop kernel's 128 tiles overflowed shared memory
+    # at H=64 (`block_for`), so half each edge.
+    (4, 64): Tiles(32, 64, 4, 2),
+    (4, 128): Tiles(32, 64, 8, 2),
+    (4, 256): Tiles(32, 32, 8, 1),
+}
+BACKWARDS = ("fa2", "two-loop")
+
+
+def backward_tiles(dtype, head_dim: int, seq_len: int) -> Tiles:
+    """`BACKWARD_TILES`' entry for the narrowest listed head dim at least `head_dim` (the
+    widest past them), its edges halved until they divide the row."""
+    width = 2 if jnp.dtype(dtype).itemsize <= 2 else 4
+    listed = sorted(h for w, h in BACKWARD_TILES if w == width)
+    tiles = BACKWARD_TILES[(width, next((h for h in listed if h >= head_dim), listed[-1]))]
+    query, key = tiles.query, tiles.key
+    while seq_len % query:
+        query //= 2
+    while seq_len % key:
+        key //= 2
+    return tiles._replace(query=query, key=key)
+
+
 def packed_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
-                     segment_ids_BxT: Array, *, block: int = 0, interpret: bool = False
-                     ) -> Array:
+                     segment_ids_BxT: Array, *, block: int = 0, backward: str = "two-loop",
+                     tiles: Tiles | None = None, interpret: bool = False) -> Array:
     """Attention under the document-causal mask of packed rows, [B, T, N, H] in q's dtype.
-    `block`: the tile edge (0: `block_for`); `interpret` runs the kernels in Pallas'
-    interpreter (any platform)."""
+    `block`: the forward's tile edge, and the two-loop backward's (0: `block_for`);
+    `backward`: "fa2", one pass per key block under `tiles` (None: `backward_tiles`), or
+    "two-loop"; `interpret` runs the kernels in Pallas' interpreter (any platform)."""
     _, T, _, H = q_BxTxNxH.shape
+    if backward not in BACKWARDS:
+        raise ValueError(f"packed attention's backward is one of {BACKWARDS}, not {backward!r}")
     block = block or block_for(q_BxTxNxH.dtype, H, T)
-    return _attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block, interpret)
+    if backward == "fa2":
+        tiles = tiles or backward_tiles(q_BxTxNxH.dtype, H, T)
+    return _attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block,
+                      tiles if backward == "fa2" else None, interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_BxT: Array,
-               block: int, interpret: bool) -> Array:
-    return _forward(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block, interpret)[0]
+               block: int, tiles: Tiles | None, interpret: bool) -> Array:
+    return _forward(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block, tiles,
+                    interpret)[0]
 
 
 def _forward(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_BxT: Array,
-             block: int, interpret: bool):
+             block: int, tiles: Tiles | None, interpret: bool):
+    del tiles  # the backward's
     _check(q_BxTxNxH, k_BxTxKxH, block)
     (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
     segment_ids_BxT = segment_ids_BxT.astype(jnp.int32)
     first_BxI, end_BxJ = block_bounds(segment_ids_BxT, block)
+    lo_BxI, hi_BxI, _, _ = interior_blocks(segment_ids_BxT, block, block)
     spec = _specs(B, T, N, N // K, H, block)
     out_BxTxNxH, lse_BxNxT = pl.pallas_call(
         functools.partial(_forward_kernel, block=block, scale=H ** -0.5),
         grid=(B, N, T // block),
-        in_specs=[spec["bounds"], spec["q_block"], spec["kv_row"], spec["kv_row"],
-                  spec["tokens"]],
+        in_specs=[spec["bounds"]] * 3 + [spec["q_block"], spec["kv_row"], spec["kv_row"],
+                                         spec["tokens"]],
         out_specs=[spec["q_block"], spec["head_block"]],
         out_shape=[jax.ShapeDtypeStruct(q_BxTxNxH.shape, q_BxTxNxH.dtype),
                    jax.ShapeDtypeStruct((B, N, T), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=_warps(block), num_stages=2),
         interpret=interpret, name="packed_attention_forward",
-    )(first_BxI, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
+    )(first_BxI, lo_BxI, hi_BxI, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
     residuals = (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, first_BxI, end_BxJ,
                  out_BxTxNxH, lse_BxNxT)
     return out_BxTxNxH, residuals
 
 
-def _backward(block: int, interpret: bool, residuals, dout_BxTxNxH: Array):
+def _backward(block: int, tiles: Tiles | None, interpret: bool, residuals,
+              dout_BxTxNxH: Array):
     q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, first_BxI, end_BxJ, out_BxTxNxH, \
         lse_BxNxT = residuals
-    (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
-    G = N // K
     dout_BxTxNxH = dout_BxTxNxH.astype(q_BxTxNxH.dtype)
     delta_BxNxT = jnp.einsum("btnh,btnh->bnt", out_BxTxNxH.astype(jnp.float32),
                              dout_BxTxNxH.astype(jnp.float32))
+    if tiles is not None:
+        return _fa2_backward(tiles, interpret, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
+                             segment_ids_BxT, dout_BxTxNxH, lse_BxNxT, delta_BxNxT)
+    (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
+    G = N // K
     spec = _specs(B, T, N, G, H, block)
     # Per query head; summed over each K/V head's G query heads below, in fp32 when G > 1.
     kv_dtype = k_BxTxKxH.dtype if G == 1 else jnp.float32
@@ -363,6 +508,40 @@ def _backward(block: int, interpret: bool, residuals, dout_BxTxNxH: Array):
         dk_BxTxNxH, dv_BxTxNxH = (x.reshape(B, T, K, G, H).sum(axis=3).astype(k_BxTxKxH.dtype)
                                   for x in (dk_BxTxNxH, dv_BxTxNxH))
     return dq_BxTxNxH, dk_BxTxNxH, dv_BxTxNxH.astype(v_BxTxKxH.dtype), None
+
+
+def _fa2_backward(tiles: Tiles, interpret: bool, q_BxTxNxH: Array, k_BxTxKxH: Array,
+                  v_BxTxKxH: Array, segment_ids_BxT: Array, dout_BxTxNxH: Array,
+                  lse_BxNxT: Array, delta_BxNxT: Array):
+    """One program per (row, K/V head, key block of `tiles.key`) over the query blocks of
+    `tiles.query` that see it, for all G query heads of that K/V head."""
+    Q, W = tiles.query, tiles.key
+    for block in (Q, W):
+        _check(q_BxTxNxH, k_BxTxKxH, block)
+    (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
+    G = N // K
+    _, end_BxJ = block_bounds(segment_ids_BxT, Q, W)
+    _, _, lo_BxJ, hi_BxJ = interior_blocks(segment_ids_BxT, Q, W)
+    bounds = pl.BlockSpec((None, T // W), lambda b, h, j: (b, 0))
+    group_row = pl.BlockSpec((None, T, G, H), lambda b, h, j: (b, 0, h, 0))
+    key_block = pl.BlockSpec((None, W, None, H), lambda b, h, j: (b, j, h, 0))
+    tokens = pl.BlockSpec((None, T), lambda b, h, j: (b, 0))
+    group_tokens = pl.BlockSpec((None, G, T), lambda b, h, j: (b, h, 0))
+    dq_BxTxNxH, dk_BxTxKxH, dv_BxTxKxH = pl.pallas_call(
+        functools.partial(_fa2_backward_kernel, rows=Q, scale=H ** -0.5),
+        grid=(B, K, T // W),
+        in_specs=[bounds] * 3 + [group_row, key_block, key_block, tokens, group_row]
+        + [group_tokens] * 2 + [group_row],
+        out_specs=[group_row, key_block, key_block],
+        out_shape=[jax.ShapeDtypeStruct(q_BxTxNxH.shape, jnp.float32),
+                   jax.ShapeDtypeStruct(k_BxTxKxH.shape, k_BxTxKxH.dtype),
+                   jax.ShapeDtypeStruct(v_BxTxKxH.shape, v_BxTxKxH.dtype)],
+        input_output_aliases={10: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
+        interpret=interpret, name="packed_attention_backward_fa2",
+    )(end_BxJ, lo_BxJ, hi_BxJ, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, dout_BxTxNxH,
+      lse_BxNxT, delta_BxNxT, jnp.zeros(q_BxTxNxH.shape, jnp.float32))
+    return dq_BxTxNxH.astype(q_BxTxNxH.dtype), dk_BxTxKxH, dv_BxTxKxH, None
 
 
 _attention.defvjp(_forward, _backward)

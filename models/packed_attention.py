@@ -169,12 +169,12 @@ def _scores(queries: _Queries, keys: _Keys, scale: float, masked: bool = True
     return jnp.where(mask_QxW, s_QxW, _MASKED), mask_QxW
 
 
-def _fold(carry, queries: _Queries, keys: _Keys, scale: float, masked: bool = True):
+def _fold(carry, queries: _Queries, keys: _Keys, scale: float):
     """A key block folded into a query block's online softmax (output, max, sum; base 2).
     Masked scores weigh until a real one lifts the max above them (then exp2 gives 0): a row
     that sees nothing ends with its max at _MASKED or below."""
     acc_QxH, m_Q, l_Q = carry
-    s_QxW, _ = _scores(queries, keys, scale, masked)
+    s_QxW, _ = _scores(queries, keys, scale)
     m_next = jnp.maximum(m_Q, s_QxW.max(axis=-1))
     p_QxW = jnp.exp2(s_QxW - m_next[:, None])
     shrink = jnp.exp2(m_Q - m_next)
@@ -207,9 +207,10 @@ def _key_grads(carry, queries: _Queries, keys: _Keys, scale: float, masked: bool
     return (dk_WxH, dv_WxH), ds_QxW
 
 
-def _query_grads(dq_QxH: Array, queries: _Queries, keys: _Keys, scale: float) -> Array:
+def _query_grads(dq_QxH: Array, queries: _Queries, keys: _Keys, scale: float,
+                 masked: bool = True) -> Array:
     """A key block's share of a query block's dQ (fp32)."""
-    _, ds_QxW = _score_grads(queries, keys, scale)
+    _, ds_QxW = _score_grads(queries, keys, scale, masked)
     return dq_QxH + plgpu.dot(ds_QxW.astype(keys.k_WxH.dtype), keys.k_WxH)
 
 
@@ -223,21 +224,18 @@ def _three_ranges(body, start, lo, hi, end, carry):
     return lax.fori_loop(hi, end, body(True), carry)
 
 
-def _forward_kernel(first_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref,
-                    *, block: int, scale: float):
+def _forward_kernel(first_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, block: int,
+                    scale: float):
     i = pl.program_id(2)
     q_seg_Q = seg_ref[pl.ds(i * block, block)]
     queries = _Queries(q_ref[...], q_seg_Q, _columns(i, block))
 
-    def fold(masked: bool):
-        def body(j, carry):
-            keys = pl.ds(j * block, block)
-            return _fold(carry, queries, _Keys(k_ref[keys, :], v_ref[keys, :], seg_ref[keys],
-                                               _columns(j, block)), scale, masked)
-        return body
+    def body(j, carry):
+        keys = pl.ds(j * block, block)
+        return _fold(carry, queries, _Keys(k_ref[keys, :], v_ref[keys, :], seg_ref[keys],
+                                           _columns(j, block)), scale)
 
-    acc_QxH, m_Q, l_Q = _three_ranges(fold, first_ref[i], lo_ref[i], hi_ref[i], i + 1,
-                                      _empty(block, q_ref.shape[-1]))
+    acc_QxH, m_Q, l_Q = lax.fori_loop(first_ref[i], i + 1, body, _empty(block, q_ref.shape[-1]))
     real_Q = q_seg_Q > 0
     # A padding query's row is all masks: its sums are junk, its output zero.
     o_ref[...] = jnp.where(real_Q[:, None], acc_QxH / l_Q[:, None], 0).astype(o_ref.dtype)
@@ -273,13 +271,15 @@ def _backward_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, l
         zeros).astype(dq_ref.dtype)
 
 
-def _fa2_backward_kernel(end_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, seg_ref, do_ref,
-                         lse_ref, delta_ref, dq_zeros_ref, dq_ref, dk_ref, dv_ref, *,
-                         rows: int, scale: float):
-    """Key block j of one K/V head, for each of its G query heads the query blocks from the
-    diagonal to the last that sees it: dK and dV summed in registers over heads and blocks,
-    each tile's dS·K added into dQ (fp32, zeros aliased in: `dq_zeros_ref` is `dq_ref`)."""
-    del dq_zeros_ref
+def _key_block_kernel(end_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref,
+                      delta_ref, *out_refs, rows: int, scale: float):
+    """Key block j of one K/V head, for each of its G query heads the query blocks of `rows`
+    from the diagonal to the last that sees it: dK and dV summed in registers over heads and
+    blocks. Given dQ (`out_refs` dQ's zeros aliased in, dQ, dK, dV) each tile's dS·K is added
+    into it (fp32, atomically: programs of other key blocks add to the same rows); given
+    (dK, dV) dQ is `_query_block_kernel`'s."""
+    dq_ref = out_refs[1] if len(out_refs) == 4 else None
+    dk_ref, dv_ref = out_refs[-2:]
     j = pl.program_id(2)
     W, H = k_ref.shape
     keys = _Keys(k_ref[...], v_ref[...], seg_ref[pl.ds(j * W, W)], _columns(j, W))
@@ -291,8 +291,9 @@ def _fa2_backward_kernel(end_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, seg_ref, 
                 queries = _Queries(q_ref[r, g, :], seg_ref[r], _columns(i, rows),
                                    do_ref[r, g, :], lse_ref[g, r], delta_ref[g, r])
                 carry, ds_QxW = _key_grads(carry, queries, keys, scale, masked)
-                plgpu.atomic_add(dq_ref, (r, g, slice(None)),
-                                 plgpu.dot(ds_QxW.astype(keys.k_WxH.dtype), keys.k_WxH))
+                if dq_ref is not None:
+                    plgpu.atomic_add(dq_ref, (r, g, slice(None)),
+                                     plgpu.dot(ds_QxW.astype(keys.k_WxH.dtype), keys.k_WxH))
                 return carry
             return body
         return _three_ranges(tile, j * W // rows, lo_ref[j], hi_ref[j], end_ref[j], carry)
@@ -301,6 +302,27 @@ def _fa2_backward_kernel(end_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, seg_ref, 
     dk_WxH, dv_WxH = lax.fori_loop(0, q_ref.shape[1], head, (zeros, zeros))
     dk_ref[...] = dk_WxH.astype(dk_ref.dtype)
     dv_ref[...] = dv_WxH.astype(dv_ref.dtype)
+
+
+def _query_block_kernel(first_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, seg_ref, do_ref,
+                        lse_ref, delta_ref, dq_ref, *, keys: int, scale: float):
+    """dQ of one query head's query block i over the key blocks of `keys` the forward read."""
+    i = pl.program_id(2)
+    Q, H = q_ref.shape
+    queries = _Queries(q_ref[...], seg_ref[pl.ds(i * Q, Q)], _columns(i, Q), do_ref[...],
+                       lse_ref[...], delta_ref[...])
+
+    def tile(masked: bool):
+        def body(j, dq_QxH):
+            cols = pl.ds(j * keys, keys)
+            return _query_grads(dq_QxH, queries, _Keys(k_ref[cols, :], v_ref[cols, :],
+                                                       seg_ref[cols], _columns(j, keys)),
+                                scale, masked)
+        return body
+
+    diagonal = (i * Q + Q - 1) // keys + 1
+    dq_ref[...] = _three_ranges(tile, first_ref[i], lo_ref[i], hi_ref[i], diagonal,
+                                jnp.zeros((Q, H), jnp.float32)).astype(dq_ref.dtype)
 
 
 def _ring_forward_kernel(count_ref, listed_ref, q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref,
@@ -409,7 +431,10 @@ BACKWARD_TILES = {
     (4, 128): Tiles(32, 64, 8, 2),
     (4, 256): Tiles(32, 32, 8, 1),
 }
-BACKWARDS = ("fa2", "two-loop")
+# "two-loop": per query head, dK/dV of key block j then dQ of query block j, 7 tile matmuls;
+# "fa2": per K/V head and key block, dQ added atomically, 5; "fa2-split": the same without dQ
+# (4), and dQ per query head and query block (3).
+BACKWARDS = ("two-loop", "fa2", "fa2-split")
 
 
 def backward_tiles(dtype, head_dim: int, seq_len: int) -> Tiles:
@@ -431,60 +456,59 @@ def packed_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
                      tiles: Tiles | None = None, interpret: bool = False) -> Array:
     """Attention under the document-causal mask of packed rows, [B, T, N, H] in q's dtype.
     `block`: the forward's tile edge, and the two-loop backward's (0: `block_for`);
-    `backward`: "fa2", one pass per key block under `tiles` (None: `backward_tiles`), or
-    "two-loop"; `interpret` runs the kernels in Pallas' interpreter (any platform)."""
+    `backward`: one of `BACKWARDS`, the FA2 ones under `tiles` (None: `backward_tiles`);
+    `interpret` runs the kernels in Pallas' interpreter (any platform)."""
     _, T, _, H = q_BxTxNxH.shape
     if backward not in BACKWARDS:
         raise ValueError(f"packed attention's backward is one of {BACKWARDS}, not {backward!r}")
     block = block or block_for(q_BxTxNxH.dtype, H, T)
-    if backward == "fa2":
+    if backward != "two-loop":
         tiles = tiles or backward_tiles(q_BxTxNxH.dtype, H, T)
-    return _attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block,
-                      tiles if backward == "fa2" else None, interpret)
+    return _attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block, backward,
+                      tiles, interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_BxT: Array,
-               block: int, tiles: Tiles | None, interpret: bool) -> Array:
-    return _forward(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block, tiles,
+               block: int, backward: str, tiles: Tiles | None, interpret: bool) -> Array:
+    return _forward(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block, backward, tiles,
                     interpret)[0]
 
 
 def _forward(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_BxT: Array,
-             block: int, tiles: Tiles | None, interpret: bool):
-    del tiles  # the backward's
+             block: int, backward: str, tiles: Tiles | None, interpret: bool):
+    del backward, tiles  # the backward's
     _check(q_BxTxNxH, k_BxTxKxH, block)
     (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
     segment_ids_BxT = segment_ids_BxT.astype(jnp.int32)
     first_BxI, end_BxJ = block_bounds(segment_ids_BxT, block)
-    lo_BxI, hi_BxI, _, _ = interior_blocks(segment_ids_BxT, block, block)
     spec = _specs(B, T, N, N // K, H, block)
     out_BxTxNxH, lse_BxNxT = pl.pallas_call(
         functools.partial(_forward_kernel, block=block, scale=H ** -0.5),
         grid=(B, N, T // block),
-        in_specs=[spec["bounds"]] * 3 + [spec["q_block"], spec["kv_row"], spec["kv_row"],
-                                         spec["tokens"]],
+        in_specs=[spec["bounds"], spec["q_block"], spec["kv_row"], spec["kv_row"],
+                  spec["tokens"]],
         out_specs=[spec["q_block"], spec["head_block"]],
         out_shape=[jax.ShapeDtypeStruct(q_BxTxNxH.shape, q_BxTxNxH.dtype),
                    jax.ShapeDtypeStruct((B, N, T), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=_warps(block), num_stages=2),
         interpret=interpret, name="packed_attention_forward",
-    )(first_BxI, lo_BxI, hi_BxI, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
+    )(first_BxI, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
     residuals = (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, first_BxI, end_BxJ,
                  out_BxTxNxH, lse_BxNxT)
     return out_BxTxNxH, residuals
 
 
-def _backward(block: int, tiles: Tiles | None, interpret: bool, residuals,
+def _backward(block: int, backward: str, tiles: Tiles | None, interpret: bool, residuals,
               dout_BxTxNxH: Array):
     q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, first_BxI, end_BxJ, out_BxTxNxH, \
         lse_BxNxT = residuals
     dout_BxTxNxH = dout_BxTxNxH.astype(q_BxTxNxH.dtype)
     delta_BxNxT = jnp.einsum("btnh,btnh->bnt", out_BxTxNxH.astype(jnp.float32),
                              dout_BxTxNxH.astype(jnp.float32))
-    if tiles is not None:
-        return _fa2_backward(tiles, interpret, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
-                             segment_ids_BxT, dout_BxTxNxH, lse_BxNxT, delta_BxNxT)
+    if backward != "two-loop":
+        return _fa2_backward(backward == "fa2", tiles, interpret, q_BxTxNxH, k_BxTxKxH,
+                             v_BxTxKxH, segment_ids_BxT, dout_BxTxNxH, lse_BxNxT, delta_BxNxT)
     (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
     G = N // K
     spec = _specs(B, T, N, G, H, block)
@@ -510,37 +534,56 @@ def _backward(block: int, tiles: Tiles | None, interpret: bool, residuals,
     return dq_BxTxNxH, dk_BxTxNxH, dv_BxTxNxH.astype(v_BxTxKxH.dtype), None
 
 
-def _fa2_backward(tiles: Tiles, interpret: bool, q_BxTxNxH: Array, k_BxTxKxH: Array,
-                  v_BxTxKxH: Array, segment_ids_BxT: Array, dout_BxTxNxH: Array,
-                  lse_BxNxT: Array, delta_BxNxT: Array):
-    """One program per (row, K/V head, key block of `tiles.key`) over the query blocks of
-    `tiles.query` that see it, for all G query heads of that K/V head."""
+def _fa2_backward(atomic: bool, tiles: Tiles, interpret: bool, q_BxTxNxH: Array,
+                  k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_BxT: Array,
+                  dout_BxTxNxH: Array, lse_BxNxT: Array, delta_BxNxT: Array):
+    """dK and dV by one program per (row, K/V head, key block of `tiles.key`) over the query
+    blocks of `tiles.query` that see it, for all G query heads of that K/V head; dQ added
+    there (`atomic`) or by one program per (row, query head, query block)."""
     Q, W = tiles.query, tiles.key
     for block in (Q, W):
         _check(q_BxTxNxH, k_BxTxKxH, block)
     (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
     G = N // K
-    _, end_BxJ = block_bounds(segment_ids_BxT, Q, W)
-    _, _, lo_BxJ, hi_BxJ = interior_blocks(segment_ids_BxT, Q, W)
+    first_BxI, end_BxJ = block_bounds(segment_ids_BxT, Q, W)
+    lo_BxI, hi_BxI, lo_BxJ, hi_BxJ = interior_blocks(segment_ids_BxT, Q, W)
     bounds = pl.BlockSpec((None, T // W), lambda b, h, j: (b, 0))
     group_row = pl.BlockSpec((None, T, G, H), lambda b, h, j: (b, 0, h, 0))
     key_block = pl.BlockSpec((None, W, None, H), lambda b, h, j: (b, j, h, 0))
     tokens = pl.BlockSpec((None, T), lambda b, h, j: (b, 0))
     group_tokens = pl.BlockSpec((None, G, T), lambda b, h, j: (b, h, 0))
-    dq_BxTxNxH, dk_BxTxKxH, dv_BxTxKxH = pl.pallas_call(
-        functools.partial(_fa2_backward_kernel, rows=Q, scale=H ** -0.5),
+    dkv_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k_BxTxKxH, v_BxTxKxH)]
+    dq_shape = jax.ShapeDtypeStruct(q_BxTxNxH.shape, jnp.float32)
+    inputs = (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, dout_BxTxNxH, lse_BxNxT,
+              delta_BxNxT)
+    grads = pl.pallas_call(
+        functools.partial(_key_block_kernel, rows=Q, scale=H ** -0.5),
         grid=(B, K, T // W),
         in_specs=[bounds] * 3 + [group_row, key_block, key_block, tokens, group_row]
-        + [group_tokens] * 2 + [group_row],
-        out_specs=[group_row, key_block, key_block],
-        out_shape=[jax.ShapeDtypeStruct(q_BxTxNxH.shape, jnp.float32),
-                   jax.ShapeDtypeStruct(k_BxTxKxH.shape, k_BxTxKxH.dtype),
-                   jax.ShapeDtypeStruct(v_BxTxKxH.shape, v_BxTxKxH.dtype)],
-        input_output_aliases={10: 0},
+        + [group_tokens] * 2 + [group_row] * atomic,
+        out_specs=[group_row] * atomic + [key_block] * 2,
+        out_shape=[dq_shape] * atomic + dkv_shapes,
+        input_output_aliases={10: 0} if atomic else {},
         compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
         interpret=interpret, name="packed_attention_backward_fa2",
-    )(end_BxJ, lo_BxJ, hi_BxJ, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, dout_BxTxNxH,
-      lse_BxNxT, delta_BxNxT, jnp.zeros(q_BxTxNxH.shape, jnp.float32))
+    )(end_BxJ, lo_BxJ, hi_BxJ, *inputs, *[jnp.zeros(dq_shape.shape, jnp.float32)] * atomic)
+    if atomic:
+        dq_BxTxNxH, dk_BxTxKxH, dv_BxTxKxH = grads
+    else:
+        dk_BxTxKxH, dv_BxTxKxH = grads
+        spec = _specs(B, T, N, G, H, Q)
+        dq_BxTxNxH = pl.pallas_call(
+            functools.partial(_query_block_kernel, keys=W, scale=H ** -0.5),
+            grid=(B, N, T // Q),
+            in_specs=[spec["bounds"]] * 3 + [spec["q_block"], spec["kv_row"], spec["kv_row"],
+                                             spec["tokens"], spec["q_block"]]
+            + [spec["head_block"]] * 2,
+            out_specs=spec["q_block"],
+            out_shape=jax.ShapeDtypeStruct(q_BxTxNxH.shape, q_BxTxNxH.dtype),
+            compiler_params=plgpu.CompilerParams(num_warps=tiles.warps,
+                                                 num_stages=tiles.stages),
+            interpret=interpret, name="packed_attention_backward_fa2_dq",
+        )(first_BxI, lo_BxI, hi_BxI, *inputs)
     return dq_BxTxNxH.astype(q_BxTxNxH.dtype), dk_BxTxKxH, dv_BxTxKxH, None
 
 

@@ -6,9 +6,9 @@ LLaMA's MFU, and the machine's measured profile beside the shipped H100 one.
 Parts, each its own process (a failure or a hang in one loses nothing of the others):
 
 - `check`: the packed-attention Pallas kernel (`models.packed_attention`) under each of its
-  backwards (`packed`: two-loop, `packed-fa2`: FA2's one pass) and one step of the ring's
-  kernel pair over the whole row run for real, forward and backward, against the dense
-  reference (every score materialised, float32, highest matmul
+  backwards (`packed`: two-loop, `packed-fa2`: FA2's one pass, `packed-fa2-split`: its dQ
+  apart) and one step of the ring's kernel pair over the whole row run for real, forward and
+  backward, against the dense reference (every score materialised, float32, highest matmul
   precision) on packed rows with GQA, in float32 and bfloat16; and three training steps of the
   `small` model (float32, packed rows, `--attention auto`, so the Pallas kernel) on the GPU
   against the same steps on the host's CPU (the blockwise kernel).
@@ -17,8 +17,8 @@ Parts, each its own process (a failure or a hang in one loses nothing of the oth
 - `kernels`: forward + backward of one row of documents of about 256 and about 2,048 tokens and
   of one document, at 8K and 32K, LLaMA-3-8B's attention shape (32 query heads, 8 K/V heads,
   128 wide; and 64 wide), bfloat16: the Pallas kernel under its two-loop backward (`packed`)
-  and its FA2 backward (`packed-fa2`; with `--fa2-tiles` also under those tiles, each
-  `packed-fa2:QxW,warps,stages`); cuDNN's packed layout under the row's
+  and its FA2 backwards (`packed-fa2`, `packed-fa2-split`; with `--fa2-tiles` also under
+  those tiles, named `packed-fa2:QxW,warps,stages`); cuDNN's packed layout under the row's
   own document cap; one step of the ring's Pallas kernel pair with the row as both its query
   and its K/V chunk (the issue's "ring step within 1.2x of the packed kernel on the same
   block"); cuDNN's plain causal attention on the one-document row; with
@@ -160,7 +160,8 @@ def check(args) -> dict:
             (_, ref_out), ref_grads = jax.block_until_ready(ref(q, k, v))
         block = block_for(jnp.dtype(dtype), H, T)
         for kernel, attend in (
-                *((name, packed_by(name, seg, interpret)) for name in ("packed", "packed-fa2")),
+                *((name, packed_by(name, seg, interpret))
+                  for name in ("packed", "packed-fa2", "packed-fa2-split")),
                 ("ring-step", ring_step_on_row(seg, pos, block, interpret=interpret))):
             (_, out), grads = jax.block_until_ready(_grad_step(attend, ct)(q, k, v))
             errors = {name: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)))
@@ -176,16 +177,14 @@ def check(args) -> dict:
 
 def packed_by(name: str, seg, interpret: bool):
     """The packed kernel a bench name asks for: `packed` under the two-loop backward,
-    `packed-fa2` under FA2's at `backward_tiles`' tiles, `packed-fa2:QxW,warps,stages` at
-    those."""
+    `packed-fa2` and `packed-fa2-split` under those backwards at `backward_tiles`' tiles, or
+    at the tiles after a colon (`packed-fa2:QxW,warps,stages`)."""
     from models.packed_attention import packed_attention
 
-    if name == "packed":
-        return lambda q, k, v: packed_attention(q, k, v, seg, backward="two-loop",
-                                                interpret=interpret)
-    tiles = _tiles(name.split(":")[1]) if ":" in name else None
-    return lambda q, k, v: packed_attention(q, k, v, seg, backward="fa2", tiles=tiles,
-                                            interpret=interpret)
+    backward, _, tiles = name.removeprefix("packed").removeprefix("-").partition(":")
+    return lambda q, k, v: packed_attention(
+        q, k, v, seg, backward=backward or "two-loop", tiles=_tiles(tiles) if tiles else None,
+        interpret=interpret)
 
 
 def _tiles(text: str):
@@ -197,10 +196,10 @@ def _tiles(text: str):
     return Tiles(int(query), int(key), int(warps), int(stages))
 
 
-def _fa2_tiles(text: str) -> str:
-    """`--fa2-tiles` checked, named as `kernels` reports it."""
+def _fa2_tiles(text: str) -> list[str]:
+    """`--fa2-tiles` checked, as the names `kernels` reports under both FA2 backwards."""
     _tiles(text)
-    return f"packed-fa2:{text}"
+    return [f"packed-fa2:{text}", f"packed-fa2-split:{text}"]
 
 
 def _steps_vs_cpu(args) -> dict:
@@ -282,7 +281,8 @@ def kernels(args) -> dict:
                 seg_np, pos_np = make_row("packed" if doc < T else "causal", T, doc)
                 seg, pos = jnp.asarray(seg_np), jnp.asarray(pos_np)
                 pairs = _document_pairs(seg_np)
-                names = (["packed", "packed-fa2", *args.fa2_tiles, "ring-step"]
+                names = (["packed", "packed-fa2", "packed-fa2-split",
+                          *(name for pair in args.fa2_tiles for name in pair), "ring-step"]
                          + (["cudnn-packed"] if on_gpu else []))
                 if on_gpu and H == 128:
                     names += ["cudnn"] if doc == T else []
@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="kernels: also time the blockwise XLA kernel")
     parser.add_argument("--fa2-tiles", type=_fa2_tiles, action="append", default=[],
                         metavar="QxW,WARPS,STAGES", help="kernels: also time the packed "
-                        "kernel's FA2 backward at these tiles (repeatable), e.g. 64x128,8,2")
+                        "kernel's FA2 backwards at these tiles (repeatable), e.g. 64x128,8,2")
     parser.add_argument("--profile", help="calibrate: a `profile --json` report to predict "
                         "with, instead of measuring one")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # calibrate's child: ROWS,TOKENS,REMAT

@@ -7,9 +7,32 @@ kernel, `block_bounds` finds per query block the first key block it needs (the o
 start of the document of its first real token) and per key block the query blocks that need it
 (up to the one holding the end of its last real token's document); the kernels loop over those
 alone. Forward: grid (rows, query heads, query blocks), online softmax over key blocks from that
-bound up to the diagonal. Backward, one fused kernel on the same grid: dK/dV of key block j over
-query blocks from the diagonal to j's bound, then dQ of query block j like the forward. Query
-head n reads K/V head n // G; with G > 1 each query head's dK/dV are summed outside the kernel.
+bound up to the diagonal.
+
+Backward, one of `BACKWARDS` (`packed_attention(backward=)`):
+- "two-loop" (the default): one fused kernel on the forward's grid: dK/dV of key block j over
+  query blocks from the diagonal to j's bound, then dQ of query block j like the forward; QKᵀ
+  and dO·Vᵀ are computed in both loops (7 tile matmuls). Query head n reads K/V head n // G;
+  with G > 1 each query head's dK/dV are written in fp32 and summed outside the kernel.
+- "fa2", FlashAttention-2's form: grid (rows, K/V heads, key blocks); a program loops over
+  its K/V head's G query heads and, for each, the query blocks that see its key block, dK/dV
+  summed in registers, each tile's dS·K added into an fp32 dQ (`plgpu.atomic_add`): 5 tile
+  matmuls. "fa2-split": the same without dQ (4), then dQ in a kernel of its own per query
+  head and query block (3), no atomics. Tiles, warps and stages: `BACKWARD_TILES` by dtype and
+  head dim, or `tiles=`. Tiles a document covers whole and all below the diagonal
+  (`interior_blocks`) skip the mask: each loop runs masked tiles, then those, then masked.
+
+Measured (one H100, JAX 0.11.2, bf16, N=32, K=8, H=128, one 8K row, forward + backward;
+docs/measurements/h100-2026-11-27c): fa2 at its table tiles (64 x 128, 8 warps, 2 stages) took
+8.35 ms for documents of 2,048 tokens, 21.0 ms for one document and 3.07 ms for documents of
+256, where the two-loop backward took 3.79, 10.6 and 1.72 ms in the same run: 2.2x slower, so
+it is not the default. Its errors against dense attention equalled the two-loop kernel's on
+that GPU, fp32 and bf16. 64 x 128 at 4 warps and 3 stages was slower still (13.5 ms), 32 x 128
+(22.1) too, and 128 x 128 overflowed shared memory. Not measured yet: why (the suspect: Pallas'
+Triton lowering makes each atomic add acquire-release, where FA2 issues relaxed reductions),
+fa2-split, the other table entries. In that run the forward also skipped masks on interior
+tiles, and the two-loop totals were 12 % above the 3.37 and 9.48 ms measured before that
+change (not isolated); the forward masks every tile again.
 
 A context-parallel ring (`models.attention`) runs one step of its own per K/V chunk a rank holds:
 `ring_step` returns its queries' output over that chunk's keys with its log-sum-exp, for the
@@ -18,7 +41,8 @@ log-sum-exp. A rank's chunk is not one run of the row (balanced chunks are two),
 by positions within documents, not columns, and loop over the block pairs a table computed
 outside the kernel lists, forward and backward.
 
-Letters as in `models.attention`; Q and W are blocks of queries and keys (both `block` tokens).
+Letters as in `models.attention`; Q and W are blocks of queries and keys (`block` tokens both,
+or `Tiles.query` and `Tiles.key` in the FA2 backwards).
 """
 
 from __future__ import annotations

@@ -427,7 +427,7 @@ def _warps(block: int) -> int:
 
 
 class Tiles(NamedTuple):
-    """The FA2 backward's tiling: `query` rows per step of a program's loop over query blocks,
+    """The FA2 backwards' tiling: `query` rows per step of a program's loop over query blocks,
     `key` rows of the key block a program owns, Triton's warps and pipeline stages."""
 
     query: int
@@ -436,13 +436,15 @@ class Tiles(NamedTuple):
     stages: int
 
 
-# The FA2 backward's tiles by (bytes per input element, head dim). None is measured on a GPU
-# yet (`scripts/bench_gpu.py kernels` times them beside the two-loop backward); each compiles
-# for an H100 within its shared memory (tests/test_packed_attention.py, two of them).
+# The FA2 backwards' tiles by (bytes per input element, head dim), chosen by reasoning: only
+# (2, 128) has run on a GPU (the module's docstring; `scripts/bench_gpu.py kernels
+# --fa2-tiles` times others). Each compiles for an H100 within its shared memory (compiled on
+# the CPU; the fp32 H=256 backward beside a forward of `block=32`, as `block_for`'s 64 does not
+# fit there).
 BACKWARD_TILES = {
     # FlashAttention-2's tiles at H=128: 64 queries by 128 keys, 8 warps. dK and dV (fp32,
-    # 128 x H) take 128 registers a thread, the P, dP and dS tiles 32 each: 128 x 128 tiles
-    # (the two-loop kernel's) double those and spill.
+    # 128 x H) take 128 registers a thread, the P, dP and dS tiles 32 each, where 128 x 128
+    # tiles (the two-loop kernel's) double those, likely past the 255 a thread may hold.
     (2, 128): Tiles(64, 128, 8, 2),
     # Half the width: 4 warps hold dK and dV in as many registers; a stage more hides loads.
     (2, 64): Tiles(64, 128, 4, 3),
@@ -455,9 +457,6 @@ BACKWARD_TILES = {
     (4, 128): Tiles(32, 64, 8, 2),
     (4, 256): Tiles(32, 32, 8, 1),
 }
-# "two-loop": per query head, dK/dV of key block j then dQ of query block j, 7 tile matmuls;
-# "fa2": per K/V head and key block, dQ added atomically, 5; "fa2-split": the same without dQ
-# (4), and dQ per query head and query block (3).
 BACKWARDS = ("two-loop", "fa2", "fa2-split")
 
 
@@ -564,51 +563,60 @@ def _fa2_backward(atomic: bool, tiles: Tiles, interpret: bool, q_BxTxNxH: Array,
     """dK and dV by one program per (row, K/V head, key block of `tiles.key`) over the query
     blocks of `tiles.query` that see it, for all G query heads of that K/V head; dQ added
     there (`atomic`) or by one program per (row, query head, query block)."""
-    Q, W = tiles.query, tiles.key
-    for block in (Q, W):
+    for block in tiles[:2]:
         _check(q_BxTxNxH, k_BxTxKxH, block)
+    first_BxI, end_BxJ = block_bounds(segment_ids_BxT, *tiles[:2])
+    lo_BxI, hi_BxI, lo_BxJ, hi_BxJ = interior_blocks(segment_ids_BxT, *tiles[:2])
+    inputs = (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, dout_BxTxNxH, lse_BxNxT,
+              delta_BxNxT)
+    grads = _key_blocks(atomic, tiles, interpret, (end_BxJ, lo_BxJ, hi_BxJ), inputs)
+    if not atomic:
+        grads = (_query_blocks(tiles, interpret, (first_BxI, lo_BxI, hi_BxI), inputs), *grads)
+    dq_BxTxNxH, dk_BxTxKxH, dv_BxTxKxH = grads
+    return dq_BxTxNxH.astype(q_BxTxNxH.dtype), dk_BxTxKxH, dv_BxTxKxH, None
+
+
+def _key_blocks(atomic: bool, tiles: Tiles, interpret: bool, bounds_J, inputs):
+    """`_key_block_kernel` on the grid (row, K/V head, key block): (fp32 dQ,) dK, dV."""
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = inputs[:3]
     (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
-    G = N // K
-    first_BxI, end_BxJ = block_bounds(segment_ids_BxT, Q, W)
-    lo_BxI, hi_BxI, lo_BxJ, hi_BxJ = interior_blocks(segment_ids_BxT, Q, W)
+    G, Q, W = N // K, tiles.query, tiles.key
     bounds = pl.BlockSpec((None, T // W), lambda b, h, j: (b, 0))
     group_row = pl.BlockSpec((None, T, G, H), lambda b, h, j: (b, 0, h, 0))
     key_block = pl.BlockSpec((None, W, None, H), lambda b, h, j: (b, j, h, 0))
     tokens = pl.BlockSpec((None, T), lambda b, h, j: (b, 0))
     group_tokens = pl.BlockSpec((None, G, T), lambda b, h, j: (b, h, 0))
-    dkv_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k_BxTxKxH, v_BxTxKxH)]
     dq_shape = jax.ShapeDtypeStruct(q_BxTxNxH.shape, jnp.float32)
-    inputs = (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, dout_BxTxNxH, lse_BxNxT,
-              delta_BxNxT)
-    grads = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_key_block_kernel, rows=Q, scale=H ** -0.5),
         grid=(B, K, T // W),
         in_specs=[bounds] * 3 + [group_row, key_block, key_block, tokens, group_row]
         + [group_tokens] * 2 + [group_row] * atomic,
         out_specs=[group_row] * atomic + [key_block] * 2,
-        out_shape=[dq_shape] * atomic + dkv_shapes,
+        out_shape=[dq_shape] * atomic + [jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                         for x in (k_BxTxKxH, v_BxTxKxH)],
         input_output_aliases={10: 0} if atomic else {},
         compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
         interpret=interpret, name="packed_attention_backward_fa2",
-    )(end_BxJ, lo_BxJ, hi_BxJ, *inputs, *[jnp.zeros(dq_shape.shape, jnp.float32)] * atomic)
-    if atomic:
-        dq_BxTxNxH, dk_BxTxKxH, dv_BxTxKxH = grads
-    else:
-        dk_BxTxKxH, dv_BxTxKxH = grads
-        spec = _specs(B, T, N, G, H, Q)
-        dq_BxTxNxH = pl.pallas_call(
-            functools.partial(_query_block_kernel, keys=W, scale=H ** -0.5),
-            grid=(B, N, T // Q),
-            in_specs=[spec["bounds"]] * 3 + [spec["q_block"], spec["kv_row"], spec["kv_row"],
-                                             spec["tokens"], spec["q_block"]]
-            + [spec["head_block"]] * 2,
-            out_specs=spec["q_block"],
-            out_shape=jax.ShapeDtypeStruct(q_BxTxNxH.shape, q_BxTxNxH.dtype),
-            compiler_params=plgpu.CompilerParams(num_warps=tiles.warps,
-                                                 num_stages=tiles.stages),
-            interpret=interpret, name="packed_attention_backward_fa2_dq",
-        )(first_BxI, lo_BxI, hi_BxI, *inputs)
-    return dq_BxTxNxH.astype(q_BxTxNxH.dtype), dk_BxTxKxH, dv_BxTxKxH, None
+    )(*bounds_J, *inputs, *[jnp.zeros(dq_shape.shape, jnp.float32)] * atomic)
+
+
+def _query_blocks(tiles: Tiles, interpret: bool, bounds_I, inputs) -> Array:
+    """`_query_block_kernel` on the grid (row, query head, query block): dQ in q's dtype."""
+    q_BxTxNxH, k_BxTxKxH = inputs[:2]
+    (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
+    spec = _specs(B, T, N, N // K, H, tiles.query)
+    return pl.pallas_call(
+        functools.partial(_query_block_kernel, keys=tiles.key, scale=H ** -0.5),
+        grid=(B, N, T // tiles.query),
+        in_specs=[spec["bounds"]] * 3 + [spec["q_block"], spec["kv_row"], spec["kv_row"],
+                                         spec["tokens"], spec["q_block"]]
+        + [spec["head_block"]] * 2,
+        out_specs=spec["q_block"],
+        out_shape=jax.ShapeDtypeStruct(q_BxTxNxH.shape, q_BxTxNxH.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
+        interpret=interpret, name="packed_attention_backward_fa2_dq",
+    )(*bounds_I, *inputs)
 
 
 _attention.defvjp(_forward, _backward)

@@ -28,11 +28,11 @@ docs/measurements/h100-2026-11-27c): fa2 at its table tiles (64 x 128, 8 warps, 
 256, where the two-loop backward took 3.79, 10.6 and 1.72 ms in the same run: 2.2x slower, so
 it is not the default. Its errors against dense attention equalled the two-loop kernel's on
 that GPU, fp32 and bf16. 64 x 128 at 4 warps and 3 stages was slower still (13.5 ms), 32 x 128
-(22.1) too, and 128 x 128 overflowed shared memory. Not measured yet: why (the suspect: Pallas'
-Triton lowering makes each atomic add acquire-release, where FA2 issues relaxed reductions),
-fa2-split, the other table entries. In that run the forward also skipped masks on interior
-tiles, and the two-loop totals were 12 % above the 3.37 and 9.48 ms measured before that
-change (not isolated); the forward masks every tile again.
+(22.1) too, and 128 x 128 overflowed shared memory. Not measured yet: why (the suspect: dQ's
+atomic adds, one fp32 atomic per element of every tile pair visited, each acquire-release as
+Pallas' Triton lowering issues them), fa2-split, the other table entries. In that run the
+forward also skipped masks on interior tiles, and the two-loop totals were 12 % above the 3.37
+and 9.48 ms measured before that change (not isolated); the forward masks every tile again.
 
 A context-parallel ring (`models.attention`) runs one step of its own per K/V chunk a rank holds:
 `ring_step` returns its queries' output over that chunk's keys with its log-sum-exp, for the

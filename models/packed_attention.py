@@ -23,7 +23,7 @@ Backward, one of `BACKWARDS` (`packed_attention(backward=)`):
   (`interior_blocks`) skip the mask: each loop runs masked tiles, then those, then masked.
 
 Measured (one H100, JAX 0.11.2, bf16, N=32, K=8, H=128, one 8K row, forward + backward;
-docs/measurements/h100-2026-11-27c): fa2 at its table tiles (64 x 128, 8 warps, 2 stages) took
+docs/measurements/h100-2026-11-27d): fa2 at its table tiles (64 x 128, 8 warps, 2 stages) took
 8.35 ms for documents of 2,048 tokens, 21.0 ms for one document and 3.07 ms for documents of
 256, where the two-loop backward took 3.79, 10.6 and 1.72 ms in the same run: 2.2x slower, so
 it is not the default. Its errors against dense attention equalled the two-loop kernel's on

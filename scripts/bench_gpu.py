@@ -56,7 +56,7 @@ import sys
 import time
 from pathlib import Path
 
-from models.options import ATTENTION_BACKENDS  # free of JAX: the parser's choices
+from hotjax.choices import ATTENTION_BACKENDS  # free of JAX: the parser's choices
 
 PARTS = ("check", "cudnn", "kernels", "mfu", "profile", "calibrate")
 # calibrate: (rows, tokens) of the micro-steps timed, full size and --quick.
@@ -141,8 +141,8 @@ def check(args) -> dict:
     import numpy as np
     from bench_attention import make_row
 
-    from models.attention import dense_attention
-    from models.packed_attention import block_for
+    from hotjax.models.attention import dense_attention
+    from hotjax.models.packed_attention import block_for
 
     device = _device()
     interpret = device.platform != "gpu"
@@ -179,7 +179,7 @@ def packed_by(name: str, seg, interpret: bool):
     """The packed kernel a bench name asks for: `packed` under the two-loop backward,
     `packed-fa2` and `packed-fa2-split` under those backwards at `backward_tiles`' tiles, or
     at the tiles after a colon (`packed-fa2:QxW,warps,stages`)."""
-    from models.packed_attention import packed_attention
+    from hotjax.models.packed_attention import packed_attention
 
     backward, _, tiles = name.removeprefix("packed").removeprefix("-").partition(":")
     return lambda q, k, v: packed_attention(
@@ -189,7 +189,7 @@ def packed_by(name: str, seg, interpret: bool):
 
 def _tiles(text: str):
     """FA2 backward tiles written `QxW,warps,stages`."""
-    from models.packed_attention import Tiles
+    from hotjax.models.packed_attention import Tiles
 
     edges, warps, stages = text.split(",")
     query, key = edges.split("x")
@@ -209,9 +209,9 @@ def _steps_vs_cpu(args) -> dict:
     from hotjax.data import MiniBatch
     from hotjax.optim import OptimConfig
     from hotjax.train import Trainer
-    from models.llama import as_trained, preset
-    from sharding.strategy import Strategy
-    from sharding.table import Bucket, StrategyTable
+    from hotjax.models.llama import as_trained, preset
+    from hotjax.sharding.strategy import Strategy
+    from hotjax.sharding.table import Bucket, StrategyTable
 
     model = preset("tiny" if args.quick else "small")
     config = as_trained(model, compute_dtype="float32")
@@ -241,11 +241,11 @@ def kernels(args) -> dict:
     from bench_attention import make_row
 
     from hotjax.step import document_cap
-    from models.attention import _cudnn
-    from models.attention import attention as blockwise_or_auto
-    from models.cudnn_attention import cudnn_packed_attention
-    from models.packed_attention import block_for, computed_blocks, packed_attention
-    from models.work import ATTENTION_TRAINING
+    from hotjax.models.attention import _cudnn
+    from hotjax.models.attention import attention as blockwise_or_auto
+    from hotjax.models.cudnn_attention import cudnn_packed_attention
+    from hotjax.models.packed_attention import block_for, computed_blocks, packed_attention
+    from hotjax.models.work import ATTENTION_TRAINING
 
     device = _device()
     on_gpu = device.platform == "gpu"
@@ -312,8 +312,8 @@ def ring_step_on_row(seg, pos, block: int, interpret: bool):
     import jax
     import jax.numpy as jnp
 
-    from models.attention import Tokens, visible_blocks
-    from models.packed_attention import ring_step, ring_step_backward
+    from hotjax.models.attention import Tokens, visible_blocks
+    from hotjax.models.packed_attention import ring_step, ring_step_backward
 
     columns = jnp.broadcast_to(jnp.arange(seg.shape[1], dtype=jnp.int32), seg.shape)
     tokens = Tokens(seg.astype(jnp.int32), pos.astype(jnp.int32), columns)
@@ -355,7 +355,7 @@ def _versions() -> dict:
     """What ran: JAX's packages, cuDNN, and whether JAX's packed K/V offsets honour GQA."""
     from importlib import metadata
 
-    from models.cudnn_attention import gqa_offsets_fixed
+    from hotjax.models.cudnn_attention import gqa_offsets_fixed
 
     found = {}
     for name in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "flax",
@@ -382,9 +382,9 @@ def cudnn(args) -> dict:
     from bench_attention import make_row
 
     from hotjax.step import document_cap
-    from models.attention import dense_attention
-    from models.cudnn_attention import cudnn_packed_attention
-    from models.packed_attention import packed_attention
+    from hotjax.models.attention import dense_attention
+    from hotjax.models.cudnn_attention import cudnn_packed_attention
+    from hotjax.models.packed_attention import packed_attention
 
     device = _device()
     T = 256 if args.quick else 2048
@@ -434,9 +434,9 @@ def mfu(args) -> dict:
     from bench_strategies import TRACED_STEPS, bench_one, synthetic_batch
 
     from hotjax.optim import OptimConfig
-    from models.llama import LlamaConfig, as_trained, preset
-    from models.work import training_flops
-    from sharding.strategy import Strategy
+    from hotjax.models.llama import LlamaConfig, as_trained, preset
+    from hotjax.models.work import training_flops
+    from hotjax.sharding.strategy import Strategy
 
     device = _device()
     model = preset("tiny") if args.quick else LlamaConfig(**MFU_MODELS[args.model])
@@ -543,7 +543,7 @@ def _measured_profile(device, quick: bool) -> dict:
     fitted on the reference model's micro-steps, of `device`."""
     from hotjax.planning import measure
     from hotjax.planning.profile import parse_profile
-    from sharding.strategy import Strategy
+    from hotjax.sharding.strategy import Strategy
 
     kind = ("cpu" if device.platform == "cpu" else "accelerator", quick)
     work = measure.WORKLOADS[kind]
@@ -605,7 +605,7 @@ def _profile_from(found: dict):
 
 
 def _calibration_model(quick: bool, remat: str, platform: str):
-    from models.llama import LlamaConfig, as_trained, preset
+    from hotjax.models.llama import LlamaConfig, as_trained, preset
 
     model = preset("tiny") if quick else LlamaConfig(**ONE_B)
     return as_trained(model, remat=remat,
@@ -618,10 +618,10 @@ def calibrate(args) -> dict:
     what it took from the others."""
     from hotjax.planning.cost import micro_step_memory, micro_step_time
     from hotjax.planning.profile import load_profile
-    from models.errors import UserError
-    from models.options import REMAT_POLICIES
-    from models.work import training_flops
-    from sharding.strategy import Strategy
+    from hotjax.errors import UserError
+    from hotjax.choices import REMAT_POLICIES
+    from hotjax.models.work import training_flops
+    from hotjax.sharding.strategy import Strategy
 
     found = _child(args, "profile") if not args.profile else None
     if found is not None and "error" in found:
@@ -679,7 +679,7 @@ def _calibrate_one(args) -> dict:
     from hotjax.planning import measure
     from hotjax.planning.profile import set_allocator_fraction
     from hotjax.step import step_memory
-    from sharding.strategy import Strategy
+    from hotjax.sharding.strategy import Strategy
 
     set_allocator_fraction()  # as `hotjax train` gives JAX's allocator the GPU
     device = _device()

@@ -11,8 +11,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hotjax import targets
 from hotjax.planning.cost import document_pairs
-from models.attention import Tokens, dense_attention, visible_blocks
-from models.packed_attention import (
+from hotjax.models.attention import Tokens, dense_attention, visible_blocks
+from hotjax.models.packed_attention import (
     BACKWARDS,
     Tiles,
     backward_tiles,

@@ -7,9 +7,32 @@ kernel, `block_bounds` finds per query block the first key block it needs (the o
 start of the document of its first real token) and per key block the query blocks that need it
 (up to the one holding the end of its last real token's document); the kernels loop over those
 alone. Forward: grid (rows, query heads, query blocks), online softmax over key blocks from that
-bound up to the diagonal. Backward, one fused kernel on the same grid: dK/dV of key block j over
-query blocks from the diagonal to j's bound, then dQ of query block j like the forward. Query
-head n reads K/V head n // G; with G > 1 each query head's dK/dV are summed outside the kernel.
+bound up to the diagonal.
+
+Backward, one of `BACKWARDS` (`packed_attention(backward=)`):
+- "two-loop" (the default): one fused kernel on the forward's grid: dK/dV of key block j over
+  query blocks from the diagonal to j's bound, then dQ of query block j like the forward; QKᵀ
+  and dO·Vᵀ are computed in both loops (7 tile matmuls). Query head n reads K/V head n // G;
+  with G > 1 each query head's dK/dV are written in fp32 and summed outside the kernel.
+- "fa2", FlashAttention-2's form: grid (rows, K/V heads, key blocks); a program loops over
+  its K/V head's G query heads and, for each, the query blocks that see its key block, dK/dV
+  summed in registers, each tile's dS·K added into an fp32 dQ (`plgpu.atomic_add`): 5 tile
+  matmuls. "fa2-split": the same without dQ (4), then dQ in a kernel of its own per query
+  head and query block (3), no atomics. Tiles, warps and stages: `BACKWARD_TILES` by dtype and
+  head dim, or `tiles=`. Tiles a document covers whole and all below the diagonal
+  (`interior_blocks`) skip the mask: each loop runs masked tiles, then those, then masked.
+
+Measured (one H100, JAX 0.11.2, bf16, N=32, K=8, H=128, one 8K row, forward + backward;
+docs/measurements/h100-2026-11-27d): fa2 at its table tiles (64 x 128, 8 warps, 2 stages) took
+8.35 ms for documents of 2,048 tokens, 21.0 ms for one document and 3.07 ms for documents of
+256, where the two-loop backward took 3.79, 10.6 and 1.72 ms in the same run: 2.2x slower, so
+it is not the default. Its errors against dense attention equalled the two-loop kernel's on
+that GPU, fp32 and bf16. 64 x 128 at 4 warps and 3 stages was slower still (13.5 ms), 32 x 128
+(22.1) too, and 128 x 128 overflowed shared memory. Not measured yet: why (the suspect: dQ's
+atomic adds, one fp32 atomic per element of every tile pair visited, each acquire-release as
+Pallas' Triton lowering issues them), fa2-split, the other table entries. In that run the
+forward also skipped masks on interior tiles, and the two-loop totals were 12 % above the 3.37
+and 9.48 ms measured before that change (not isolated); the forward masks every tile again.
 
 A context-parallel ring (`hotjax.models.attention`) runs one step of its own per K/V chunk a rank
 holds:
@@ -19,8 +42,8 @@ log-sum-exp. A rank's chunk is not one run of the row (balanced chunks are two),
 by positions within documents, not columns, and loop over the block pairs a table computed
 outside the kernel lists, forward and backward.
 
-Letters as in `hotjax.models.attention`; Q and W are blocks of queries and keys (both `block`
-tokens).
+Letters as in `hotjax.models.attention`; Q and W are blocks of queries and keys (`block` tokens
+both, or `Tiles.query` and `Tiles.key` in the FA2 backwards).
 """
 
 from __future__ import annotations
@@ -55,34 +78,73 @@ def block_for(dtype, head_dim: int, seq_len: int) -> int:
     return edge
 
 
-def block_bounds(segment_ids_BxT, block: int):
-    """([B, T/block], [B, T/block]) int32: for each query block the first key block it may
-    see, and for each key block one past the last query block that may see it; a block of
-    padding gets an empty range (first > its own index, end <= it). NumPy segment ids give
-    NumPy answers (the host's count of the kernel's work)."""
+def _runs(segment_ids_BxT):
+    """([B, T], [B, T]): the column where each token's run (document) starts and ends; runs
+    are cut where the id changes. NumPy in, NumPy out."""
     xp = np if isinstance(segment_ids_BxT, np.ndarray) else jnp
     seg = segment_ids_BxT
     B, T = seg.shape
     columns = xp.arange(T, dtype=np.int32)
-    # Where each token's run (document) starts and ends: runs are cut where the id changes.
     starts = xp.concatenate([xp.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
     ends = xp.concatenate([seg[:, 1:] != seg[:, :-1], xp.ones((B, 1), bool)], axis=1)
     if xp is np:
         run_start = np.maximum.accumulate(np.where(starts, columns, 0), axis=1)
         run_end = np.minimum.accumulate(np.where(ends, columns, T - 1)[:, ::-1], axis=1)[:, ::-1]
-    else:
-        # lax's cumulative max/min, an associative scan: `jnp.maximum.accumulate` is a
-        # sequential loop of T steps, which on a GPU cost more than the kernel it feeds
-        # (384 ms of a 8K-token row's forward and backward on an H200, for 160 blocks).
-        run_start = lax.cummax(jnp.where(starts, columns, 0), axis=1)
-        run_end = lax.cummin(jnp.where(ends, columns, T - 1), axis=1, reverse=True)
-    real = (seg > 0).reshape(B, T // block, block)
-    own = xp.arange(T // block, dtype=np.int32)
-    first = xp.min(xp.where(real, (run_start // block).reshape(real.shape), T), axis=-1)
-    last = xp.max(xp.where(real, (run_end // block).reshape(real.shape), -1), axis=-1)
-    first = xp.where(real.any(axis=-1), first, own + 1)
-    end = xp.where(real.any(axis=-1), last + 1, own)
+        return run_start, run_end
+    # lax's cumulative max/min, an associative scan: `jnp.maximum.accumulate` is a
+    # sequential loop of T steps, which on a GPU cost more than the kernel it feeds
+    # (384 ms of a 8K-token row's forward and backward on an H200, for 160 blocks).
+    return (lax.cummax(jnp.where(starts, columns, 0), axis=1),
+            lax.cummin(jnp.where(ends, columns, T - 1), axis=1, reverse=True))
+
+
+def block_bounds(segment_ids_BxT, block: int, key_block: int = 0):
+    """([B, T/block], [B, T/key_block]) int32: for each query block the first key block it
+    may see, and for each key block one past the last query block that may see it; a block of
+    padding gets an empty range (first past its diagonal; end at the first query block its
+    keys could reach). Key blocks are `block` tokens unless `key_block` says otherwise.
+    NumPy segment ids give NumPy answers (the host's count of the kernel's work)."""
+    xp = np if isinstance(segment_ids_BxT, np.ndarray) else jnp
+    seg, (run_start, run_end) = segment_ids_BxT, _runs(segment_ids_BxT)
+    B, T = seg.shape
+    key_block = key_block or block
+    real_BxIxQ = (seg > 0).reshape(B, T // block, block)
+    real_BxJxW = (seg > 0).reshape(B, T // key_block, key_block)
+    own_I = xp.arange(T // block, dtype=np.int32)
+    first = xp.min(xp.where(real_BxIxQ, (run_start // key_block).reshape(real_BxIxQ.shape), T),
+                   axis=-1)
+    last = xp.max(xp.where(real_BxJxW, (run_end // block).reshape(real_BxJxW.shape), -1),
+                  axis=-1)
+    past_diagonal_I = (own_I * block + block - 1) // key_block + 1
+    first = xp.where(real_BxIxQ.any(axis=-1), first, past_diagonal_I)
+    diagonal_J = xp.arange(T // key_block, dtype=np.int32) * key_block // block
+    end = xp.where(real_BxJxW.any(axis=-1), last + 1, diagonal_J)
     return first.astype(np.int32), end.astype(np.int32)
+
+
+def interior_blocks(segment_ids_BxT, block: int, key_block: int):
+    """Where tiles need no mask: ([B, T/block] x 2, [B, T/key_block] x 2) int32, per query
+    block the range [lo, hi) of key blocks it sees whole, and per key block the range of
+    query blocks that see it whole. A tile is whole when all its keys precede all its queries
+    and one document spans from its first key to its last query; the kernels clip these
+    ranges to their loops' bounds and mask the tiles outside them (the diagonal, and the
+    edges of documents)."""
+    xp = np if isinstance(segment_ids_BxT, np.ndarray) else jnp
+    seg, (run_start, run_end) = segment_ids_BxT, _runs(segment_ids_BxT)
+    T = seg.shape[1]
+    own_I = xp.arange(T // block, dtype=np.int32)
+    own_J = xp.arange(T // key_block, dtype=np.int32)
+    # Query block i: its last token's document reaches back to key block lo; the keys of
+    # blocks below hi all precede its first query.
+    last_I = own_I * block + block - 1
+    lo_I = xp.where(seg[:, last_I] > 0, -(-run_start[:, last_I] // key_block), T)
+    hi_I = xp.broadcast_to(own_I * block // key_block, lo_I.shape)
+    # Key block j: the first query block after all its keys, to the last one its first
+    # token's document covers.
+    first_J = own_J * key_block
+    lo_J = xp.broadcast_to(-(-(first_J + key_block) // block), lo_I.shape[:1] + own_J.shape)
+    hi_J = xp.where(seg[:, first_J] > 0, (run_end[:, first_J] + 1) // block, 0)
+    return tuple(x.astype(np.int32) for x in (lo_I, hi_I, lo_J, hi_J))
 
 
 def computed_blocks(segment_ids_BxT, block: int = BLOCK):
@@ -119,10 +181,13 @@ def _columns(index, block: int) -> Array:
     return index * block + jnp.arange(block)
 
 
-def _scores(queries: _Queries, keys: _Keys, scale: float) -> tuple[Array, Array]:
+def _scores(queries: _Queries, keys: _Keys, scale: float, masked: bool = True
+            ) -> tuple[Array, Array | None]:
     """Base-2 scaled scores of a query block against a key block, and the mask: the same
-    document, not padding, the key not later."""
+    document, not padding, the key not later. An interior tile (`masked` False) has none."""
     s_QxW = plgpu.dot(queries.q_QxH, keys.k_WxH.T) * (scale * _LOG2E)
+    if not masked:
+        return s_QxW, None
     q_seg_Q = queries.seg_Q
     mask_QxW = ((q_seg_Q[:, None] == keys.seg_W[None, :]) & (q_seg_Q[:, None] > 0)
                 & (keys.order_W[None, :] <= queries.order_Q[:, None]))
@@ -147,29 +212,41 @@ def _empty(block: int, H: int):
             jnp.zeros((block,), jnp.float32))
 
 
-def _probabilities(queries: _Queries, keys: _Keys, scale: float) -> Array:
-    s_QxW, mask_QxW = _scores(queries, keys, scale)
-    # Masked explicitly: a padding query's lse is no normaliser of its masked scores.
-    return jnp.where(mask_QxW, jnp.exp2(s_QxW - queries.lse_Q[:, None]), 0)
-
-
-def _key_grads(carry, queries: _Queries, keys: _Keys, scale: float):
-    """A query block's share of a key block's dK and dV (fp32)."""
-    dk_WxH, dv_WxH = carry
-    p_QxW = _probabilities(queries, keys, scale)
-    do_QxH = queries.do_QxH
-    dv_WxH = dv_WxH + plgpu.dot(p_QxW.astype(do_QxH.dtype).T, do_QxH)
-    dp_QxW = plgpu.dot(do_QxH, keys.v_WxH.T)
-    ds_QxW = p_QxW * (dp_QxW - queries.delta_Q[:, None]) * scale
-    return dk_WxH + plgpu.dot(ds_QxW.astype(queries.q_QxH.dtype).T, queries.q_QxH), dv_WxH
-
-
-def _query_grads(dq_QxH: Array, queries: _Queries, keys: _Keys, scale: float) -> Array:
-    """A key block's share of a query block's dQ (fp32)."""
-    p_QxW = _probabilities(queries, keys, scale)
+def _score_grads(queries: _Queries, keys: _Keys, scale: float, masked: bool = True
+                 ) -> tuple[Array, Array]:
+    """A tile's probabilities P and the gradient dS of its (unscaled) scores, fp32."""
+    s_QxW, mask_QxW = _scores(queries, keys, scale, masked)
+    p_QxW = jnp.exp2(s_QxW - queries.lse_Q[:, None])
+    if masked:  # explicitly: a padding query's lse is no normaliser of its masked scores
+        p_QxW = jnp.where(mask_QxW, p_QxW, 0)
     dp_QxW = plgpu.dot(queries.do_QxH, keys.v_WxH.T)
-    ds_QxW = p_QxW * (dp_QxW - queries.delta_Q[:, None]) * scale
+    return p_QxW, p_QxW * (dp_QxW - queries.delta_Q[:, None]) * scale
+
+
+def _key_grads(carry, queries: _Queries, keys: _Keys, scale: float, masked: bool = True):
+    """A query block's share of a key block's dK and dV (fp32), and the tile's dS."""
+    dk_WxH, dv_WxH = carry
+    p_QxW, ds_QxW = _score_grads(queries, keys, scale, masked)
+    dv_WxH = dv_WxH + plgpu.dot(p_QxW.astype(queries.do_QxH.dtype).T, queries.do_QxH)
+    dk_WxH = dk_WxH + plgpu.dot(ds_QxW.astype(queries.q_QxH.dtype).T, queries.q_QxH)
+    return (dk_WxH, dv_WxH), ds_QxW
+
+
+def _query_grads(dq_QxH: Array, queries: _Queries, keys: _Keys, scale: float,
+                 masked: bool = True) -> Array:
+    """A key block's share of a query block's dQ (fp32)."""
+    _, ds_QxW = _score_grads(queries, keys, scale, masked)
     return dq_QxH + plgpu.dot(ds_QxW.astype(keys.k_WxH.dtype), keys.k_WxH)
+
+
+def _three_ranges(body, start, lo, hi, end, carry):
+    """`body(masked)` looped over [start, end): masked outside [lo, hi), which is clipped to
+    it, and plain inside."""
+    lo = jnp.clip(lo, start, end)
+    hi = jnp.clip(hi, lo, end)
+    carry = lax.fori_loop(start, lo, body(True), carry)
+    carry = lax.fori_loop(lo, hi, body(False), carry)
+    return lax.fori_loop(hi, end, body(True), carry)
 
 
 def _forward_kernel(first_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, block: int,
@@ -207,7 +284,7 @@ def _backward_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, l
     keys = key_block(j)
     zeros = jnp.zeros((block, q_ref.shape[-1]), jnp.float32)
     dk_WxH, dv_WxH = lax.fori_loop(
-        j, end_ref[j], lambda i, carry: _key_grads(carry, query_block(i), keys, scale),
+        j, end_ref[j], lambda i, carry: _key_grads(carry, query_block(i), keys, scale)[0],
         (zeros, zeros))
     dk_ref[...] = dk_WxH.astype(dk_ref.dtype)
     dv_ref[...] = dv_WxH.astype(dv_ref.dtype)
@@ -217,6 +294,60 @@ def _backward_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, l
     dq_ref[...] = lax.fori_loop(
         first_ref[j], j + 1, lambda jj, dq: _query_grads(dq, queries, key_block(jj), scale),
         zeros).astype(dq_ref.dtype)
+
+
+def _key_block_kernel(end_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref,
+                      delta_ref, *out_refs, rows: int, scale: float):
+    """Key block j of one K/V head, for each of its G query heads the query blocks of `rows`
+    from the diagonal to the last that sees it: dK and dV summed in registers over heads and
+    blocks. Given dQ (`out_refs` dQ's zeros aliased in, dQ, dK, dV) each tile's dS·K is added
+    into it (fp32, atomically: programs of other key blocks add to the same rows); given
+    (dK, dV) dQ is `_query_block_kernel`'s."""
+    dq_ref = out_refs[1] if len(out_refs) == 4 else None
+    dk_ref, dv_ref = out_refs[-2:]
+    j = pl.program_id(2)
+    W, H = k_ref.shape
+    keys = _Keys(k_ref[...], v_ref[...], seg_ref[pl.ds(j * W, W)], _columns(j, W))
+
+    def head(g, carry):
+        def tile(masked: bool):
+            def body(i, carry):
+                r = pl.ds(i * rows, rows)
+                queries = _Queries(q_ref[r, g, :], seg_ref[r], _columns(i, rows),
+                                   do_ref[r, g, :], lse_ref[g, r], delta_ref[g, r])
+                carry, ds_QxW = _key_grads(carry, queries, keys, scale, masked)
+                if dq_ref is not None:
+                    plgpu.atomic_add(dq_ref, (r, g, slice(None)),
+                                     plgpu.dot(ds_QxW.astype(keys.k_WxH.dtype), keys.k_WxH))
+                return carry
+            return body
+        return _three_ranges(tile, j * W // rows, lo_ref[j], hi_ref[j], end_ref[j], carry)
+
+    zeros = jnp.zeros((W, H), jnp.float32)
+    dk_WxH, dv_WxH = lax.fori_loop(0, q_ref.shape[1], head, (zeros, zeros))
+    dk_ref[...] = dk_WxH.astype(dk_ref.dtype)
+    dv_ref[...] = dv_WxH.astype(dv_ref.dtype)
+
+
+def _query_block_kernel(first_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, seg_ref, do_ref,
+                        lse_ref, delta_ref, dq_ref, *, keys: int, scale: float):
+    """dQ of one query head's query block i over the key blocks of `keys` the forward read."""
+    i = pl.program_id(2)
+    Q, H = q_ref.shape
+    queries = _Queries(q_ref[...], seg_ref[pl.ds(i * Q, Q)], _columns(i, Q), do_ref[...],
+                       lse_ref[...], delta_ref[...])
+
+    def tile(masked: bool):
+        def body(j, dq_QxH):
+            cols = pl.ds(j * keys, keys)
+            return _query_grads(dq_QxH, queries, _Keys(k_ref[cols, :], v_ref[cols, :],
+                                                       seg_ref[cols], _columns(j, keys)),
+                                scale, masked)
+        return body
+
+    diagonal = (i * Q + Q - 1) // keys + 1
+    dq_ref[...] = _three_ranges(tile, first_ref[i], lo_ref[i], hi_ref[i], diagonal,
+                                jnp.zeros((Q, H), jnp.float32)).astype(dq_ref.dtype)
 
 
 def _ring_forward_kernel(count_ref, listed_ref, q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref,
@@ -255,7 +386,7 @@ def _ring_backward_kernel(k_count_ref, k_listed_ref, q_count_ref, q_listed_ref, 
     zeros = jnp.zeros((block, q_ref.shape[-1]), jnp.float32)
     dk_WxH, dv_WxH = lax.fori_loop(
         0, q_count_ref[j],
-        lambda n, carry: _key_grads(carry, query_block(q_listed_ref[j, n]), keys, scale),
+        lambda n, carry: _key_grads(carry, query_block(q_listed_ref[j, n]), keys, scale)[0],
         (zeros, zeros))
     dk_ref[...] = dk_WxH
     dv_ref[...] = dv_WxH
@@ -296,25 +427,81 @@ def _warps(block: int) -> int:
     return 4 if block <= 64 else 8
 
 
+class Tiles(NamedTuple):
+    """The FA2 backwards' tiling: `query` rows per step of a program's loop over query blocks,
+    `key` rows of the key block a program owns, Triton's warps and pipeline stages."""
+
+    query: int
+    key: int
+    warps: int
+    stages: int
+
+
+# The FA2 backwards' tiles by (bytes per input element, head dim), chosen by reasoning: only
+# (2, 128) has run on a GPU (the module's docstring; `scripts/bench_gpu.py kernels
+# --fa2-tiles` times others). Each compiles for an H100 within its shared memory (compiled on
+# the CPU; the fp32 H=256 backward beside a forward of `block=32`, as `block_for`'s 64 does not
+# fit there).
+BACKWARD_TILES = {
+    # FlashAttention-2's tiles at H=128: 64 queries by 128 keys, 8 warps. dK and dV (fp32,
+    # 128 x H) take 128 registers a thread, the P, dP and dS tiles 32 each, where 128 x 128
+    # tiles (the two-loop kernel's) double those, likely past the 255 a thread may hold.
+    (2, 128): Tiles(64, 128, 8, 2),
+    # Half the width: 4 warps hold dK and dV in as many registers; a stage more hides loads.
+    (2, 64): Tiles(64, 128, 4, 3),
+    # Twice the width: dK and dV at 64 keys keep 128 registers at 8 warps; K and V (64 KiB)
+    # leave shared memory for one stage of Q and dO.
+    (2, 256): Tiles(64, 64, 8, 1),
+    # fp32 doubles every tile's bytes: the two-loop kernel's 128 tiles overflowed shared memory
+    # at H=64 (`block_for`), so half each edge.
+    (4, 64): Tiles(32, 64, 4, 2),
+    (4, 128): Tiles(32, 64, 8, 2),
+    (4, 256): Tiles(32, 32, 8, 1),
+}
+BACKWARDS = ("two-loop", "fa2", "fa2-split")
+
+
+def backward_tiles(dtype, head_dim: int, seq_len: int) -> Tiles:
+    """`BACKWARD_TILES`' entry for the narrowest listed head dim at least `head_dim` (the
+    widest past them), its edges halved until they divide the row."""
+    width = 2 if jnp.dtype(dtype).itemsize <= 2 else 4
+    listed = sorted(h for w, h in BACKWARD_TILES if w == width)
+    tiles = BACKWARD_TILES[(width, next((h for h in listed if h >= head_dim), listed[-1]))]
+    query, key = tiles.query, tiles.key
+    while seq_len % query:
+        query //= 2
+    while seq_len % key:
+        key //= 2
+    return tiles._replace(query=query, key=key)
+
+
 def packed_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
-                     segment_ids_BxT: Array, *, block: int = 0, interpret: bool = False
-                     ) -> Array:
+                     segment_ids_BxT: Array, *, block: int = 0, backward: str = "two-loop",
+                     tiles: Tiles | None = None, interpret: bool = False) -> Array:
     """Attention under the document-causal mask of packed rows, [B, T, N, H] in q's dtype.
-    `block`: the tile edge (0: `block_for`); `interpret` runs the kernels in Pallas'
-    interpreter (any platform)."""
+    `block`: the forward's tile edge, and the two-loop backward's (0: `block_for`);
+    `backward`: one of `BACKWARDS`, the FA2 ones under `tiles` (None: `backward_tiles`);
+    `interpret` runs the kernels in Pallas' interpreter (any platform)."""
     _, T, _, H = q_BxTxNxH.shape
+    if backward not in BACKWARDS:
+        raise ValueError(f"packed attention's backward is one of {BACKWARDS}, not {backward!r}")
     block = block or block_for(q_BxTxNxH.dtype, H, T)
-    return _attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block, interpret)
+    if backward != "two-loop":
+        tiles = tiles or backward_tiles(q_BxTxNxH.dtype, H, T)
+    return _attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block, backward,
+                      tiles, interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_BxT: Array,
-               block: int, interpret: bool) -> Array:
-    return _forward(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block, interpret)[0]
+               block: int, backward: str, tiles: Tiles | None, interpret: bool) -> Array:
+    return _forward(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block, backward, tiles,
+                    interpret)[0]
 
 
 def _forward(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_BxT: Array,
-             block: int, interpret: bool):
+             block: int, backward: str, tiles: Tiles | None, interpret: bool):
+    del backward, tiles  # the backward's
     _check(q_BxTxNxH, k_BxTxKxH, block)
     (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
     segment_ids_BxT = segment_ids_BxT.astype(jnp.int32)
@@ -336,14 +523,18 @@ def _forward(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_B
     return out_BxTxNxH, residuals
 
 
-def _backward(block: int, interpret: bool, residuals, dout_BxTxNxH: Array):
+def _backward(block: int, backward: str, tiles: Tiles | None, interpret: bool, residuals,
+              dout_BxTxNxH: Array):
     q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, first_BxI, end_BxJ, out_BxTxNxH, \
         lse_BxNxT = residuals
-    (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
-    G = N // K
     dout_BxTxNxH = dout_BxTxNxH.astype(q_BxTxNxH.dtype)
     delta_BxNxT = jnp.einsum("btnh,btnh->bnt", out_BxTxNxH.astype(jnp.float32),
                              dout_BxTxNxH.astype(jnp.float32))
+    if backward != "two-loop":
+        return _fa2_backward(backward == "fa2", tiles, interpret, q_BxTxNxH, k_BxTxKxH,
+                             v_BxTxKxH, segment_ids_BxT, dout_BxTxNxH, lse_BxNxT, delta_BxNxT)
+    (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
+    G = N // K
     spec = _specs(B, T, N, G, H, block)
     # Per query head; summed over each K/V head's G query heads below, in fp32 when G > 1.
     kv_dtype = k_BxTxKxH.dtype if G == 1 else jnp.float32
@@ -365,6 +556,68 @@ def _backward(block: int, interpret: bool, residuals, dout_BxTxNxH: Array):
         dk_BxTxNxH, dv_BxTxNxH = (x.reshape(B, T, K, G, H).sum(axis=3).astype(k_BxTxKxH.dtype)
                                   for x in (dk_BxTxNxH, dv_BxTxNxH))
     return dq_BxTxNxH, dk_BxTxNxH, dv_BxTxNxH.astype(v_BxTxKxH.dtype), None
+
+
+def _fa2_backward(atomic: bool, tiles: Tiles, interpret: bool, q_BxTxNxH: Array,
+                  k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_BxT: Array,
+                  dout_BxTxNxH: Array, lse_BxNxT: Array, delta_BxNxT: Array):
+    """dK and dV by one program per (row, K/V head, key block of `tiles.key`) over the query
+    blocks of `tiles.query` that see it, for all G query heads of that K/V head; dQ added
+    there (`atomic`) or by one program per (row, query head, query block)."""
+    for block in tiles[:2]:
+        _check(q_BxTxNxH, k_BxTxKxH, block)
+    first_BxI, end_BxJ = block_bounds(segment_ids_BxT, *tiles[:2])
+    lo_BxI, hi_BxI, lo_BxJ, hi_BxJ = interior_blocks(segment_ids_BxT, *tiles[:2])
+    inputs = (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, dout_BxTxNxH, lse_BxNxT,
+              delta_BxNxT)
+    grads = _key_blocks(atomic, tiles, interpret, (end_BxJ, lo_BxJ, hi_BxJ), inputs)
+    if not atomic:
+        grads = (_query_blocks(tiles, interpret, (first_BxI, lo_BxI, hi_BxI), inputs), *grads)
+    dq_BxTxNxH, dk_BxTxKxH, dv_BxTxKxH = grads
+    return dq_BxTxNxH.astype(q_BxTxNxH.dtype), dk_BxTxKxH, dv_BxTxKxH, None
+
+
+def _key_blocks(atomic: bool, tiles: Tiles, interpret: bool, bounds_J, inputs):
+    """`_key_block_kernel` on the grid (row, K/V head, key block): (fp32 dQ,) dK, dV."""
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = inputs[:3]
+    (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
+    G, Q, W = N // K, tiles.query, tiles.key
+    bounds = pl.BlockSpec((None, T // W), lambda b, h, j: (b, 0))
+    group_row = pl.BlockSpec((None, T, G, H), lambda b, h, j: (b, 0, h, 0))
+    key_block = pl.BlockSpec((None, W, None, H), lambda b, h, j: (b, j, h, 0))
+    tokens = pl.BlockSpec((None, T), lambda b, h, j: (b, 0))
+    group_tokens = pl.BlockSpec((None, G, T), lambda b, h, j: (b, h, 0))
+    dq_shape = jax.ShapeDtypeStruct(q_BxTxNxH.shape, jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_key_block_kernel, rows=Q, scale=H ** -0.5),
+        grid=(B, K, T // W),
+        in_specs=[bounds] * 3 + [group_row, key_block, key_block, tokens, group_row]
+        + [group_tokens] * 2 + [group_row] * atomic,
+        out_specs=[group_row] * atomic + [key_block] * 2,
+        out_shape=[dq_shape] * atomic + [jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                         for x in (k_BxTxKxH, v_BxTxKxH)],
+        input_output_aliases={10: 0} if atomic else {},
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
+        interpret=interpret, name="packed_attention_backward_fa2",
+    )(*bounds_J, *inputs, *[jnp.zeros(dq_shape.shape, jnp.float32)] * atomic)
+
+
+def _query_blocks(tiles: Tiles, interpret: bool, bounds_I, inputs) -> Array:
+    """`_query_block_kernel` on the grid (row, query head, query block): dQ in q's dtype."""
+    q_BxTxNxH, k_BxTxKxH = inputs[:2]
+    (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
+    spec = _specs(B, T, N, N // K, H, tiles.query)
+    return pl.pallas_call(
+        functools.partial(_query_block_kernel, keys=tiles.key, scale=H ** -0.5),
+        grid=(B, N, T // tiles.query),
+        in_specs=[spec["bounds"]] * 3 + [spec["q_block"], spec["kv_row"], spec["kv_row"],
+                                         spec["tokens"], spec["q_block"]]
+        + [spec["head_block"]] * 2,
+        out_specs=spec["q_block"],
+        out_shape=jax.ShapeDtypeStruct(q_BxTxNxH.shape, q_BxTxNxH.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
+        interpret=interpret, name="packed_attention_backward_fa2_dq",
+    )(*bounds_I, *inputs)
 
 
 _attention.defvjp(_forward, _backward)

@@ -5,9 +5,10 @@ LLaMA's MFU, and the machine's measured profile beside the shipped H100 one.
 
 Parts, each its own process (a failure or a hang in one loses nothing of the others):
 
-- `check`: the packed-attention Pallas kernel (`hotjax.models.packed_attention`) and one step of the
-  ring's kernel pair over the whole row run for real, forward and backward, against the dense
-  reference (every score materialised, float32, highest matmul
+- `check`: the packed-attention Pallas kernel (`hotjax.models.packed_attention`) under each of its
+  backwards (`packed`: two-loop, `packed-fa2`: FA2's one pass, `packed-fa2-split`: its dQ
+  apart) and one step of the ring's kernel pair over the whole row run for real, forward and
+  backward, against the dense reference (every score materialised, float32, highest matmul
   precision) on packed rows with GQA, in float32 and bfloat16; and three training steps of the
   `small` model (float32, packed rows, `--attention auto`, so the Pallas kernel) on the GPU
   against the same steps on the host's CPU (the blockwise kernel).
@@ -15,7 +16,9 @@ Parts, each its own process (a failure or a hang in one loses nothing of the oth
   with GQA, padding and a row past its document cap (the fallback); the versions that ran.
 - `kernels`: forward + backward of one row of documents of about 256 and about 2,048 tokens and
   of one document, at 8K and 32K, LLaMA-3-8B's attention shape (32 query heads, 8 K/V heads,
-  128 wide; and 64 wide), bfloat16: the Pallas kernel; cuDNN's packed layout under the row's
+  128 wide; and 64 wide), bfloat16: the Pallas kernel under its two-loop backward (`packed`)
+  and its FA2 backwards (`packed-fa2`, `packed-fa2-split`; with `--fa2-tiles` also under
+  those tiles, named `packed-fa2:QxW,warps,stages`); cuDNN's packed layout under the row's
   own document cap; one step of the ring's Pallas kernel pair with the row as both its query
   and its K/V chunk (the issue's "ring step within 1.2x of the packed kernel on the same
   block"); cuDNN's plain causal attention on the one-document row; with
@@ -139,7 +142,7 @@ def check(args) -> dict:
     from bench_attention import make_row
 
     from hotjax.models.attention import dense_attention
-    from hotjax.models.packed_attention import block_for, packed_attention
+    from hotjax.models.packed_attention import block_for
 
     device = _device()
     interpret = device.platform != "gpu"
@@ -157,8 +160,8 @@ def check(args) -> dict:
             (_, ref_out), ref_grads = jax.block_until_ready(ref(q, k, v))
         block = block_for(jnp.dtype(dtype), H, T)
         for kernel, attend in (
-                ("packed", lambda q, k, v, seg=seg: packed_attention(q, k, v, seg,
-                                                                     interpret=interpret)),
+                *((name, packed_by(name, seg, interpret))
+                  for name in ("packed", "packed-fa2", "packed-fa2-split")),
                 ("ring-step", ring_step_on_row(seg, pos, block, interpret=interpret))):
             (_, out), grads = jax.block_until_ready(_grad_step(attend, ct)(q, k, v))
             errors = {name: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)))
@@ -170,6 +173,33 @@ def check(args) -> dict:
                                  "max_abs_error": errors, "max_abs_reference": scale})
             print(json.dumps(kernel_cases[-1]), file=sys.stderr, flush=True)
     return {"device": device.device_kind, "kernel": kernel_cases, "steps": _steps_vs_cpu(args)}
+
+
+def packed_by(name: str, seg, interpret: bool):
+    """The packed kernel a bench name asks for: `packed` under the two-loop backward,
+    `packed-fa2` and `packed-fa2-split` under those backwards at `backward_tiles`' tiles, or
+    at the tiles after a colon (`packed-fa2:QxW,warps,stages`)."""
+    from hotjax.models.packed_attention import packed_attention
+
+    backward, _, tiles = name.removeprefix("packed").removeprefix("-").partition(":")
+    return lambda q, k, v: packed_attention(
+        q, k, v, seg, backward=backward or "two-loop", tiles=_tiles(tiles) if tiles else None,
+        interpret=interpret)
+
+
+def _tiles(text: str):
+    """FA2 backward tiles written `QxW,warps,stages`."""
+    from hotjax.models.packed_attention import Tiles
+
+    edges, warps, stages = text.split(",")
+    query, key = edges.split("x")
+    return Tiles(int(query), int(key), int(warps), int(stages))
+
+
+def _fa2_tiles(text: str) -> list[str]:
+    """`--fa2-tiles` checked, as the names `kernels` reports under both FA2 backwards."""
+    _tiles(text)
+    return [f"packed-fa2:{text}", f"packed-fa2-split:{text}"]
 
 
 def _steps_vs_cpu(args) -> dict:
@@ -227,14 +257,13 @@ def kernels(args) -> dict:
     results = []
 
     def attend_by(name: str, seg, pos):
-        def pallas(q, k, v, seg=seg):
-            return packed_attention(q, k, v, seg, interpret=not on_gpu)
-        if name == "packed":
-            return pallas
+        if name.startswith("packed"):
+            return packed_by(name, seg, interpret=not on_gpu)
         if name == "cudnn-packed":
             cap = document_cap(np.asarray(seg))
-            return lambda q, k, v: cudnn_packed_attention(q, k, v, seg, max_docs=cap,
-                                                          fallback=pallas)
+            return lambda q, k, v: cudnn_packed_attention(
+                q, k, v, seg, max_docs=cap, fallback=lambda q, k, v, s: packed_attention(
+                    q, k, v, s, interpret=not on_gpu))
         if name == "cudnn":
             return _cudnn
         if name == "ring-step":
@@ -252,7 +281,9 @@ def kernels(args) -> dict:
                 seg_np, pos_np = make_row("packed" if doc < T else "causal", T, doc)
                 seg, pos = jnp.asarray(seg_np), jnp.asarray(pos_np)
                 pairs = _document_pairs(seg_np)
-                names = ["packed", "ring-step"] + (["cudnn-packed"] if on_gpu else [])
+                names = (["packed", "packed-fa2", "packed-fa2-split",
+                          *(name for pair in args.fa2_tiles for name in pair), "ring-step"]
+                         + (["cudnn-packed"] if on_gpu else []))
                 if on_gpu and H == 128:
                     names += ["cudnn"] if doc == T else []
                     names += ["blockwise"] if args.blockwise and T <= 8192 and doc == 2048 \
@@ -260,7 +291,7 @@ def kernels(args) -> dict:
                 for name in names:
                     entry = {"head_dim": H, "seq_len": T, "doc_len": doc, "kernel": name,
                              "pairs": pairs, "causal_pairs": T * (T + 1) // 2}
-                    if name == "packed":
+                    if name.startswith("packed"):
                         edge = block_for(dtype, H, T)
                         entry["blocks"] = int(np.sum(computed_blocks(seg_np, edge)))
                         entry["total_blocks"] = (T // edge) ** 2
@@ -692,6 +723,9 @@ def main(argv: list[str] | None = None) -> int:
                         "report the kernels they ran, summed by name and kind")
     parser.add_argument("--blockwise", action="store_true",
                         help="kernels: also time the blockwise XLA kernel")
+    parser.add_argument("--fa2-tiles", type=_fa2_tiles, action="append", default=[],
+                        metavar="QxW,WARPS,STAGES", help="kernels: also time the packed "
+                        "kernel's FA2 backwards at these tiles (repeatable), e.g. 64x128,8,2")
     parser.add_argument("--profile", help="calibrate: a `profile --json` report to predict "
                         "with, instead of measuring one")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # calibrate's child: ROWS,TOKENS,REMAT
@@ -710,14 +744,14 @@ def main(argv: list[str] | None = None) -> int:
 def _table(part: str, found: dict) -> str:
     lines = [f"{part} on {found['device']} ({found['seconds']:.0f} s)"]
     if part == "kernels":
-        lines.append(f"{'H':>4} {'T':>6} {'doc':>5} {'kernel':>12} {'ms':>9} {'TFLOP/s':>8}"
+        lines.append(f"{'H':>4} {'T':>6} {'doc':>5} {'kernel':>21} {'ms':>9} {'TFLOP/s':>8}"
                      f"  blocks")
         for r in found["results"]:
             ms = f"{r['step_ms']:9.2f}" if r.get("status") == "ok" else f"{'failed':>9}"
             tf = f"{r['useful_tflops']:8.1f}" if r.get("status") == "ok" else " " * 8
             blocks = (f"{r['blocks']}/{r['total_blocks']}" if "blocks" in r else "")
             lines.append(f"{r['head_dim']:>4} {r['seq_len']:>6} {r['doc_len']:>5} "
-                         f"{r['kernel']:>12} {ms} {tf}  {blocks}")
+                         f"{r['kernel']:>21} {ms} {tf}  {blocks}")
     elif part == "mfu":
         for r in found["results"]:
             lines.append(f"T={r['seq_len']}: " + (

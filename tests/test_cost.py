@@ -590,7 +590,10 @@ def test_collectives_are_priced_as_the_compiler_emits_them(devices, platform, ru
     (`WIDE_WIRE`); XLA:GPU moves bf16 and reduce-scatters. The pricing before (two reductions
     a backward, a recompute repeating all, the ring's sends once a micro-step) was 2x short on
     the CPU's tensor terms and L times short on every ring."""
-    config = as_trained(preset("small"), compute_dtype="bfloat16", remat=remat, n_layers=2)
+    # The layer loop kept a scan (on a GPU without remat it would unroll): `_bus_bytes` counts
+    # its body's collectives once per layer.
+    config = as_trained(preset("small"), compute_dtype="bfloat16", remat=remat, n_layers=2,
+                        scan_unroll=1)
     ring = rules == "context"
     strategy = Strategy.parse(f"{'context' if ring else 'tensor'}=2,rules={rules}"
                               + (",balanced=true" if ring else ""))

@@ -17,7 +17,7 @@ from jax.sharding import SingleDeviceSharding
 from hotjax import targets
 from hotjax.data.buckets import cut
 from hotjax.models.attention import choose_backend
-from hotjax.models.llama import abstract_params, param_axes, preset
+from hotjax.models.llama import abstract_params, layers_unrolled, param_axes, preset
 from hotjax.planning import search
 from hotjax.planning.cost import micro_step_memory
 from hotjax.planning.profile import load_profile
@@ -74,15 +74,18 @@ def test_every_strategy_family_compiles_for_h100_with_the_kernel_it_chose(h100, 
 
 
 def test_a_context_ring_runs_the_ring_step_kernel_for_each_chunk(h100):
-    """The ring family's micro-step on H100s: per step of its ring of 4, one Triton forward and
-    one backward of the ring step's kernel (`hotjax.models.packed_attention.ring_step`), where XLA's
-    blockwise kernel ran before; the micro-step is the family test's, compiled once."""
+    """The ring family's micro-step on H100s: per layer and step of its ring of 4, one Triton
+    forward and one backward of the ring step's kernel (`hotjax.models.packed_attention.ring_step`),
+    where XLA's blockwise kernel ran before (the layer loop unrolled on a GPU without remat: each
+    layer's kernels apart); the micro-step is the family test's, compiled once."""
     _, devices = h100
     step = bucket_step(SMALL, Strategy.parse("data=2,context=4,rules=context,balanced=true"),
                        devices)
     kernels = [line.split('name = "')[1].split('"')[0]
                for line in step.compiled(SHAPE).as_text().splitlines() if TRITON in line]
-    assert sorted(kernels) == ["ring_attention_backward"] * 4 + ["ring_attention_forward"] * 4
+    calls = 4 * layers_unrolled(SMALL, "gpu")
+    assert sorted(kernels) == (["ring_attention_backward"] * calls
+                               + ["ring_attention_forward"] * calls)
 
 
 def test_fp16_with_a_loss_scale_compiles_fp16_matmuls_in_the_bytes_bf16_takes(h100):

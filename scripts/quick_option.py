@@ -1,5 +1,5 @@
 """What every benchmark's command line shares: `--quick`, a smoke-test setting of seconds that
-`tests/test_benchmarks.py` runs, so that a benchmark which breaks fails the tests; the console
+`tests/test_benchmarks*.py` run, so that a benchmark which breaks fails the tests; the console
 its tables print to; and `--processes N`, which runs the benchmark as N processes of one CPU
 device each, pinned to their own cores (`hotjax launch`): a real N-device cluster on a CPU
 machine, where simulated devices in one process would share its cores."""

@@ -57,6 +57,7 @@ def state_bytes(strategy: Strategy, config: LlamaConfig,
     return totals
 
 
+@functools.lru_cache(maxsize=4096)  # the planner prices tens of thousands of tables
 def resident_bytes(config: LlamaConfig, strategy: Strategy,
                    optimizer: Optimizer = ADAMW) -> int:
     """Per-device bytes that stay while buckets run, under the home `strategy`: fp32 weights,

@@ -60,11 +60,12 @@ with _without_cuda_driver_lines():
 # The test files that take longest, longest first. pytest-xdist gives each worker whole files
 # (`--dist loadfile`) in this order (`--no-loadscope-reorder`), so that a long file never starts
 # last while the other worker idles; the rest follow in name order and fill in at the end.
-LONGEST_FIRST = ("test_benchmarks.py", "test_multiprocess.py", "test_cli.py", "test_gpu_compile.py",
-                 "test_checkpoint_resume.py", "test_cost.py", "test_pipeline.py",
-                 "test_checkpoint_dcp.py", "test_checkpoint.py", "test_checkpoint_deepspeed.py",
-                 "test_parallelism.py", "test_examples.py", "test_plan.py", "test_hot.py",
-                 "test_targets.py", "test_checkpoint_megatron_core.py")
+LONGEST_FIRST = ("test_benchmarks_planner.py", "test_multiprocess.py", "test_benchmarks.py",
+                 "test_cli.py", "test_gpu_compile.py", "test_checkpoint_resume.py", "test_cost.py",
+                 "test_pipeline.py", "test_checkpoint_dcp.py", "test_checkpoint.py",
+                 "test_checkpoint_deepspeed.py", "test_parallelism.py", "test_examples.py",
+                 "test_plan.py", "test_hot.py", "test_targets.py",
+                 "test_checkpoint_megatron_core.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

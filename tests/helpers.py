@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -190,6 +191,18 @@ def python(*args: str | Path, cwd: Path | None = None, devices: int = 8,
                                       f"{done.returncode}:\n{done.stdout[-3000:]}\n"
                                       f"{done.stderr[-3000:]}")
     return done
+
+
+LOSS_TOLERANCE = 1e-4  # a benchmark's losses across methods: only the summation order differs
+
+
+def run_quick(script: str, *flags: str) -> dict:
+    """scripts/SCRIPT.py's JSON report from `--quick --json`, after checking it exited cleanly."""
+    return json.loads(python(f"scripts/{script}.py", "--quick", "--json", *flags).stdout)
+
+
+def positive(x: float) -> bool:
+    return math.isfinite(x) and x > 0
 
 
 def hotjax(*args: str | Path, **how) -> subprocess.CompletedProcess:

@@ -1,27 +1,13 @@
 """Every benchmark script runs: each once with `--quick --json`, in its own process on 8 simulated
 CPU devices, and its report holds real numbers that agree where they must (losses across
-strategies and methods, scheduled switches against `jax.device_put`)."""
+strategies and methods, scheduled switches against `jax.device_put`). Those that plan or price
+with the cost model are in tests/test_benchmarks_planner.py: two files, run side by side."""
 
 import json
-import math
-import tomllib
 
 import numpy as np
 import pytest
-from helpers import ROOT, python
-
-from hotjax.planning.profile import parse_profile
-
-LOSS_TOLERANCE = 1e-4  # float32 compute: only the summation order differs
-
-
-def run_quick(script: str, *flags: str) -> dict:
-    """The script's JSON report from `--quick --json`, after checking it exited cleanly."""
-    return json.loads(python(f"scripts/{script}.py", "--quick", "--json", *flags).stdout)
-
-
-def positive(x: float) -> bool:
-    return math.isfinite(x) and x > 0
+from helpers import LOSS_TOLERANCE, ROOT, positive, python, run_quick
 
 
 def test_bench_strategies() -> None:
@@ -88,107 +74,13 @@ def test_bench_ckpt() -> None:
     assert positive(dcp["disk_read_gb_s"]) and positive(dcp["import_vs_disk_read"])
 
 
-def test_bench_mixed() -> None:
-    report = run_quick("bench_mixed", "--bucket-timings")
-    methods = report["methods"]
-    assert set(methods) == {"hot", "auto", "a", "a0", "b", "c"}
-    steps = report["warmup"] + report["steps"]
-    hot = methods["hot"]["losses"]
-    for name, m in methods.items():
-        assert len(m["losses"]) == steps
-        assert all(math.isfinite(x) for x in m["losses"])
-        assert max(abs(x - y) for x, y in zip(m["losses"], hot, strict=True)) < LOSS_TOLERANCE
-        assert 0 <= m["padding"] < 1, name
-        assert max(m["memory_bytes"].values()) <= report["device_memory"] * 2**20
-        assert positive(m["step_s"]) and positive(m["tokens_per_s"])
-        # The same documents: the same real tokens every step.
-        assert [s["tokens"] for s in m["steps"]] == [s["tokens"] for s in methods["a"]["steps"]]
-    assert report["max_loss_difference"] < LOSS_TOLERANCE
-    # One document per row pads at least as much as packing them. One strategy switches nothing;
-    # the table switches in every step that runs a bucket whose strategy is not its home's.
-    assert methods["b"]["padding"] >= methods["a"]["padding"]
-    assert all(s["switched_bytes"] == 0 for m in ("a", "a0", "b", "c")
-               for s in methods[m]["steps"])
-    # Balance moves rows between data shards and micro-steps, never worsening the estimate;
-    # without it the rows run in packing order. The cost model prices every method.
-    for m in methods.values():
-        assert all(1 <= s["imbalance"] <= s["imbalance_before"] for s in m["steps"])
-        assert positive(m["predicted_s"])
-        # Each step's prediction is its buckets' (those it ran: an empty one costs nothing)
-        # and its switches; every bucket that ran was timed.
-        for s in m["steps"]:
-            assert s["predicted_s"] == pytest.approx(
-                sum(b["predicted_s"] for b in s["buckets"]) + s["predicted_switch_s"])
-            assert all(positive(b["compute_s"]) and b["switch_s"] >= 0
-                       and positive(b["predicted_s"]) for b in s["buckets"])
-    assert all(s["imbalance"] == s["imbalance_before"] for s in methods["a0"]["steps"])
-    np.testing.assert_allclose(methods["a0"]["losses"], methods["a"]["losses"], rtol=0,
-                               atol=1e-5)
-    strategy = {b["max_len"]: b["strategy"] for b in methods["hot"]["buckets"]}
-    for step in methods["hot"]["steps"]:
-        away = any(strategy[b["max_len"]] != methods["hot"]["home"] for b in step["buckets"])
-        assert (step["switched_bytes"] > 0) == away, step
-    assert all(positive(v) for v in report["ratios"].values())
-    # (a) is the measured best of the candidates that fit (per CPU second on simulated
-    # devices): each one timed on the first mini-batch and priced by the cost model.
-    candidates = report["candidates"]
-    fitting = [c for c in candidates if c["status"] == "fits"]
-    assert len(candidates) == 2 and fitting
-    for c in fitting:
-        assert all(positive(c[k]) for k in ("step_s", "cpu_s", "predicted_s", "tokens_per_s"))
-    best = max(fitting, key=lambda c: c["tokens_per_cpu_s"])
-    assert [c["chosen"] for c in candidates] == [c is best for c in candidates]
-    assert report["static_strategy"] == best["strategy"] == methods["a"]["home"]
-
 
 @pytest.mark.parametrize("script", sorted(p.stem for p in (ROOT / "scripts").glob("bench_*.py")))
 def test_every_benchmark_is_tested(script: str) -> None:
-    assert f"test_{script}" in globals(), f"scripts/{script}.py has no test here: add one"
+    tests = "".join(p.read_text() for p in (ROOT / "tests").glob("test_benchmarks*.py"))
+    assert f"def test_{script}(" in tests, f"scripts/{script}.py has no test: add one"
 
 
-def test_bench_auto() -> None:
-    """`hotjax train` under the default table and under `--strategies auto` trains the same
-    mini-batches to the same losses; both are timed and priced by the cost model."""
-    report = run_quick("bench_auto")
-    default, auto = report["methods"]["default"], report["methods"]["auto"]
-    assert report["same_tokens"] and len(auto["losses"]) == report["steps"] == 3
-    assert report["max_loss_difference"] < LOSS_TOLERANCE
-    assert report["auto_over_default"] == pytest.approx(auto["step_s"] / default["step_s"])
-    assert report["no_worse"] == (report["auto_over_default"] <= 1)
-    assert len(default["buckets"]) == 3  # the default table's
-    for r in (default, auto):
-        assert positive(r["step_s"]) and positive(r["tokens_per_s"]) and positive(r["predicted_s"])
-        buckets = sum(b["predicted_s"] for b in r["buckets"])
-        assert r["predicted_s"] >= buckets * (1 - 1e-9)  # the buckets' micro-steps + switches
-    assert report["planned_line"].startswith("--strategies auto: planned on profile")
-    assert report["trainers"]["auto"].startswith("home ")
-
-
-def test_bench_plan() -> None:
-    report = run_quick("bench_plan")
-    assert report["machine"]["devices"] == 8
-    profile = parse_profile(tomllib.loads(report["profile"]["toml"]), "bench_plan")
-    assert positive(profile.peak_flops) and positive(report["profile"]["measure_s"])
-    timed = report["time"]
-    assert len(timed["results"]) == 2 * 2  # strategies x row lengths
-    for r in timed["results"]:
-        assert positive(r["predicted_s"]) and positive(r["measured_s"]), r
-        assert r["predicted_s"] == pytest.approx(sum(r["terms_s"].values()))
-        assert r["relative_error"] == pytest.approx(
-            abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"])
-    assert -1 <= timed["spearman"] <= 1 and math.isfinite(timed["median_relative_error"])
-    assert isinstance(timed["meets_targets"], bool)
-    (hot,) = report["tables"]["results"]  # one table of two buckets
-    assert [b["max_len"] for b in hot["table"]] == [64, 256]
-    assert positive(hot["predicted_s"]) and positive(hot["measured_s"]), hot
-    assert hot["predicted_s"] == pytest.approx(
-        sum(b["predicted_s"] for b in hot["table"]) + hot["switch_predicted_s"])
-    memory = report["memory"]
-    assert memory["model"]["layers"] == 4 and len(memory["results"]) == 2
-    for r in memory["results"]:
-        assert r["xla_bytes"] > 0 and r["predicted_bytes"] > 0
-        # The cost model's own tolerance on LLaMA2-7B widths (tests/test_cost.py).
-        assert r["relative_error"] <= 0.15, r
 
 
 def test_bench_memory() -> None:
@@ -286,22 +178,6 @@ def test_bench_gpu_calibrate_refuses_a_profile_that_is_no_report(tmp_path) -> No
         (line,) = [x for x in done.stderr.splitlines() if x.startswith("bench_gpu:")]
         assert f"--profile {given}: {cause}" in line and line.endswith("--json` report")
 
-
-def test_simulate_hotspa() -> None:
-    report = run_quick("simulate_hotspa")
-    [row] = report["rows"]
-    seconds = row["seconds"]
-    assert (row["model"], row["devices"], row["context"]) == ("llama2-7b", 8, 16384)
-    assert row["sequences"] == 512 and row["tokens"] > 0
-    # The plan is the fastest of the tables the search could choose; masking and packing
-    # never cost more than concatenating without masking, or padding one sequence per row.
-    assert seconds["static, masked"] >= seconds["plan"] * (1 - 1e-3)
-    assert seconds["static, masked"] <= seconds["static, no masking"] <= seconds["static, padded"]
-    # The paper's tables fit the 72 GiB JAX is given of an 80 GiB A800 here only because their
-    # data=8 bucket can split its fp32 gradient sum over data (a whole one per device does not
-    # fit beside replicated weights); the plan is at least as fast as either.
-    for table in ("paper c1", "paper c2"):
-        assert seconds[table] is not None and seconds[table] >= seconds["plan"] * (1 - 1e-3)
 
 
 def test_lognormal_corpus(tmp_path, capsys) -> None:

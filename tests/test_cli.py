@@ -99,13 +99,13 @@ def test_a_table_run_records_its_buckets_micro_steps_and_padding(tmp_path, corpu
 
 
 # One row a step: the row's length, not their count, is what must fit.
-LONG_ROW = ["--devices", "1", "--strategy", "data=1", "--context", "4096", "--steps", "2",
-            "--batch-tokens", "4096"]
+LONG_ROW = ["--devices", "1", "--strategy", "data=1", "--context", "2048", "--steps", "2",
+            "--batch-tokens", "2048"]
 
 
 @pytest.fixture(scope="module")
 def long_rows(tmp_path_factory, corpus) -> list[dict]:
-    """The reference: a row of 4096 tokens packed with many documents, on one device."""
+    """The reference: a row of 2048 tokens packed with many documents, on one device."""
     return _train(tmp_path_factory.mktemp("long"), corpus, *LONG_ROW)
 
 

@@ -1,12 +1,12 @@
 """Measuring the devices into a hardware profile: every figure positive, the TOML written reads
 back to the same profile (the benchmark that sets the cost model's predictions beside measured
-micro-steps is tested with the others, in test_benchmarks.py)."""
+micro-steps is tested in test_benchmarks_planner.py)."""
 
 import dataclasses
 import tomllib
 
 import pytest
-from test_benchmarks import positive
+from helpers import positive
 
 from hotjax.planning.cost import micro_step_time
 from hotjax.planning.measure import (

@@ -68,12 +68,12 @@ def test_two_processes_train_a_hot_table_as_one_process_does_and_one_resumes_it(
 
 
 def _mixed_corpus(path: Path) -> Path:
-    """Documents of a long-tailed mix: every sixth fills most of a 2048-token row, the rest are
-    60-400 bytes; packed, rows of one long document beside rows of many short ones."""
+    """Documents of a long-tailed mix: every sixth fills most of a 1024-token row, the rest are
+    30-200 bytes; packed, rows of one long document beside rows of many short ones."""
     rng = np.random.default_rng(0)
     with path.open("w") as f:
         for i in range(300):
-            n = 2000 if i % 6 == 0 else int(rng.integers(60, 400))
+            n = 1000 if i % 6 == 0 else int(rng.integers(30, 200))
             f.write(json.dumps({"text": "".join(rng.choice(list("abcdefgh "), n))}) + "\n")
     return path
 
@@ -81,10 +81,10 @@ def _mixed_corpus(path: Path) -> Path:
 def test_two_pinned_processes_of_one_device_train_balanced_data_parallel_as_one_device(tmp_path):
     """The testbed: 2 processes of one CPU device, each pinned to its own core; `data=2`
     places rows on the two by estimated work, and the losses are one device's."""
-    dp = write_table(tmp_path / "dp.toml", {"max_len": 2048, "mesh": "data = 2", "rules": "dp",
+    dp = write_table(tmp_path / "dp.toml", {"max_len": 1024, "mesh": "data = 2", "rules": "dp",
                                             "micro_rows": 4})
-    flags = ["--data", str(_mixed_corpus(tmp_path / "d.jsonl")), "--context", "2048",
-             "--batch-tokens", "16384", "--steps", "2"]  # later flags win over TINY_RUN's
+    flags = ["--data", str(_mixed_corpus(tmp_path / "d.jsonl")), "--context", "1024",
+             "--batch-tokens", "8192", "--steps", "2"]  # later flags win over TINY_RUN's
     done = hotjax(*_launch(*flags, "--strategies", str(dp), "--metrics-jsonl",
                            str(tmp_path / "two.jsonl"), devices_per_process=1), cwd=tmp_path)
     first = done.stdout.splitlines()[0]
@@ -96,9 +96,9 @@ def test_two_pinned_processes_of_one_device_train_balanced_data_parallel_as_one_
     one = records(metrics)
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one],
                                rtol=0, atol=1e-5)
-    # Placed by work, the shards even out: step 2's packing order gave one shard 12 % more.
-    assert [r["imbalance_before"] for r in two] == pytest.approx([1.041, 1.125], abs=1e-3)
-    assert [r["imbalance"] for r in two] == pytest.approx([1.027, 1.009], abs=1e-3)
+    # Placed by work, the shards even out: step 2's packing order gave one shard 5 % more.
+    assert [r["imbalance_before"] for r in two] == pytest.approx([1.028, 1.047], abs=1e-3)
+    assert [r["imbalance"] for r in two] == pytest.approx([1.014, 1.007], abs=1e-3)
     assert all(r["imbalance"] == r["imbalance_before"] == 1 for r in one)
 
 

@@ -737,7 +737,9 @@ def visible_pairs(seq_len: int, context: int, balanced: bool, block: int) -> flo
     return (context - 1) * chunk * chunk + diagonal(chunk)
 
 
-@functools.lru_cache(maxsize=4096)
+# Every ordered pair of the ~90 strategies over 8 devices, for a few models: a search prices
+# each pair many times.
+@functools.lru_cache(maxsize=65536)
 def switch_seconds(config: LlamaConfig, source: Strategy, target: Strategy,
                    profile: Profile) -> float:
     """A weight switch's time from `source`'s layout to `target`'s: the most compute-dtype

@@ -57,6 +57,11 @@ import time
 from pathlib import Path
 
 from hotjax.choices import ATTENTION_BACKENDS  # free of JAX: the parser's choices
+from hotjax.targets import quiet_plugin_without_a_driver
+
+# On a GPU machine this does nothing; without a driver (`--quick` on a CPU) the CUDA plugin
+# stays unloaded, so it prints nothing.
+quiet_plugin_without_a_driver()
 
 PARTS = ("check", "cudnn", "kernels", "mfu", "profile", "calibrate")
 # calibrate: (rows, tokens) of the micro-steps timed, full size and --quick.

@@ -36,7 +36,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.console import Console
 
+from hotjax.targets import quiet_plugin_without_a_driver
+
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
+quiet_plugin_without_a_driver()  # no CUDA plugin's lines on a machine without a driver
 
 # The 3-bucket table, for 8 devices.
 DEFAULT_TABLE = {"bucket": [{"max_len": 256, "mesh": {"data": 8}},

@@ -11,8 +11,14 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from hotjax.targets import quiet_plugin_without_a_driver
+
 if TYPE_CHECKING:
     from rich.console import Console
+
+# Every benchmark imports this module before JAX: on a machine without an NVIDIA driver, the
+# CUDA plugin (installed for compiling to targets) is not loaded, so it prints nothing.
+quiet_plugin_without_a_driver()
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None,

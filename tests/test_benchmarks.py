@@ -129,21 +129,21 @@ def test_bench_attention() -> None:
 
 
 def test_bench_gpu() -> None:
-    """Its check and kernel parts at toy sizes on CPU: the packed-attention kernel and a ring
-    step over the row (Pallas' interpreter) against the dense reference, and the tiles the
-    packed kernel computes."""
+    """Its check and kernel parts at toy sizes on CPU: the packed-attention kernel under each of
+    its backwards and a ring step over the row (Pallas' interpreter) against the dense
+    reference, and the tiles the packed kernel computes."""
+    kernels = ("packed", "packed-fa2", "packed-fa2-split", "ring-step")
     check = run_quick("bench_gpu", "check")
     cases = check["kernel"]
     assert [(c["kernel"], c["dtype"]) for c in cases] == [
-        (kernel, dtype) for dtype in ("float32", "bfloat16", "bfloat16")
-        for kernel in ("packed", "ring-step")]
+        (kernel, dtype) for dtype in ("float32", "bfloat16", "bfloat16") for kernel in kernels]
     for case in cases:
         bound = 1e-5 if case["dtype"] == "float32" else 0.1
         assert max(case["max_abs_error"].values()) < bound, case
     assert check["steps"]["max_rel_diff"] < 1e-6 and len(check["steps"]["cpu"]) == 3
     rows = run_quick("bench_gpu", "kernels")["results"]
     assert [(r["doc_len"], r["kernel"]) for r in rows] == [
-        (64, "packed"), (64, "ring-step"), (512, "packed"), (512, "ring-step")]
+        (doc_len, kernel) for doc_len in (64, 512) for kernel in kernels]
     assert all(row["status"] == "ok" and positive(row["step_ms"]) for row in rows)
     packed = [row for row in rows if row["kernel"] == "packed"]
     for row in packed:  # a row of 64-token documents computes fewer tiles than one document

@@ -3,6 +3,7 @@ per machine."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import jax
@@ -16,8 +17,12 @@ def enable_compilation_cache(path: str | Path | None = None) -> Path | None:
     Not on XLA:CPU with several (simulated) devices: there, multi-device executables loaded
     from the cache hung on their first run in about half of our trials (jax 0.10.2), while
     freshly compiled ones never did. Returns the cache directory, or None when off.
+    `$HOTJAX_COMPILATION_CACHE`, where set, is the directory on every backend (the test suite
+    shares one among its processes).
     """
-    if jax.default_backend() == "cpu" and jax.device_count() > 1:
+    if forced := os.environ.get("HOTJAX_COMPILATION_CACHE"):
+        path = forced
+    elif jax.default_backend() == "cpu" and jax.device_count() > 1:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
     path = Path(path) if path else cache_root() / "jax"

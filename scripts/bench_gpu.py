@@ -38,7 +38,7 @@ Parts, each its own process (a failure or a hang in one loses nothing of the oth
   in a process of its own (so the allocator's peak is that step's): its median seconds, XLA's
   memory plan and the bytes the allocator really held at the peak, beside the cost model's
   time (under the shipped profile and under the one just measured) and memory
-  (`hotjax.planning.cost.micro_step_memory`). Rows are whole causal documents, as the cost
+  (`hotjax.planning.memory.micro_step_memory`). Rows are whole causal documents, as the cost
   model's worst case.
 
 Hardware: whatever GPU JAX sees; every figure is reported with its device name. `--quick` runs
@@ -624,7 +624,8 @@ def calibrate(args) -> dict:
     from hotjax.choices import REMAT_POLICIES
     from hotjax.errors import UserError
     from hotjax.models.work import training_flops
-    from hotjax.planning.cost import micro_step_memory, micro_step_time
+    from hotjax.planning.cost import micro_step_time
+    from hotjax.planning.memory import micro_step_memory
     from hotjax.planning.profile import load_profile
     from hotjax.sharding.strategy import Strategy
 

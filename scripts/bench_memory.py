@@ -20,7 +20,7 @@ fusions and buffer reuse, the blockwise attention kernel). `--target h100` (a100
 XLA target config file) compiles it for 8 of that GPU instead, still without one: XLA:GPU's plan
 (its fusions, the Pallas attention kernel), compared with the GPU's memory unless
 `--device-memory` says otherwise. Beside each peak: the cost model's prediction
-(`hotjax.planning.cost.micro_step_memory` for the platform compiled for) and XLA's over it.
+(`hotjax.planning.memory.micro_step_memory` for the platform compiled for) and XLA's over it.
 `--quick`: the `tiny` model on rows of 1024 tokens (a smoke test).
 """
 
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     from hotjax import targets
     from hotjax.models.llama import REMAT_POLICIES, as_trained, preset
     from hotjax.optim import OptimConfig
-    from hotjax.planning.cost import micro_step_memory
+    from hotjax.planning.memory import micro_step_memory
     from hotjax.sharding.strategy import ACCUMULATE, Strategy
     from hotjax.step import home
 

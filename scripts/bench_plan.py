@@ -2,7 +2,7 @@
 (`hotjax.planning.measure`); then, side by side in the same run, each strategy's micro-step is
 timed and its time predicted from that profile (`hotjax.planning.cost.micro_step_time`); and
 LLaMA2-7B's micro-step is compiled, not run, under each strategy and XLA's per-device peak set
-beside the predicted one (`hotjax.planning.cost.micro_step_memory`).
+beside the predicted one (`hotjax.planning.memory.micro_step_memory`).
 
     python scripts/bench_plan.py [--json] [--quick] [--model small] [--seq-lens 256,1024]
                                  [--tokens 8192] [--repeats 3] [--strategies "A; B"]
@@ -263,7 +263,7 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
 def memory_section(config: LlamaConfig, strategies: list[Strategy], shape: tuple[int, int],
                    devices: tuple[jax.Device, ...], progress: Console) -> list[dict]:
     """Each strategy: predicted and XLA's per-device peak of one micro-step, compiled."""
-    from hotjax.planning.cost import micro_step_memory
+    from hotjax.planning.memory import micro_step_memory
     from hotjax.step import bucket_step
 
     progress.print(f"compiling {len(strategies)} micro-steps of {config.n_layers} layers x "

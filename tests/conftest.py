@@ -1,10 +1,12 @@
 """Tests run on CPU with 8 simulated devices, compiled for speed of compiling; the longest test
 files start first."""
 
+import atexit
 import contextlib
 import gc
 import os
 import re
+import shutil
 import sys
 import tempfile
 
@@ -48,6 +50,13 @@ def _without_cuda_driver_lines():
             lines = caught.read().decode(errors="replace").splitlines(keepends=True)
             sys.stderr.write("".join(x for x in lines if not _CUDA_DRIVER_LINE.search(x)))
 
+
+# One persistent compilation cache for the whole run: both workers and every process the tests
+# start read it, so a program compiled once (the same step under another Trainer, a child's
+# training run) is not compiled again.
+if "HOTJAX_COMPILATION_CACHE" not in os.environ:
+    os.environ["HOTJAX_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="hotjax-tests-xla-")
+    atexit.register(shutil.rmtree, os.environ["HOTJAX_COMPILATION_CACHE"], ignore_errors=True)
 
 with _without_cuda_driver_lines():
     import jax

@@ -5,11 +5,11 @@ never the numbers."""
 import dataclasses
 import itertools
 
-import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import MODEL
 
 from hotjax.models.attention import (
     Tokens,
@@ -29,7 +29,6 @@ from hotjax.step import BucketStep, balanced_order, next_token_targets, step_mem
 from hotjax.train import Trainer
 
 TOLERANCE = 1e-5  # fp32: only the order of the softmax sums differs
-TINY = dataclasses.replace(helpers.TINY, vocab_size=256)
 
 
 def packed_rows(rows: int, seq_len: int, lengths: list[int], seed: int = 0,
@@ -152,7 +151,7 @@ def test_attention_under_every_layout_equals_dense(devices, text, kv_heads):
     """Per device under a strategy (a ring when the sequence is split), with small blocks so
     that every chunk holds several; the columns in the strategy's order, as the trainer
     lays them out."""
-    config = dataclasses.replace(TINY, n_kv_heads=kv_heads)
+    config = dataclasses.replace(MODEL, n_kv_heads=kv_heads)
     strategy, _ = fit_to_model(Strategy.parse(text), config)
     layout = Layout(strategy, devices)
     rows, seq_len = 4, 128
@@ -192,7 +191,7 @@ def test_the_ring_step_pallas_kernel_equals_dense_when_interpreted(devices, case
     documents crossing chunks and tiles, in the strategy's column order. Padding's outputs
     and its K/V gradients are exactly zero."""
     text, kv_heads, dtype, padding = RING_KERNEL_CASES[case]
-    config = dataclasses.replace(TINY, n_kv_heads=kv_heads)
+    config = dataclasses.replace(MODEL, n_kv_heads=kv_heads)
     strategy, _ = fit_to_model(Strategy.parse(text), config)
     layout = Layout(strategy, devices)
     rows, seq_len = 4, 128
@@ -232,10 +231,10 @@ def test_model_with_blockwise_attention_equals_the_dense_model():
     segment_ids_BxT, positions_BxT = packed_rows(2, 128, [9, 30, 70])
     tokens_BxT = np.random.default_rng(4).integers(0, 256, size=(2, 128)).astype(np.int32)
     targets_BxT = next_token_targets(tokens_BxT, segment_ids_BxT)
-    params = init_params(TINY)
+    params = init_params(MODEL)
 
     def run(backend: str):
-        config = dataclasses.replace(TINY, attention=backend, attention_block=16)
+        config = dataclasses.replace(MODEL, attention=backend, attention_block=16)
 
         def loss(params):
             logits = bind(config, params)(tokens_BxT, segment_ids_BxT, positions_BxT)
@@ -309,7 +308,7 @@ def test_pallas_takes_only_rows_its_tiles_divide():
 
 
 def test_a_trainer_notes_a_kernel_that_cannot_run_here(devices):
-    step = BucketStep(dataclasses.replace(TINY, attention="cudnn"), Strategy.parse("data=8"),
+    step = BucketStep(dataclasses.replace(MODEL, attention="cudnn"), Strategy.parse("data=8"),
                       tuple(devices))
     assert step.notes == ("data8 [auto]: attention cudnn asked for, blockwise runs: cudnn needs "
                           "a GPU",)
@@ -318,7 +317,7 @@ def test_a_trainer_notes_a_kernel_that_cannot_run_here(devices):
 def test_a_long_row_needs_a_quarter_of_the_dense_step_memory(devices):
     """XLA's peak of a tiny fp32 training micro-step on one 4096-token row, one device."""
     def peak(backend: str) -> int:
-        config = dataclasses.replace(TINY, attention=backend)
+        config = dataclasses.replace(MODEL, attention=backend)
         step = BucketStep(config, Strategy.parse("data=1"), devices[:1])
         return step_memory(step.compiled((1, 4096)))["peak"]
 
@@ -336,17 +335,17 @@ def test_remat_policies_change_memory_not_the_gradients(devices):
     batch = {"tokens": np.random.default_rng(6).integers(0, 256, (2, 256)).astype(np.int32),
              "segment_ids": segment_ids_BxT, "positions": positions_BxT,
              "targets": np.where(segment_ids_BxT > 0, 7, -1).astype(np.int32)}
-    params = init_params(TINY)
+    params = init_params(MODEL)
     results, peaks = {}, {}
     for policy in ("none", "dots", "full"):
-        step = BucketStep(dataclasses.replace(TINY, remat=policy), strategy, devices)
+        step = BucketStep(dataclasses.replace(MODEL, remat=policy), strategy, devices)
         compiled = step.compiled((2, 256))
         peaks[policy] = step_memory(compiled)["peak"]
         results[policy] = compiled(jax.device_put(params, step.param_shardings), step.zeros(),
                                    step.place(batch), step.place_scale(jnp.float32(1)))
     assert peaks["full"] < peaks["dots"] < peaks["none"]
     # The layer loop unrolled (a GPU's choice under "none") computes the same gradients.
-    unrolled = BucketStep(dataclasses.replace(TINY, scan_unroll=TINY.n_layers), strategy,
+    unrolled = BucketStep(dataclasses.replace(MODEL, scan_unroll=MODEL.n_layers), strategy,
                           devices).compiled((2, 256))
     results["unrolled"] = unrolled(jax.device_put(params, step.param_shardings), step.zeros(),
                                    step.place(batch), step.place_scale(jnp.float32(1)))
@@ -355,28 +354,28 @@ def test_remat_policies_change_memory_not_the_gradients(devices):
 
 
 def test_the_layer_loop_unrolls_on_a_gpu_without_remat_and_where_asked():
-    assert layers_unrolled(TINY, "cpu") == 1
-    assert layers_unrolled(TINY, "gpu") == TINY.n_layers
-    assert layers_unrolled(dataclasses.replace(TINY, remat="dots"), "gpu") == 1
-    assert layers_unrolled(dataclasses.replace(TINY, scan_unroll=1), "gpu") == 1
-    assert layers_unrolled(dataclasses.replace(TINY, scan_unroll=99), "cpu") == TINY.n_layers
+    assert layers_unrolled(MODEL, "cpu") == 1
+    assert layers_unrolled(MODEL, "gpu") == MODEL.n_layers
+    assert layers_unrolled(dataclasses.replace(MODEL, remat="dots"), "gpu") == 1
+    assert layers_unrolled(dataclasses.replace(MODEL, scan_unroll=1), "gpu") == 1
+    assert layers_unrolled(dataclasses.replace(MODEL, scan_unroll=99), "cpu") == MODEL.n_layers
 
 
 def test_a_memory_budget_picks_the_cheapest_remat_policy_that_fits(devices):
     strategy = Strategy.parse("data=8,rules=dp")
     table = StrategyTable((Bucket(512, strategy),), "test")
     optim = OptimConfig()
-    resident = Trainer(TINY, optim, table, devices).home.resident_bytes()
-    peaks = {policy: BucketStep(dataclasses.replace(TINY, remat=policy), strategy,
+    resident = Trainer(MODEL, optim, table, devices).home.resident_bytes()
+    peaks = {policy: BucketStep(dataclasses.replace(MODEL, remat=policy), strategy,
                                 devices).peak_bytes((8, 512)) for policy in ("none", "dots")}
     # Room for one row per device with `dots`, not with `none`.
     budget = resident + (peaks["none"] + peaks["dots"]) // 2  # bytes
-    trainer = Trainer(TINY, optim, table, devices, device_memory=budget)
+    trainer = Trainer(MODEL, optim, table, devices, device_memory=budget)
     assert (trainer.buckets[0].config.remat, trainer.micro_rows) == ("dots", [8])
     # A policy named by the table (or --remat) is kept whatever the budget.
     named = StrategyTable((Bucket(512, strategy, remat="full"),), "test")
-    assert Trainer(TINY, optim, named, devices).buckets[0].config.remat == "full"
-    assert Trainer(TINY, optim, table, devices, remat="dots").buckets[0].config.remat == "dots"
+    assert Trainer(MODEL, optim, named, devices).buckets[0].config.remat == "full"
+    assert Trainer(MODEL, optim, table, devices, remat="dots").buckets[0].config.remat == "dots"
 
 
 def test_a_table_names_a_remat_policy_per_bucket():

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import capped, capped_hotjax, error, one_line
+from helpers import TINY, capped, capped_hotjax, error, one_line
 
 from hotjax import bounds
 from hotjax.checkpoint import meta as meta_lib
@@ -30,7 +30,6 @@ from hotjax.models.hf import config_from_hf, config_to_hf, read_json
 from hotjax.models.llama import PRESETS, LlamaConfig, RopeScaling
 from hotjax.optim import OptimConfig
 
-TINY = PRESETS["tiny"]
 # A model with every optional field set, Llama 3's rope scaling included.
 SCALED = dataclasses.replace(TINY, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 256))
 # A capped child (helpers.capped) that never starts JAX runs in ~40 MiB resident; its peak is

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from helpers import TINY
 
 from hotjax.checkpoint import model, store
 from hotjax.checkpoint.formats import foreign, megatron, shards
@@ -23,17 +24,17 @@ from hotjax.checkpoint.manifest import load as load_manifest
 from hotjax.cli import main
 from hotjax.errors import UserError
 from hotjax.models.hf import config_to_hf, hf_tensor_shapes, params_to_hf_state
-from hotjax.models.llama import PRESETS, LlamaConfig, abstract_params, init_params
+from hotjax.models.llama import LlamaConfig, abstract_params, init_params
 
 # GQA (8 query heads in 4 groups), an odd vocabulary, two layers on each of two stages.
-TINY = dataclasses.replace(PRESETS["tiny"], n_layers=4, compute_dtype="float32")
+CONFIG = dataclasses.replace(TINY, n_layers=4)
 TP, PP, ITERATION = 2, 2, 5
-V, D, F, H = TINY.vocab_size, TINY.dim, TINY.ffn_dim, TINY.head_dim
-N, K = TINY.n_heads, TINY.n_kv_heads
+V, D, F, H = CONFIG.vocab_size, CONFIG.dim, CONFIG.ffn_dim, CONFIG.head_dim
+N, K = CONFIG.n_heads, CONFIG.n_kv_heads
 V_PAD = 512  # Megatron pads to a multiple of 128 * tp
-LAYERS = TINY.n_layers // PP
+LAYERS = CONFIG.n_layers // PP
 ITER_DIR = f"iter_{ITERATION:07d}"
-ARGS = dict(num_layers=TINY.n_layers, hidden_size=D, ffn_hidden_size=F, num_attention_heads=N,
+ARGS = dict(num_layers=CONFIG.n_layers, hidden_size=D, ffn_hidden_size=F, num_attention_heads=N,
             group_query_attention=True, num_query_groups=K, kv_channels=H, norm_epsilon=1e-5,
             rotary_base=10000, untie_embeddings_and_output_weights=True, seq_length=1024,
             max_position_embeddings=1024, padded_vocab_size=V_PAD, position_embedding_type="rope",
@@ -52,7 +53,7 @@ def params():
     def bf16_exact(x):
         return np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32)
 
-    return jax.tree.map(bf16_exact, init_params(TINY, seed=4))
+    return jax.tree.map(bf16_exact, init_params(CONFIG, seed=4))
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def _rank_file(root: Path, t: int, s: int) -> Path:
 
 def write_megatron(root: Path, params, garbage, spec: str = "te") -> Path:
     """A Megatron checkpoint root: the tracker file and one iteration's rank files."""
-    hf = params_to_hf_state(params, TINY)
+    hf = params_to_hf_state(params, CONFIG)
     for t in range(TP):
         for s in range(PP):
             file = _rank_file(root, t, s)
@@ -123,7 +124,7 @@ def write_megatron(root: Path, params, garbage, spec: str = "te") -> Path:
     return root
 
 
-def _restored(path: Path, config: LlamaConfig = TINY):
+def _restored(path: Path, config: LlamaConfig = CONFIG):
     targets = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
                            abstract_params(config))
     return store.restore(path, {store.PARAMS: targets})
@@ -140,7 +141,7 @@ def checkpoint(tmp_path_factory, params, garbage) -> Path:
 
 def test_megatron_tp2_pp2_imports_to_exactly_the_original_arrays(checkpoint, tmp_path, params):
     config = tmp_path / "config.json"  # the model as Hugging Face describes it
-    config.write_text(json.dumps(config_to_hf(TINY, "bfloat16")))
+    config.write_text(json.dumps(config_to_hf(CONFIG, "bfloat16")))
     assert main(["ckpt", "import-shards", "--format", "megatron", str(checkpoint),
                  str(tmp_path / "out"), "--config", str(config), "--workers", "2"]) == 0
     restored = _restored(tmp_path / "out")
@@ -157,7 +158,7 @@ def _hand_written_manifest(root: Path) -> Path:
     value = json.dumps  # TOML's strings, numbers and arrays read as JSON's here
     text = f"""
 format = "hotjax-shards/1"
-model = {{ preset = "tiny", n_layers = {TINY.n_layers} }}
+model = {{ preset = "tiny", n_layers = {CONFIG.n_layers} }}
 files = "{ITER_DIR}/mp_rank_{{tp:02d}}_{{pp:03d}}/model_optim_rng.pt"
 step = {ITERATION}
 
@@ -230,17 +231,17 @@ to = "lm_head.weight"
 
 def _converted(manifest) -> dict[str, np.ndarray]:
     """Every HF tensor the manifest's shard set holds, converted in this process."""
-    shapes = hf_tensor_shapes(TINY)
-    with foreign.Converted(foreign.plan(manifest, TINY.n_layers, shapes), 1) as converted:
+    shapes = hf_tensor_shapes(CONFIG)
+    with foreign.Converted(foreign.plan(manifest, CONFIG.n_layers, shapes), 1) as converted:
         return {name: converted.read(name) for name in shapes}
 
 
 def test_a_hand_written_manifest_of_the_same_files_imports_the_same_tensors(checkpoint, tmp_path,
                                                                             params):
     manifest = _hand_written_manifest(checkpoint)
-    shapes = hf_tensor_shapes(TINY)
+    shapes = hf_tensor_shapes(CONFIG)
     by_hand = _converted(load_manifest(manifest))
-    derived = megatron.derive_manifest(checkpoint, TINY)
+    derived = megatron.derive_manifest(checkpoint, CONFIG)
     assert derived.sizes == {"tp": TP, "pp": PP, "dp": 1} and derived.step == ITERATION
     from_files = _converted(derived)
     assert by_hand.keys() == from_files.keys() == shapes.keys()
@@ -255,7 +256,7 @@ def test_the_model_is_read_from_megatrons_args_when_no_config_is_given(checkpoin
                                                                        params, garbage):
     manifest = megatron.derive_manifest(checkpoint)
     config = model.from_manifest(manifest.model, manifest.path)
-    assert config == dataclasses.replace(TINY, vocab_size=V_PAD)  # the padding becomes vocabulary
+    assert config == dataclasses.replace(CONFIG, vocab_size=V_PAD)  # the padding becomes vocabulary
     out = megatron.import_megatron(checkpoint / ITER_DIR, tmp_path / "out", workers=1)
     imported = _restored(out, config).arrays[store.PARAMS]
     assert np.array_equal(imported["embed"], np.concatenate([params["embed"], garbage["embed"]]))
@@ -267,9 +268,9 @@ def test_the_model_is_read_from_megatrons_args_when_no_config_is_given(checkpoin
 
 def test_the_local_spec_with_separate_norms_reads_the_same(tmp_path, params, garbage):
     root = write_megatron(tmp_path, params, garbage, spec="local")
-    shapes = hf_tensor_shapes(TINY)
-    tensors = _converted(megatron.derive_manifest(root, TINY))
-    expected = params_to_hf_state(params, TINY)
+    shapes = hf_tensor_shapes(CONFIG)
+    tensors = _converted(megatron.derive_manifest(root, CONFIG))
+    expected = params_to_hf_state(params, CONFIG)
     assert all(np.array_equal(tensors[name], expected[name]) for name in shapes)
 
 
@@ -299,7 +300,7 @@ def _pickle_enum(root: Path) -> tuple[Path, str]:
 def test_bad_input_is_one_line_naming_the_file_and_tensor_and_nothing_is_written(
         case, tmp_path, params, garbage):
     root = write_megatron(tmp_path / "megatron", params, garbage)
-    config, names = TINY, []
+    config, names = CONFIG, []
     if case == "missing rank":
         shutil.rmtree(_rank_file(root, 1, 1).parent)
         names = [_rank_file(root, 1, 1).parent]
@@ -308,7 +309,7 @@ def test_bad_input_is_one_line_naming_the_file_and_tensor_and_nothing_is_written
     elif case == "refused pickle":
         names = list(_pickle_enum(root))
     else:
-        config = dataclasses.replace(TINY, n_layers=3)
+        config = dataclasses.replace(CONFIG, n_layers=3)
         names = [root / ITER_DIR, "n_layers=3", "4 layers"]
     with pytest.raises(UserError) as e:
         megatron.import_megatron(root, tmp_path / "out", config=config, workers=1)

@@ -21,12 +21,11 @@ from hotjax.planning.cost import (
     bucket_reduction_seconds,
     document_pairs,
     layer_elementwise_bytes,
-    micro_step_memory,
     micro_step_time,
-    shares,
     step_seconds,
     visible_pairs,
 )
+from hotjax.planning.memory import micro_step_memory
 from hotjax.planning.profile import (
     ALLOCATOR_FRACTION,
     allocator_fraction,
@@ -34,6 +33,7 @@ from hotjax.planning.profile import (
     parse_profile,
     set_allocator_fraction,
 )
+from hotjax.planning.shares import shares
 from hotjax.sharding.report import resident_bytes
 from hotjax.sharding.strategy import Strategy
 from hotjax.sharding.transfers import ArraySwitch, schedule_transfers

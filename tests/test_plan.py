@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import MODEL
 
 from hotjax.checkpoint import meta
 from hotjax.cli import main
-from hotjax.models.llama import preset
 from hotjax.planning import search as plan
 from hotjax.planning.cost import COST_MODEL_VERSION
 from hotjax.planning.measure import profile_path
@@ -23,7 +23,6 @@ from hotjax.sharding.table import load_table, parse_table
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = ROOT / "docs" / "stdlib-lengths.json"
-TINY = dataclasses.replace(preset("tiny"), vocab_size=256)
 CONTEXT = 2048
 GiB = 2**30
 
@@ -36,7 +35,7 @@ def lengths() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def search() -> plan.Search:
-    return plan.Search(TINY, load_profile("a800-4x8"), 8, 80 * GiB)
+    return plan.Search(MODEL, load_profile("a800-4x8"), 8, 80 * GiB)
 
 
 def test_typical_batch_takes_evenly_spaced_quantiles():
@@ -67,13 +66,13 @@ def test_the_search_finds_the_fastest_table_brute_force_finds(search, lengths):
 
 def test_buckets_fit_the_budget_and_a_budget_too_small_is_one_line(lengths):
     profile = load_profile("a800-4x8")
-    roomy = plan.plan(plan.Search(TINY, profile, 8, 80 * GiB), lengths, CONTEXT)
+    roomy = plan.plan(plan.Search(MODEL, profile, 8, 80 * GiB), lengths, CONTEXT)
     tight_budget = max(b.peak_bytes for b in roomy.buckets) // 2
-    tight = plan.plan(plan.Search(TINY, profile, 8, tight_budget), lengths, CONTEXT)
+    tight = plan.plan(plan.Search(MODEL, profile, 8, tight_budget), lengths, CONTEXT)
     assert all(b.peak_bytes <= tight_budget for b in tight.buckets)
     assert tight.seconds >= roomy.seconds
     with pytest.raises(plan.UserError, match="fits 0.0 GiB per device.*raise the memory budget"):
-        plan.plan(plan.Search(TINY, profile, 8, 2**20), lengths, CONTEXT)
+        plan.plan(plan.Search(MODEL, profile, 8, 2**20), lengths, CONTEXT)
 
 
 def _long_tailed(batch_tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -89,7 +88,7 @@ def test_a_table_is_planned_only_where_it_gains_more_than_the_cost_models_error(
     planned when its predicted gain over the best single strategy exceeds MARGIN, and otherwise
     that strategy alone is, and the plan says why."""
     sample, typical = _long_tailed(4 * CONTEXT)
-    search = plan.Search(TINY, load_profile("a800-4x8"), 2, 80 * GiB,
+    search = plan.Search(MODEL, load_profile("a800-4x8"), 2, 80 * GiB,
                          fill=plan.Fill(sample, batch_tokens=4 * CONTEXT))
     table = plan.fastest(search, typical, CONTEXT, 4)
     single = plan.fastest(search, typical, CONTEXT, 1)
@@ -116,11 +115,11 @@ def test_micro_steps_hold_no_more_rows_than_the_mini_batches_fill():
     from hotjax.train import micro_units
 
     sample, typical = _long_tailed(4 * CONTEXT)
-    (zero1,) = [s for s in plan.candidate_strategies(TINY, 2) if str(s) == "fsdp2 [zero1]"]
+    (zero1,) = [s for s in plan.candidate_strategies(MODEL, 2) if str(s) == "fsdp2 [zero1]"]
     profile = load_profile("a800-4x8")
     for batch_tokens, rows in ((4 * CONTEXT, 4), (2 * CONTEXT, 2)):
         fill = plan.Fill(sample, batch_tokens=batch_tokens)
-        search = plan.Search(TINY, profile, 2, 80 * GiB, [zero1], fill=fill)
+        search = plan.Search(MODEL, profile, 2, 80 * GiB, [zero1], fill=fill)
         (bucket,) = plan.fixed_table(search, typical, [(CONTEXT, zero1)]).buckets
         assert bucket.rows == 5 and bucket.micro_rows == rows
         assert rows == 2 * micro_units(fill.rows(0, CONTEXT), 2, 64)
@@ -163,8 +162,8 @@ def _one_bucket(platform: str, lengths: list[int], masked: bool = True) -> tuple
     """The predicted bucket of rows of CONTEXT under data=2 on the A800 profile on `platform`,
     and the micro-step priced as if every row were one causal document."""
     profile = dataclasses.replace(load_profile("a800-4x8"), platform=platform)
-    (strategy,) = [s for s in plan.candidate_strategies(TINY, 2) if str(s) == "data2 [dp]"]
-    search = plan.Search(TINY, profile, 2, 80 * GiB, [strategy])
+    (strategy,) = [s for s in plan.candidate_strategies(MODEL, 2) if str(s) == "data2 [dp]"]
+    search = plan.Search(MODEL, profile, 2, 80 * GiB, [strategy])
     table = plan.fixed_table(search, np.asarray(lengths), [(CONTEXT, strategy)], masked=masked)
     (bucket,) = table.buckets
     micro = search.micro_step(strategy, CONTEXT, search.resident[strategy], bucket.rows)
@@ -281,20 +280,20 @@ def test_a_rule_set_added_to_rule_sets_is_planned_and_priced_by_what_it_maps(mon
                                   {"batch": ("data", "tensor"), **tensor_like})
     monkeypatch.setitem(RULE_SETS, "swapped", swapped)
     profile = load_profile("a800-4x8")
-    candidates = {str(s): s for s in plan.candidate_strategies(TINY, 8)}
+    candidates = {str(s): s for s in plan.candidate_strategies(MODEL, 8)}
     assert "fsdp2·tensor4 [swapped]" in candidates
     new, megatron = candidates["fsdp2·tensor4 [swapped]"], Strategy.parse(
         "fsdp=4,tensor=2,rules=megatron")
     shape = (4, CONTEXT)
-    priced, reference = (micro_step_time(TINY, s, shape, profile) for s in (new, megatron))
+    priced, reference = (micro_step_time(MODEL, s, shape, profile) for s in (new, megatron))
     assert priced.tensor > 0 and priced.fsdp > 0
     assert priced.terms() == pytest.approx(reference.terms(), rel=1e-12)
     # The search prices it like any other candidate and can choose it.
-    search = plan.Search(TINY, profile, 8, 80 * GiB)
+    search = plan.Search(MODEL, profile, 8, 80 * GiB)
     assert new in search.strategies
     lengths = np.full(8, CONTEXT)
     (bucket,) = plan.fixed_table(search, lengths, [(CONTEXT, new)]).buckets
-    only = plan.plan(plan.Search(TINY, profile, 8, 80 * GiB, [new]), lengths, CONTEXT)
+    only = plan.plan(plan.Search(MODEL, profile, 8, 80 * GiB, [new]), lengths, CONTEXT)
     assert [b.strategy for b in only.buckets] == [new]
     assert only.buckets[0].seconds == pytest.approx(bucket.seconds)
 
@@ -309,7 +308,7 @@ def test_the_table_recorded_is_the_one_written_not_its_fit_to_the_model(devices)
     from hotjax.train import Trainer
 
     written = StrategyTable.single(Strategy.parse("tensor=8,rules=megatron"), 256, "test")
-    trainer = Trainer(TINY, OptimConfig(), written, devices)
+    trainer = Trainer(MODEL, OptimConfig(), written, devices)
     assert trainer.home.layout.strategy.rules != written.buckets[0].strategy.rules  # fitted
     assert trainer.home_strategy == written.buckets[0].strategy
     recorded = dataclasses.replace(written, home=trainer.home_strategy).to_dict()
@@ -327,7 +326,7 @@ def test_a_declared_memory_wall_refuses_whole_rows_and_admits_a_ring(devices):
     from hotjax.sharding.table import StrategyTable
     from hotjax.train import Trainer
 
-    config = dataclasses.replace(TINY, compute_dtype="float32")
+    config = dataclasses.replace(MODEL, compute_dtype="float32")
     whole, ring = Strategy.parse("data=2"), Strategy.parse("context=2,balanced=true")
     assert keeps_whole_rows(whole) and keeps_whole_rows(Strategy.parse("tensor=2"))
     assert not keeps_whole_rows(ring)

@@ -5,11 +5,12 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from helpers import TINY
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hotjax.errors import UserError
-from hotjax.models.llama import PRESETS, abstract_params, padded_vocab, param_axes
+from hotjax.models.llama import abstract_params, padded_vocab, param_axes
 from hotjax.sharding.strategy import (
     DEFAULT_RULES,
     RULE_SETS,
@@ -20,8 +21,6 @@ from hotjax.sharding.strategy import (
     ways,
 )
 from hotjax.sharding.table import Bucket, StrategyTable, load_table, parse_table
-
-TINY = PRESETS["tiny"]  # V=259, D=64, L=2, N=8, K=4, H=8, F=176
 
 
 def layout(text: str, devices: list[jax.Device]) -> Layout:

@@ -1,34 +1,33 @@
 """The hot-switch executor: scheduled switches move the tiny model's values exactly, to exactly the
 target shardings, as fresh buffers, and agree with `jax.device_put`."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import MODEL
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hotjax.errors import UserError
-from hotjax.models.llama import PRESETS, abstract_params, param_axes
+from hotjax.models.llama import abstract_params, param_axes
 from hotjax.sharding.strategy import Layout, Strategy, fit_to_model
 from hotjax.sharding.switch import chosen_method, scheduled_switch, switch
 from hotjax.sharding.transfers import MIN_PIECE_BYTES, Topology
 
-TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=256)
 TWO_NODES_OF_4 = Topology(devices_per_node=4)
 
 
 def shardings(text: str, devices) -> dict:
-    return Layout(fit_to_model(Strategy.parse(text), TINY)[0], devices).param_shardings(
-        param_axes(TINY), abstract_params(TINY))
+    return Layout(fit_to_model(Strategy.parse(text), MODEL)[0], devices).param_shardings(
+        param_axes(MODEL), abstract_params(MODEL))
 
 
 @pytest.fixture(scope="module")
 def values() -> dict:
     rng = np.random.default_rng(0)
     return jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32),
-                        abstract_params(TINY))
+                        abstract_params(MODEL))
 
 
 def assert_holds(tree, expected, target_shardings) -> None:

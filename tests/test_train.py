@@ -19,9 +19,6 @@ from hotjax.sharding.table import Bucket, StrategyTable
 from hotjax.step import micro_step_inputs, next_token_targets
 from hotjax.train import Trainer
 
-# The shared model and optimizer, so that compiled steps are shared with the other test files
-# (one per config, strategy, devices and shape).
-TINY = MODEL
 SEQ = 128
 
 
@@ -40,11 +37,11 @@ def stdlib_batches(tmp_path_factory) -> list[MiniBatch]:
     return list(itertools.islice(batches, 3))
 
 
-def _trainer(strategy: str, devices, config=TINY) -> Trainer:
+def _trainer(strategy: str, devices, config=MODEL) -> Trainer:
     return trainer(strategy, devices, max_len=SEQ, config=config)
 
 
-def _run(strategy: str, devices, batches, config=TINY):
+def _run(strategy: str, devices, batches, config=MODEL):
     trainer = _trainer(strategy, devices, config)
     state = trainer.init(seed=0)
     losses, params = [], []
@@ -80,14 +77,14 @@ def _plain_jax_training(batches: list[MiniBatch]):
     from hotjax.models.llama import bind, init_params, param_axes
     from hotjax.optim import make_optimizer
 
-    tx = make_optimizer(OPTIM, param_axes(TINY))
-    params = init_params(TINY, seed=0)
+    tx = make_optimizer(OPTIM, param_axes(MODEL))
+    params = init_params(MODEL, seed=0)
     opt_state, losses = tx.init(params), []
 
     @jax.jit
     def step(params, opt_state, tokens, segments, positions, targets):
         def loss_fn(params):
-            logits = bind(TINY, params)(tokens, segments, positions)
+            logits = bind(MODEL, params)(tokens, segments, positions)
             total, count = token_loss(logits, targets)
             return total / count
 
@@ -115,7 +112,7 @@ def test_one_device_equals_a_plain_jax_training_loop(stdlib_batches, one_device_
 def test_first_loss_is_the_untrained_cross_entropy(one_device_run):
     # Initial logits are near zero, so the loss starts at about ln(vocab).
     losses, _ = one_device_run
-    assert abs(losses[0] - np.log(TINY.vocab_size)) < 0.05
+    assert abs(losses[0] - np.log(MODEL.vocab_size)) < 0.05
 
 
 def test_loss_counts_only_tokens_that_continue_a_document():
@@ -149,7 +146,7 @@ def test_padding_content_does_not_change_the_loss(devices, stdlib_batches):
 
 
 def test_bfloat16_compute_keeps_float32_master_weights(devices, stdlib_batches, one_device_run):
-    bf16 = dataclasses.replace(TINY, compute_dtype="bfloat16")
+    bf16 = dataclasses.replace(MODEL, compute_dtype="bfloat16")
     losses, params = _run("data=8,rules=dp", devices, stdlib_batches, config=bf16)
     assert all(p.dtype == np.float32 for p in jax.tree.leaves(params[-1]))
     ref_losses, _ = one_device_run
@@ -173,7 +170,7 @@ def test_micro_rows_or_buckets_that_do_not_fit_the_layout_are_user_errors(device
                                                                          stdlib_batches):
     table = StrategyTable((Bucket(SEQ, Strategy.parse("data=8"), 4),), "four-rows")
     with pytest.raises(UserError, match="micro_rows 4 does not split over the 8 batch shards"):
-        Trainer(TINY, OPTIM, table, devices)
+        Trainer(MODEL, OPTIM, table, devices)
     trainer = _trainer("data=8,rules=dp", devices)
     (batch,) = stdlib_batches[0].buckets
     shorter = MiniBatch((Batch(*(a[:, :64] for a in (batch.tokens, batch.segment_ids,
@@ -192,7 +189,7 @@ def test_a_run_built_from_parts_steps_without_waiting_and_trains_as_the_trainer(
     from hotjax.run import Run
 
     table = StrategyTable.single(Strategy.parse("data=1"), SEQ, "in Python")
-    run = Run(TINY, table, make_optimizer(OPTIM, param_axes(TINY)), stdlib_batches,
+    run = Run(MODEL, table, make_optimizer(OPTIM, param_axes(MODEL)), stdlib_batches,
               devices=devices[:1])
     state, steps = run.init(0), []
     for _ in stdlib_batches:

@@ -1,13 +1,13 @@
 """The hot-transfer scheduler: exact coverage, its lower bound, sender choice, and its speed."""
 
 import collections
-import dataclasses
 import itertools
 import math
 
 import jax
 import numpy as np
 import pytest
+from helpers import MODEL
 
 from hotjax.errors import UserError
 from hotjax.models.llama import PRESETS, abstract_params, param_axes
@@ -24,16 +24,15 @@ from hotjax.sharding.transfers import (
     strategy_switches,
 )
 
-TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=256)  # divisible by every mesh size here
 TWO_NODES_OF_4 = Topology(devices_per_node=4)
 
 
-def strategy(text: str, config=TINY) -> Strategy:
+def strategy(text: str, config=MODEL) -> Strategy:
     return fit_to_model(Strategy.parse(text), config)[0]
 
 
 def tiny_switches(source: str, target: str, itemsize: int = 4) -> list[ArraySwitch]:
-    return strategy_switches(param_axes(TINY), abstract_params(TINY), strategy(source),
+    return strategy_switches(param_axes(MODEL), abstract_params(MODEL), strategy(source),
                              strategy(target), list(range(8)), itemsize)
 
 
@@ -91,10 +90,10 @@ def owners_on_node(plan: TransferSchedule, array: int, box, node: int) -> list[i
 @pytest.mark.parametrize("text", ["data=8", "fsdp=8", "data=2,tensor=4", "fsdp=2,context=4",
                                   "tensor=8", "data=2,fsdp=2,tensor=2"])
 def test_boxes_from_a_strategy_are_the_named_shardings_boxes(text, devices):
-    shardings = Layout(strategy(text), devices).param_shardings(param_axes(TINY),
-                                                                abstract_params(TINY))
-    axes = jax.tree.leaves(param_axes(TINY), is_leaf=lambda x: isinstance(x, tuple))
-    for names, shape, sharding in zip(axes, jax.tree.leaves(abstract_params(TINY)),
+    shardings = Layout(strategy(text), devices).param_shardings(param_axes(MODEL),
+                                                                abstract_params(MODEL))
+    axes = jax.tree.leaves(param_axes(MODEL), is_leaf=lambda x: isinstance(x, tuple))
+    for names, shape, sharding in zip(axes, jax.tree.leaves(abstract_params(MODEL)),
                                       jax.tree.leaves(shardings), strict=True):
         assert boxes_from_strategy(strategy(text), range(8), names, shape.shape) == (
             boxes_from_sharding(sharding, shape.shape))
@@ -292,8 +291,8 @@ def test_a_job_s_topology_puts_each_process_s_devices_on_one_node() -> None:
     assert [topology.node(d) for d in range(8)] == [0, 1] * 4
     evens, odds = [0, 2, 4, 6], [1, 3, 5, 7]
     # data=2 over (evens, odds) -> fsdp=8 across both: each process holds the whole model before.
-    switches = strategy_switches(param_axes(TINY), abstract_params(TINY), strategy("data=2,fsdp=4"),
-                                 strategy("fsdp=8"), [*evens, *odds], 4)
+    switches = strategy_switches(param_axes(MODEL), abstract_params(MODEL),
+                                 strategy("data=2,fsdp=4"), strategy("fsdp=8"), [*evens, *odds], 4)
     greedy = schedule_transfers(switches, topology)
     first = schedule_transfers(switches, topology, "first-owner")
     assert greedy.summary()["inter_node_bytes"] == 0

@@ -18,13 +18,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
+from helpers import TINY
 from safetensors.numpy import save_file
 
 from hotjax.cli import main
 from hotjax.models.hf import INDEX_FILE, WEIGHTS_FILE, config_to_hf, hf_tensor_shapes, hf_tensors_of
-from hotjax.models.llama import preset
 
-TINY = preset("tiny")
 EMBED = "embedding.word_embeddings.weight"  # Megatron-Core's
 RAN = f"{os.mkdir.__module__}.{os.mkdir.__name__}"  # what the payloads call: posix.mkdir
 

@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hotjax import bounds
 from hotjax.commands.options import (
@@ -20,6 +21,11 @@ from hotjax.commands.options import (
 )
 from hotjax.config import DEFAULT_MODEL, at_least, positive, shown_bytes
 from hotjax.errors import UserError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from hotjax.planning.search import Choice, Plan
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -94,7 +100,7 @@ def _plan(args: argparse.Namespace) -> None:
             compared[f"table {path}"] = planning.fixed_table(
                 search, lengths, [(b.max_len, b.strategy) for b in table.buckets])
     budget = search.budget
-    report = planning.report(found, compared, lengths, {
+    report = _report(found, compared, lengths, {
         "model": run.model or DEFAULT_MODEL, "profile": profile.name, "devices": devices,
         "memory_gib": budget / 2**30, "context": run.context, "lengths": described,
         "batch_sequences": len(lengths), **run.batch,
@@ -144,13 +150,11 @@ def _print(args: argparse.Namespace, report: dict, target, budget: int) -> None:
     """The plan's report: JSON, or its tables."""
     from rich.console import Console
 
-    from hotjax.planning import search as planning
-
     if args.json:
         print(json.dumps(report, indent=1))
         return
     out = Console(width=None if sys.stdout.isatty() else 120)  # piped: tables unwrapped
-    planning.print_report(report, out)
+    _tables(report, out)
     if target is not None:
         out.print(f"fits, per XLA:GPU: each bucket's micro-step compiled for "
                   f"{report['target']['device']} on this machine without one; its peak "
@@ -223,3 +227,66 @@ def _document_lengths(args: argparse.Namespace):
                                specials=SpecialTokens.of(args))
     # Estimated from a sample, as `hotjax train` estimates them for `--strategies auto`.
     return estimated_lengths(corpus, tokenizer), corpus.source, tokenizer.vocab_size
+
+
+def _report(found: Plan, compared: dict[str, Plan | None], lengths: np.ndarray,
+            setting: dict) -> dict:
+    """The plan and its comparisons as plain data."""
+    tokens = int(lengths.sum())
+
+    def bucket(b: Choice) -> dict:
+        return {"low": b.low, "max_len": b.max_len, "strategy": str(b.strategy),
+                "micro_rows": b.micro_rows, "remat": b.remat, "micro_steps": b.micro_steps,
+                "rows": b.rows, "sequences": b.sequences, "token_share": b.tokens / tokens,
+                "seconds": b.seconds, "imbalance": b.imbalance,
+                "peak_gib": b.peak_bytes / 2**30}
+
+    def summary(p: Plan | None) -> dict | None:
+        return None if p is None else {
+            "seconds": p.seconds, "switch_seconds": p.switch_seconds,
+            "speedup_of_plan": p.seconds / found.seconds,
+            "buckets": [bucket(b) for b in p.buckets]}
+
+    return {**setting, "plan": {**summary(found), "home": str(found.home), "why": found.why},
+            "compared": {name: summary(p) for name, p in compared.items()}}
+
+
+def _tables(data: dict, console) -> None:
+    """The plan's buckets and its predicted step beside the compared ones, as tables."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    plan = data["plan"]
+    table = Table(title=f"plan for {data['model']} on {data['devices']} devices of "
+                        f"{data['profile']} ({data['memory_gib']:.0f} GiB each), context "
+                        f"{data['context']:,}, {data['batch_sequences']} sequences of "
+                        f"{data['lengths']} per step")
+    compiled = "target" in data  # `hotjax plan --target`: each bucket compiled for a GPU
+    for column in ("lengths", "strategy", "micro_rows", "remat", "micro-steps", "tokens",
+                   "predicted s", "peak GiB", *(("fits, per XLA:GPU",) if compiled else ())):
+        table.add_column(column, justify="left" if column in ("lengths", "strategy",
+                                                               "remat") else "right")
+    for b in plan["buckets"]:
+        xla = b.get("xla_gpu")
+        table.add_row(f"({b['low']:,}, {b['max_len']:,}]", escape(b["strategy"]),
+                      f"{b['micro_rows']} x {b['max_len']:,}", b["remat"],
+                      str(b["micro_steps"]), f"{b['token_share']:.1%}", f"{b['seconds']:.3f}",
+                      f"{b['peak_gib']:.1f}", *((f"{xla['peak_gib']:.1f} "
+                                                  + ("yes" if xla["fits"] else "[red]no[/]"),)
+                                                 if compiled else ()))
+    console.print(table)
+    steps = Table(title="predicted step time")
+    for column in ("", "seconds", "switches s", "vs the plan"):
+        steps.add_column(column, justify="left" if not column else "right")
+    steps.add_row(escape(f"the plan (home {plan['home']})"), f"{plan['seconds']:.3f}",
+                  f"{plan['switch_seconds']:.3f}", "1.00x")
+    for name, p in data["compared"].items():
+        if p is None:
+            steps.add_row(escape(name), "does not fit", "", "")
+        else:
+            steps.add_row(escape(f"{name}: " + " | ".join(b["strategy"] for b in p["buckets"])),
+                          f"{p['seconds']:.3f}", f"{p['switch_seconds']:.3f}",
+                          f"{p['speedup_of_plan']:.2f}x")
+    console.print(steps)
+    if plan["why"]:
+        console.print(escape(f"planned: {plan['why']}"))

@@ -1,5 +1,6 @@
-"""The analytic cost model: the time of one bucket's micro-step and its per-device memory, for a
-model, a strategy and a micro-step shape (rows, tokens per row), on a hardware profile.
+"""The analytic cost model: the time of one bucket's micro-step, for a model, a strategy and a
+micro-step shape (rows, tokens per row), on a hardware profile (its memory:
+`hotjax.planning.memory`; what a device holds of the micro-step: `hotjax.planning.shares`).
 
 Letters as in `hotjax.models.llama`, plus t tensor ways, c context ring size, S stages, M pipeline
 micro-batches. Each row is one causal document (a bucket's worst case); counts are per device.
@@ -81,42 +82,8 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   stage groups sharing its head, and its gradient back, and runs all of a bucket's micro-steps
   in one schedule: n micro-steps take n·M + S - 1 ticks, one bubble
   (`MicroStepTime.bucket_seconds`); GPipe pays the bubble every micro-step.
-
-Memory (bytes per device at the micro-step's peak; `MicroStepMemory` keeps each term):
-- Arguments, exactly: the compute-dtype weights in the parameter layout, the fp32 accumulator in
-  the gradient layout (a data shard's part of it under `sharded` accumulation), the
-  micro-step's four int32 arrays.
-- The weights as the matmuls read them, beyond the arguments: gathered over fsdp and, where XLA
-  widens the compute dtype (XLA:CPU runs bf16 dots in fp32: `HELD_BYTES`), widened. With remat
-  "none" XLA keeps every layer's so from the forward pass for the backward; under remat, one
-  layer's at a time.
-- Weight gradients: the layer loop stacks them (reduce-scattered first under fsdp), unless it
-  is unrolled (`UNROLLED_WORKING`: a GPU under remat "none"); a pipeline
-  carries its stage's gradient sum through the ticks, in and out of each (1F1B its head's and
-  embedding's too, in fp32, beside each tick's gradients).
-- Activations saved for the backward pass: per layer and token, `SAVED` arrays of each width by
-  remat policy, for each micro-batch a pipeline stage holds (`hotjax.models.pipeline.in_flight`:
-  GPipe every one of its M + S - 1 ticks', with the scan's carry, the stage slot and the M finished
-  micro-batches; 1F1B at most 2S - 1, beside a carry of two stage slots:
-  nothing grows with the micro-batches a schedule runs); under remat "full" a pipeline keeps only
-  those micro-batches' stage inputs and recomputes one micro-batch's layers at a time. Under 1F1B
-  the head's logits are one micro-batch's.
-- The backward pass's working set (`WORKING`): activation gradients, a layer's gradients or its
-  recomputed activations; or, where more, the head's phase at the end of the forward pass
-  (`HEAD_PHASE`: the loss's gradient with respect to the logits in the compute dtype, a chunk's
-  fp32 logits: a narrow model with a wide vocabulary on long rows).
-Which arrays exist and how many was read off XLA's buffer assignment of the compiled micro-step, and
-the counts calibrated against its memory analysis on LLaMA2-7B widths (XLA:CPU, 8 devices;
-tests/test_cost.py checks six strategies): with remat "none", data, fsdp, tensor and context
-strategies within 7 % at 2, 4 and 32 layers, pipelines within 8 % at 32 layers (1F1B, M = 2 and 8)
-and 14 % at 2 layers per stage (one layer per stage XLA plans 15-30 % leaner); remat "dots" and
-"full" within 10 % at 2 and 4 layers and 2 % at 32, outside pipelines (a pipeline under remat is not
-calibrated: over-predicted by 25-50 % at 32 layers). A 1F1B pipeline (stage=2, tensor=4 at 4 layers,
-its bucket in one schedule) within 2 % at M = 2 and 8; GPipe's terms were fitted at M = 2 and
-over-predict by 24 % at M = 8, where XLA plans 1F1B a third leaner than GPipe.
-`hotjax.sharding.report.resident_bytes` is what stays besides: the home's fp32 weights, the
-optimizer's state and the gradient sum.
 """
+
 
 from __future__ import annotations
 
@@ -124,19 +91,24 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from hotjax.errors import UserError
 from hotjax.models.attention import block_edge
-from hotjax.models.head_loss import loss_chunks
-from hotjax.models.llama import LlamaConfig, layers_unrolled, param_leaves
-from hotjax.models.pipeline import in_flight
+from hotjax.models.llama import LlamaConfig, param_leaves
 from hotjax.models.work import attention_backend, attention_kernel
+from hotjax.planning.memory import HELD_BYTES, SAVED
 from hotjax.planning.profile import Profile
-from hotjax.sharding.strategy import MESH_AXES, Strategy, fit_to_model, partial_axes, ways
+from hotjax.planning.shares import (
+    FP32,
+    Shares,
+    axes_size,
+    fitted_strategy,
+    head_share,
+    shares,
+)
+from hotjax.sharding.strategy import MESH_AXES, Strategy
 from hotjax.sharding.transfers import TransferSchedule, boxes_from_strategy
 
 # Bumped whenever a change to this model changes what a measured profile's fitted constants
@@ -146,8 +118,6 @@ from hotjax.sharding.transfers import TransferSchedule, boxes_from_strategy
 # schedule per bucket, the embedding inside it. 4: the matmul rate fitted on micro-steps of
 # trained size. 5: the elementwise passes priced apart from the matmul rate.
 COST_MODEL_VERSION = 5
-FP32, INT32 = 4, 4
-BATCH_ARRAYS = 4  # tokens, segment ids, positions, targets
 # Of each collective's tensor, the bytes moved per device over a group of n (the bus-bandwidth
 # convention of nccl-tests): time = latency + factor · bytes / bus bandwidth.
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
@@ -157,9 +127,6 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
 # Collectives a profile does not measure, priced at the bandwidth of one it does: an all-to-all
 # moves (n-1)/n of each device's tensor over every link at once, as an all-gather does.
 PRICED_AS = {"all-to-all": "all-gather"}
-# Bytes per element XLA holds matmul operands and activations in, where it widens the compute
-# dtype: XLA:CPU runs bf16 and fp16 dots in fp32. Elsewhere: the compute dtype's size.
-HELD_BYTES = {"cpu": 4}
 # Platforms whose compiled steps send activations at `HELD_BYTES` (what a collective next to a
 # widened dot carries) and reduce-scatter them as an all-reduce and a slice: XLA's SPMD
 # partitioner emits the latter, and the GPU pipeline fuses it back into a reduce-scatter
@@ -172,9 +139,6 @@ WIDE_WIRE = frozenset({"cpu"})
 # XLA:CPU runs a collective-permute to completion before the next op. On two processes over a
 # 20 MB/s link the ring's measured cost was the whole of its sends whatever the attention.
 SERIAL_RING = frozenset({"cpu"})
-# Per token of one layer, the arrays of each width kept for the backward pass, by remat policy:
-# (residual stream D, MLP hidden F, query-wide N·H, K/V-wide K·H).
-SAVED = {"none": (6, 6, 3, 2), "dots": (2, 2, 1, 2), "full": (1, 0, 0, 0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,259 +161,6 @@ class Passes:
 # by the log-sum-exp, read and written again for their gradient. The accumulator: its fp32 sum
 # read and written (the gradient's compute-dtype read counted beside it).
 ELEMENTWISE = Passes(forward=(10, 3, 2, 2), backward=(14, 5, 2, 2), logits=4, accumulator=2)
-
-
-@dataclasses.dataclass(frozen=True)
-class PlatformScale:
-    """Where one XLA backend plans other bytes than the counts above (fitted on XLA:CPU)."""
-
-    gathered: float = 1.0  # FSDP's gathered weights kept for the backward (remat "none")
-    stash: float = 1.0  # a 1F1B pipeline's in-flight activations (remat "none")
-    stage_gradients: float = 1.0  # a 1F1B pipeline's carried gradient sums (remat "none")
-
-
-# XLA:GPU against the model (LLaMA2-7B widths, 4 layers, 8 H100s compiled without a GPU:
-# tests/test_cost.py). Data, tensor and context strategies plan within 8 % of it unscaled. Two
-# differ: FSDP without remat keeps about two thirds of the gathered weights XLA:CPU keeps (the
-# model over-predicted by 14 %; the cause not isolated), and a 1F1B pipeline without remat
-# under-predicted by half: XLA:GPU's buffer assignment holds the schedule's activation stash both
-# as the tick loop's carry and as the result of the conditional that writes it (two buffers
-# where XLA:CPU updates one in place), some of it in fp32, and likewise the carried gradient
-# sums. Fitted on M = 2 and 4, stage=2 with tensor=4 and with data=2·tensor=2: within 2 %.
-# Pipelines under remat are not scaled (the model over-predicts them by 4-8 % on GPU).
-PLATFORM_SCALE = {"gpu": PlatformScale(gathered=0.65, stash=2.9, stage_gradients=1.7)}
-# The layer loop unrolled (`hotjax.models.llama.layers_unrolled`: a GPU under remat "none"): no
-# stacked gradients (each layer's reaches the accumulator as it is made) and a working set of
-# about half the scan's, without its logits-sized arrays. Fitted on XLA:GPU's plans for H100s
-# (LLaMA2-7B widths, 4 layers, 8 x 1,024 tokens): model / XLA data 1.05, fsdp 0.93, megatron
-# 1.14 (its replicated residual stream saved less than counted), megatron-sp 0.99, context with
-# tensor 1.00; the scan's model was 1.23-1.49 over the same unrolled plans.
-UNROLLED_WORKING = 0.5
-
-
-@dataclasses.dataclass(frozen=True)
-class Working:
-    """The backward pass's working set at its peak: copies of one layer's (and the embedding's
-    and head's) gradients in the compute dtype (outside a pipeline), activation gradients per
-    token (widths as in `SAVED`), and layers recomputed at once. No logits: the fused head
-    (`hotjax.models.head_loss`) consumed them in the forward pass."""
-
-    gradients: int
-    widths: tuple[int, int, int, int]
-    recomputed: int
-
-
-WORKING = {"none": Working(1, (4, 2, 1, 0), 0),
-           "dots": Working(0, (0, 1, 1, 0), 1),
-           "full": Working(0, (0, 1, 1, 0), 1)}
-# XLA:GPU's plan of the backward holds about this many fp32 logits-sized arrays' worth more than
-# the counts above, by remat policy: fitted on LLaMA2-7B's widths when the head's backward still
-# held the fp32 logits, and unchanged (within 1 %) since the fused head no longer does: the
-# bytes are real, their cause not isolated (tests/test_cost.py).
-WORKING_LOGITS = {"gpu": {"none": 3, "dots": 2, "full": 2}}
-# The head's phase, at the end of the forward pass, beside everything the layers saved: the
-# loss's gradient with respect to the logits, whole, in the compute dtype
-# (`hotjax.models.head_loss`), and per chunk of the loss some fp32 logits-sized arrays, and
-# residual-stream arrays per token. On XLA:CPU one chunk array and four residual arrays: a
-# 256-wide, 8K-vocabulary model (2 layers, fp32) on 2K-token rows, whose peak this phase is, within
-# 3 % under tensor + sequence parallelism (remat "full") and data parallelism ("dots")
-# (tests/test_cost.py).
-HEAD_PHASE = {"cpu": (1, 4)}  # platform: (fp32 logits-sized arrays per chunk, residual arrays)
-
-
-@dataclasses.dataclass(frozen=True)
-class Shares:
-    """One device's part of a micro-step under a strategy: tokens it computes, ways each width
-    is split, and parameter elements in each layout."""
-
-    rows: float  # rows per micro-step per device
-    tokens: float  # residual-stream tokens per device
-    inner_tokens: float  # tokens inside attention and the MLP (more under sequence parallelism)
-    head_ways: int
-    kv_ways: int
-    mlp_ways: int
-    vocab_ways: int
-    stages: int
-    microbatches: int
-    layers: int  # layers on this device's stage
-    weights: int  # parameter layout
-    grad_sum: int  # gradient layout
-    moments: int  # optimizer layout, one moment
-    layer_weights: int  # this stage's layers as the matmuls read them (compute layout)
-    layer_shards: int  # the same layers in the parameter layout
-    layer_grad_sum: int  # the same layers in the gradient layout
-    other_weights: int  # embedding, head and final norm, compute layout
-    other_shards: int  # the same in the parameter layout
-    token_axes: tuple[str, ...]  # mesh axes splitting the tokens (gradients reduce over them)
-    scatter_axes: tuple[str, ...]  # those the gradient layout is split on (reduce-scattered)
-    partial_axes: tuple[str, ...]  # data axes a `local` bucket keeps its partial sums apart on
-    gather_axes: tuple[str, ...]  # mesh axes the weights are gathered over (FSDP)
-    gathered_arrays: int  # weight arrays gathered apart, one all-gather each (a layer's per layer)
-    tensor_axes: tuple[str, ...]  # mesh axes splitting heads or the MLP (tensor parallelism)
-    ring_axes: tuple[str, ...]  # mesh axes splitting attention's sequence (a context ring)
-    exchange_axes: tuple[str, ...]  # those an all-to-all trades for the heads (Ulysses)
-    kv_exchanged: bool  # K/V heads exchanged too (else gathered whole over `exchange_axes`)
-    sequence_parallel: bool  # the residual stream split over tensor axes too
-
-
-def shares(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int]) -> Shares:
-    """One device's part of a micro-step on micro-steps of `shape` (rows, tokens per row)."""
-    strategy, count, axes = _layout(config, strategy)
-    sizes, act = strategy.axes, strategy.activation_spec
-    rows, seq_len = shape
-
-    def split(axes: tuple[str | None, ...]) -> int:
-        return ways(act(axes), sizes)[-1] if len(act(axes)) == len(axes) else 1
-
-    return Shares(
-        rows=rows / split(("batch",)), tokens=rows * seq_len / math.prod(
-            ways(act(("batch", "seq")), sizes)),
-        inner_tokens=rows * seq_len / math.prod(ways(act(("batch", "inner_seq")), sizes)),
-        head_ways=split((None, "heads")), kv_ways=split((None, "kv_heads")),
-        mlp_ways=split((None, "mlp")), vocab_ways=split((None, "vocab")),
-        stages=strategy.stages, microbatches=strategy.microbatches or 1,
-        layers=config.n_layers // strategy.stages, **count,
-        partial_axes=partial_axes(strategy), **axes)
-
-
-@functools.lru_cache(maxsize=4096)
-def _layout(config: LlamaConfig, strategy: Strategy) -> tuple[Strategy, dict[str, int],
-                                                              dict[str, Any]]:
-    """What `shares` needs of a strategy whatever the shape: the strategy fitted to the model,
-    parameter elements per device in each layout, and the mesh axes each collective runs over,
-    read off what the rules map (no mesh axis is priced by its name but `stage`): those that
-    split the tokens, that the gradients are scattered over, that the weights are gathered
-    over, that split heads or the MLP (tensor parallelism's all-reduces, or with the residual
-    stream split over them too, sequence parallelism's gathers and scatters) and that split
-    attention's sequence (the ring's K/V sends)."""
-    strategy, _ = fit_to_model(strategy, config)
-    sizes, act = strategy.axes, strategy.activation_spec
-    count = dict.fromkeys(("weights", "grad_sum", "moments", "layer_weights", "layer_shards",
-                           "layer_grad_sum", "other_weights", "other_shards"), 0)
-    param_mesh_axes, compute_mesh_axes, grad_mesh_axes = set(), set(), set()
-    gathered_arrays = 0
-    for axes, leaf in param_leaves(config):
-        n = math.prod(leaf.shape)
-        layer = axes[0] == "layers"
-        compute = act(axes[1:] if layer else axes)
-        placed = {"weights": strategy.param_spec(axes), "grad_sum": strategy.grad_spec(axes),
-                  "moments": strategy.optimizer_spec(axes)}
-        for key, spec in placed.items():
-            count[key] += n // math.prod(ways(spec, sizes))
-        prefix = "layer" if layer else "other"
-        count[f"{prefix}_weights"] += n // math.prod(ways(compute, sizes)) // (
-            strategy.stages if layer else 1)
-        count[f"{prefix}_shards"] += n // math.prod(ways(placed["weights"], sizes))
-        if layer:
-            count["layer_grad_sum"] += n // math.prod(ways(placed["grad_sum"], sizes))
-        if _mesh_axes(placed["weights"]) - _mesh_axes(compute) - {"stage"}:
-            gathered_arrays += config.n_layers // strategy.stages if layer else 1
-        param_mesh_axes |= _mesh_axes(placed["weights"])
-        grad_mesh_axes |= _mesh_axes(placed["grad_sum"])
-        compute_mesh_axes |= _mesh_axes(compute)
-    token_axes = _mesh_axes(act(("batch", "inner_seq")))
-    tensor_axes = _mesh_axes(act(("heads",))) | _mesh_axes(act(("mlp",)))
-    q, kv = strategy.attention_specs()
-    return strategy, count, {
-        "token_axes": _ordered(token_axes),
-        "scatter_axes": _ordered(token_axes & grad_mesh_axes),
-        "gather_axes": _ordered(param_mesh_axes - compute_mesh_axes - {"stage"}),
-        "gathered_arrays": gathered_arrays,
-        "tensor_axes": _ordered(tensor_axes),
-        "ring_axes": _ordered(_mesh_axes(PartitionSpec(*q[1:2]))),
-        "exchange_axes": strategy.exchange_axes,
-        "kv_exchanged": bool(_mesh_axes(PartitionSpec(*kv[2:3])) & set(strategy.exchange_axes)),
-        "sequence_parallel": bool(_mesh_axes(act(("seq",))) & tensor_axes)}
-
-
-@dataclasses.dataclass(frozen=True)
-class MicroStepMemory:
-    """Per-device bytes of one micro-step at its peak, as XLA plans it."""
-
-    weights: int  # compute-dtype weights, parameter layout (argument)
-    grad_sum: int  # fp32 gradient accumulator, its loss sum and count (argument, donated)
-    batch: int  # the micro-step's int32 arrays and the loss scale (argument)
-    read_weights: int  # weights as the matmuls read them, beyond the arguments
-    gradients: int  # weight gradients before they reach the accumulator
-    activations: int  # kept for the backward pass, every pipeline micro-batch in flight
-    working: int  # the backward pass's working set at its peak
-
-    @property
-    def peak(self) -> int:
-        return sum(dataclasses.astuple(self))
-
-
-def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int],
-                      platform: str = "gpu", accumulate: str = "local") -> MicroStepMemory:
-    """The per-device peak of a bucket's gradient micro-step on micro-steps of `shape`, as
-    XLA on `platform` ("cpu", "gpu", "tpu") plans it, accumulating as `accumulate` says."""
-    s = shares(config, strategy, shape)
-    grad_sum = s.grad_sum if accumulate == "local" else s.grad_sum / _size(strategy,
-                                                                            s.partial_axes)
-    compute = config.dtype.itemsize
-    held = HELD_BYTES.get(platform, compute)
-    D, F, V = config.dim, config.ffn_dim, config.vocab_size
-    query, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-
-    def per_token(widths: tuple[int, int, int, int], tokens: float, inner: float) -> float:
-        residual, mlp, q, k = widths
-        return held * (tokens * residual * D + inner * (
-            mlp * F / s.mlp_ways + q * query / s.head_ways + k * kv / s.kv_ways))
-
-    # With remat "none" XLA keeps every layer's gathered (and widened) weights from the forward
-    # pass for the backward; under remat it gathers one layer at a time.
-    kept = config.remat == "none"
-    layers_read = s.layer_weights if kept else (
-        s.layer_shards + (s.layer_weights - s.layer_shards) / s.layers)
-    read = layers_read + s.other_weights
-    owned = s.layer_shards + s.other_shards
-    read_bytes = read * held if held != compute else (read - owned) * compute
-    scale = PLATFORM_SCALE.get(platform, PlatformScale())
-    if kept and s.gather_axes:
-        read_bytes *= scale.gathered
-    M, S = s.microbatches, s.stages
-    tokens, inner = s.tokens / M, s.inner_tokens / M  # one pipeline micro-batch (M = 1: all)
-    activations = s.layers * per_token(SAVED[config.remat], tokens, inner)
-    gpipe = config.pipeline_schedule == "gpipe"
-    kept = in_flight(S, M, config.pipeline_schedule)
-    if S > 1 and config.remat == "full":  # the stage inputs held; layers recomputed
-        activations += (kept + (not gpipe) * 2) * tokens * D * held
-    elif S > 1 and gpipe:  # every tick's activations as the policy saves them, and its carry
-        activations = kept * (activations + (M + 1) * tokens * D * held)
-    elif S > 1:  # the micro-batches in flight, and the carry (held once)
-        activations = kept * activations + 2 * tokens * D * held
-    # 1F1B runs the head inside the schedule, one micro-batch at a time.
-    head_rows = _head_share(s, config.pipeline_schedule) * (M if S > 1 and not gpipe else 1)
-    # A pipeline carries its stage's gradient sum through the iterations at the matmuls' width,
-    # into and out of each one; otherwise the layer loop stacks them in the accumulator's layout.
-    # 1F1B's carry holds the head's and the embedding's gradient sums too, in fp32, and each
-    # tick's weight gradients and their masked sum beside them (read off XLA's plan, as the
-    # rest).
-    gradients = (s.layer_grad_sum * compute if S == 1
-                 else 2 * s.layer_weights * held if gpipe
-                 else 2 * (FP32 + held) * s.layer_weights + (FP32 + held) * s.other_weights)
-    if S > 1 and not gpipe and config.remat == "none":
-        activations *= scale.stash
-        gradients *= scale.stage_gradients
-    work = WORKING[config.remat]
-    logits = s.inner_tokens * V / s.vocab_ways * FP32 / head_rows
-    unrolled = S == 1 and layers_unrolled(config, platform) >= config.n_layers
-    layers_phase = (work.gradients * (S == 1) * (s.layer_weights / s.layers + s.other_weights)
-                    * compute + (not unrolled) * WORKING_LOGITS.get(platform, {}).get(
-                        config.remat, 0) * logits
-                    + per_token(work.widths, tokens, inner)
-                    + work.recomputed * per_token(SAVED["none"], tokens, inner))
-    if unrolled:
-        gradients, layers_phase = 0, UNROLLED_WORKING * layers_phase
-    chunk_arrays, head_residual = HEAD_PHASE.get(platform, (1, 0))
-    chunks = loss_chunks(max(shape[0] // (M if S > 1 and not gpipe else 1), 1), shape[1], V)
-    head_phase = ((chunk_arrays / chunks + compute / FP32) * logits
-                  + head_residual * s.inner_tokens / head_rows * D * held)
-    working = max(layers_phase, head_phase)
-    return MicroStepMemory(
-        weights=s.weights * compute, grad_sum=round(grad_sum * FP32) + 2 * FP32,
-        batch=round(s.tokens * BATCH_ARRAYS * INT32) + FP32, read_weights=round(read_bytes),
-        gradients=round(gradients), activations=round(activations), working=round(working))
 
 
 # The terms a micro-step's seconds sum (`MicroStepTime`'s fields of those names).
@@ -521,7 +232,7 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
                         f"{profile.name} has {profile.num_devices}: choose a smaller strategy "
                         f"or a larger profile")
     s = shares(config, strategy, shape)
-    fitted = _layout(config, strategy)[0]
+    fitted = fitted_strategy(config, strategy)
     compute = config.dtype.itemsize
     D, H, N, K, F, V = (config.dim, config.head_dim, config.n_heads, config.n_kv_heads,
                         config.ffn_dim, config.vocab_size)
@@ -546,9 +257,9 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     # 55 ms recomputing every matmul.
     layer_matmuls = ((forwards + 2) * layer - (config.remat == "full") * down) * (
         s.inner_tokens * s.layers)
-    head_matmuls = 3 * s.inner_tokens * gemms(((D, V / s.vocab_ways),)) / _head_share(
+    head_matmuls = 3 * s.inner_tokens * gemms(((D, V / s.vocab_ways),)) / head_share(
         s, config.pipeline_schedule)
-    context, exchange = _size(fitted, s.ring_axes), _size(fitted, s.exchange_axes)
+    context, exchange = axes_size(fitted, s.ring_axes), axes_size(fitted, s.exchange_axes)
     block, _ = attention_kernel(config, profile.platform, shape[1], context)
     pairs = s.rows * visible_pairs(shape[1], context, fitted.balanced, block)
     kernel = attention_backend(config, profile.platform, shape[1], context,
@@ -592,7 +303,7 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     kept_apart = s.partial_axes if accumulate == "local" else ()
     scatter = s.scatter_axes + (s.partial_axes if accumulate == "sharded" else ())
     rest = tuple(a for a in s.token_axes if a not in scatter and a not in kept_apart)
-    scattered = weights / _size(fitted, scatter)
+    scattered = weights / axes_size(fitted, scatter)
     gradients = (collective("reduce-scatter", weights, scatter)
                  + collective("all-reduce", scattered, rest))
 
@@ -605,9 +316,9 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     layer_elementwise = s.layers * layer_elementwise_bytes(
         config, s.tokens, s.inner_tokens, (s.head_ways, s.kv_ways, s.mlp_ways),
         attention_forwards, held) / rate if rate else 0.0
-    accumulated = s.grad_sum / (_size(fitted, s.partial_axes) if accumulate == "sharded" else 1)
+    accumulated = s.grad_sum / (axes_size(fitted, s.partial_axes) if accumulate == "sharded" else 1)
     other_elementwise = (ELEMENTWISE.logits * FP32 * s.inner_tokens * V / s.vocab_ways
-                         / _head_share(s, config.pipeline_schedule)
+                         / head_share(s, config.pipeline_schedule)
                          + accumulated * (ELEMENTWISE.accumulator * FP32 + compute)
                          ) / rate if rate else 0.0
     per_iteration = (layer_matmuls + attention + layer_tensor + stages + layer_elementwise) / M
@@ -642,10 +353,10 @@ def bucket_reduction_seconds(config: LlamaConfig, strategy: Strategy, profile: P
     """Seconds of a `local` bucket's one gradient reduction: the data shards' fp32 partial sums
     all-reduced over the axes they were kept apart on (0 under `sharded`, or without them)."""
     s = shares(config, strategy, (1, 1))  # the layouts alone: any shape
-    n = _size(strategy, s.partial_axes)
+    n = axes_size(strategy, s.partial_axes)
     if accumulate != "local" or n == 1:
         return 0.0
-    fitted = _layout(config, strategy)[0]
+    fitted = fitted_strategy(config, strategy)
     crosses = _crosses_nodes(fitted, s.partial_axes, profile.devices_per_node)
     return profile.collective_latency + 2 * (n - 1) / n * s.grad_sum * FP32 / profile.bandwidth(
         "all-reduce", n, crosses)
@@ -685,18 +396,6 @@ def _exchange(s: Shares, config: LlamaConfig, forwards: int, collective: Callabl
 def _exposed(ring: float, attention: float, overlaps: bool) -> float:
     """The ring's seconds not hidden behind attention."""
     return max(0.0, ring - attention) if overlaps else ring
-
-
-def _head_share(s: Shares, schedule: str) -> int:
-    """How many ways a pipeline's stage groups split the head's work (`across_stages`): GPipe's
-    rows after it where they divide, 1F1B's micro-batch rows, or else their tokens."""
-    if s.stages > 1 and (schedule == "1f1b" or s.rows % s.stages == 0):
-        return s.stages
-    return 1
-
-
-def _size(strategy: Strategy, axes: tuple[str, ...]) -> int:
-    return math.prod(strategy.axes[a] for a in axes)
 
 
 def document_pairs(documents_R: Sequence[Sequence[int]], seq_len: int, context: int,
@@ -778,9 +477,3 @@ def _crosses_nodes(strategy: Strategy, axes: tuple[str, ...], devices_per_node: 
     return sum((sizes[a] - 1) * stride[a] for a in axes) >= devices_per_node
 
 
-def _mesh_axes(spec: PartitionSpec) -> set[str]:
-    return {a for part in spec if part for a in ((part,) if isinstance(part, str) else part)}
-
-
-def _ordered(axes: set[str]) -> tuple[str, ...]:
-    return tuple(a for a in MESH_AXES if a in axes)

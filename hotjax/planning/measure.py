@@ -71,11 +71,11 @@ from hotjax.models.llama import _rotate as rotate
 from hotjax.planning.cost import (
     BUS_FACTOR,
     COST_MODEL_VERSION,
-    HELD_BYTES,
     layer_elementwise_bytes,
     micro_step_time,
     visible_pairs,
 )
+from hotjax.planning.memory import HELD_BYTES
 from hotjax.planning.profile import COLLECTIVES, GIGA, TERA, GiB, Profile, parse_profile
 from hotjax.sharding.strategy import Strategy, canonical_devices
 from hotjax.step import bucket_step, micro_step_inputs

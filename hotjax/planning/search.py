@@ -48,11 +48,11 @@ from hotjax.planning.cost import (
     MicroStepTime,
     bucket_reduction_seconds,
     document_pairs,
-    micro_step_memory,
     micro_step_time,
     switch_seconds,
     visible_pairs,
 )
+from hotjax.planning.memory import micro_step_memory
 from hotjax.planning.profile import Profile
 from hotjax.sharding.report import ACTIVATIONS, most_sharded, resident_bytes
 from hotjax.sharding.strategy import (
@@ -619,65 +619,3 @@ def baselines(search: Search, lengths: np.ndarray, context: int) -> dict[str, Pl
     return {"best single strategy, document-masked packing": best,
             "the same, concatenated without masking (Megatron-LM)": fixed_table(
                 search, lengths, table, masked=False, packed=False)}
-
-
-def report(found: Plan, compared: dict[str, Plan | None], lengths: np.ndarray,
-           setting: dict) -> dict:
-    """The plan and its comparisons as plain data."""
-    tokens = int(lengths.sum())
-
-    def bucket(b: Choice) -> dict:
-        return {"low": b.low, "max_len": b.max_len, "strategy": str(b.strategy),
-                "micro_rows": b.micro_rows, "remat": b.remat, "micro_steps": b.micro_steps,
-                "rows": b.rows, "sequences": b.sequences, "token_share": b.tokens / tokens,
-                "seconds": b.seconds, "imbalance": b.imbalance,
-                "peak_gib": b.peak_bytes / 2**30}
-
-    def summary(p: Plan | None) -> dict | None:
-        return None if p is None else {
-            "seconds": p.seconds, "switch_seconds": p.switch_seconds,
-            "speedup_of_plan": p.seconds / found.seconds,
-            "buckets": [bucket(b) for b in p.buckets]}
-
-    return {**setting, "plan": {**summary(found), "home": str(found.home), "why": found.why},
-            "compared": {name: summary(p) for name, p in compared.items()}}
-
-
-def print_report(data: dict, console) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    plan = data["plan"]
-    table = Table(title=f"plan for {data['model']} on {data['devices']} devices of "
-                        f"{data['profile']} ({data['memory_gib']:.0f} GiB each), context "
-                        f"{data['context']:,}, {data['batch_sequences']} sequences of "
-                        f"{data['lengths']} per step")
-    compiled = "target" in data  # `hotjax plan --target`: each bucket compiled for a GPU
-    for column in ("lengths", "strategy", "micro_rows", "remat", "micro-steps", "tokens",
-                   "predicted s", "peak GiB", *(("fits, per XLA:GPU",) if compiled else ())):
-        table.add_column(column, justify="left" if column in ("lengths", "strategy",
-                                                               "remat") else "right")
-    for b in plan["buckets"]:
-        xla = b.get("xla_gpu")
-        table.add_row(f"({b['low']:,}, {b['max_len']:,}]", escape(b["strategy"]),
-                      f"{b['micro_rows']} x {b['max_len']:,}", b["remat"],
-                      str(b["micro_steps"]), f"{b['token_share']:.1%}", f"{b['seconds']:.3f}",
-                      f"{b['peak_gib']:.1f}", *((f"{xla['peak_gib']:.1f} "
-                                                  + ("yes" if xla["fits"] else "[red]no[/]"),)
-                                                 if compiled else ()))
-    console.print(table)
-    steps = Table(title="predicted step time")
-    for column in ("", "seconds", "switches s", "vs the plan"):
-        steps.add_column(column, justify="left" if not column else "right")
-    steps.add_row(escape(f"the plan (home {plan['home']})"), f"{plan['seconds']:.3f}",
-                  f"{plan['switch_seconds']:.3f}", "1.00x")
-    for name, p in data["compared"].items():
-        if p is None:
-            steps.add_row(escape(name), "does not fit", "", "")
-        else:
-            steps.add_row(escape(f"{name}: " + " | ".join(b["strategy"] for b in p["buckets"])),
-                          f"{p['seconds']:.3f}", f"{p['switch_seconds']:.3f}",
-                          f"{p['speedup_of_plan']:.2f}x")
-    console.print(steps)
-    if plan["why"]:
-        console.print(escape(f"planned: {plan['why']}"))

@@ -222,6 +222,45 @@ class MicroStepTime:
                                    context=_exposed(self.ring, attention, self.ring_overlaps))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pricing:
+    """What every term of one micro-step's price reads: the model, the strategy fitted to it,
+    one device's shares, the profile, and the bytes per element of each kind of array."""
+
+    config: LlamaConfig
+    strategy: Strategy  # fitted to the model
+    s: Shares
+    profile: Profile
+    shape: tuple[int, int]
+    accumulate: str
+    compute: int  # bytes per element in the compute dtype
+    held: int  # as XLA holds matmul operands and activations (`HELD_BYTES`)
+    wire: int  # as activations cross the wire (`WIDE_WIRE`)
+    staged: bool  # a pipeline recomputing whole stages (remat "full")
+    forwards: int  # of each layer's matmuls
+    attention_forwards: int  # of attention and the elementwise passes
+
+    @property
+    def wide(self) -> bool:
+        return self.profile.platform in WIDE_WIRE
+
+    def collective(self, name: str, nbytes: float, axes: tuple[str, ...], count: int = 1
+                   ) -> float:
+        """`count` collectives moving `nbytes` in all over the devices of `axes`."""
+        n = axes_size(self.strategy, axes)
+        if n == 1:
+            return 0.0
+        bandwidth = self.profile.bandwidth(PRICED_AS.get(name, name), n, _crosses_nodes(
+            self.strategy, axes, self.profile.devices_per_node))
+        return count * self.profile.collective_latency + BUS_FACTOR[name](n) * nbytes / bandwidth
+
+    def gemms(self, widths: Iterable[tuple[float, float]]) -> float:
+        """Seconds per token of GEMMs [tokens, k] x [k, n] of (k, n) `widths`, forward once."""
+        tokens = self.s.inner_tokens / self.s.microbatches  # one call's: a micro-batch's rows
+        peak, matmul = self.profile.peak_flops, self.profile.matmul
+        return sum(2 * k * n / (peak * matmul.at(min(tokens, k, n))) for k, n in widths)
+
+
 def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int],
                     profile: Profile, accumulate: str = "local") -> MicroStepTime:
     """Seconds of a bucket's gradient micro-step on micro-steps of `shape` on `profile`,
@@ -232,102 +271,139 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
                         f"{profile.name} has {profile.num_devices}: choose a smaller strategy "
                         f"or a larger profile")
     s = shares(config, strategy, shape)
-    fitted = fitted_strategy(config, strategy)
     compute = config.dtype.itemsize
-    D, H, N, K, F, V = (config.dim, config.head_dim, config.n_heads, config.n_kv_heads,
-                        config.ffn_dim, config.vocab_size)
-    S, M = s.stages, s.microbatches
-    staged = S > 1 and config.remat == "full"  # a pipeline recomputing whole stages
-    forwards = 1 + (config.remat == "full") + staged  # of each layer's matmuls
-    # Of attention and the elementwise passes: remat "dots" saves only the matmuls' outputs.
-    attention_forwards = 1 + (config.remat != "none") + staged
+    held = HELD_BYTES.get(profile.platform, compute)
+    staged = s.stages > 1 and config.remat == "full"
+    p = _Pricing(config, fitted_strategy(config, strategy), s, profile, shape, accumulate,
+                 compute, held, held if profile.platform in WIDE_WIRE else compute, staged,
+                 forwards=1 + (config.remat == "full") + staged,
+                 # Remat "dots" saves only the matmuls' outputs: attention and the elementwise
+                 # passes run again.
+                 attention_forwards=1 + (config.remat != "none") + staged)
+    layer_matmuls, head_matmuls = _matmuls(p)
+    attention = _attention(p)
+    layer_tensor, tensor = _tensor(p)
+    ring, overlaps = _ring(p), profile.platform not in SERIAL_RING
+    stages = _stages(p)
+    layer_elementwise, other_elementwise = _elementwise(p)
+    per_iteration = (layer_matmuls + attention + layer_tensor + stages + layer_elementwise
+                     ) / s.microbatches
+    return MicroStepTime(
+        matmuls=layer_matmuls + head_matmuls, attention=attention, tensor=tensor,
+        context=_exposed(ring, attention, overlaps), fsdp=_fsdp(p), gradients=_gradients(p),
+        stages=stages, bubble=(s.stages - 1) * per_iteration if s.stages > 1 else 0.0,
+        elementwise=layer_elementwise + other_elementwise, ring=ring, ring_overlaps=overlaps,
+        overhead=profile.step_overhead,
+        one_schedule=s.stages > 1 and config.pipeline_schedule == "1f1b")
 
-    def gemms(widths: Iterable[tuple[float, float]]) -> float:
-        """Seconds per token of GEMMs [tokens, k] x [k, n] of (k, n) `widths`, forward once."""
-        tokens = s.inner_tokens / M  # one call's rows: a pipeline micro-batch's
-        return sum(2 * k * n / (profile.peak_flops * profile.matmul.at(min(tokens, k, n)))
-                   for k, n in widths)
 
-    query, kv, mlp = N * H / s.head_ways, K * H / s.kv_ways, F / s.mlp_ways
-    down = gemms(((mlp, D),))
-    layer = gemms(((D, query), (D, kv), (D, kv), (query, D), (D, mlp), (D, mlp))) + down
+def _matmuls(p: _Pricing) -> tuple[float, float]:
+    """Seconds of the layers' matmuls and of the LM head's (forward, backward, recompute)."""
+    c, s = p.config, p.s
+    D, V = c.dim, c.vocab_size
+    query = c.n_heads * c.head_dim / s.head_ways
+    kv, mlp = c.n_kv_heads * c.head_dim / s.kv_ways, c.ffn_dim / s.mlp_ways
+    down = p.gemms(((mlp, D),))
+    layer = p.gemms(((D, query), (D, kv), (D, kv), (query, D), (D, mlp), (D, mlp))) + down
     # A layer's recompute (remat full) skips its down projection: its output only joins the
     # residual stream, whose next value the following layer saved (JAX drops what no gradient
     # reads). Measured on an H200, the 1B model: full over dots cost 30 ms at 8 x 2,048, priced
     # 55 ms recomputing every matmul.
-    layer_matmuls = ((forwards + 2) * layer - (config.remat == "full") * down) * (
-        s.inner_tokens * s.layers)
-    head_matmuls = 3 * s.inner_tokens * gemms(((D, V / s.vocab_ways),)) / head_share(
-        s, config.pipeline_schedule)
-    context, exchange = axes_size(fitted, s.ring_axes), axes_size(fitted, s.exchange_axes)
-    block, _ = attention_kernel(config, profile.platform, shape[1], context)
-    pairs = s.rows * visible_pairs(shape[1], context, fitted.balanced, block)
-    kernel = attention_backend(config, profile.platform, shape[1], context,
-                               profile.compute_capability)
-    attention = ((attention_forwards + 2.5) * 4 * H * N / (s.head_ways * exchange) * pairs
-                 * s.layers / (profile.peak_flops * profile.attention_at(kernel)))
+    layers = ((p.forwards + 2) * layer - (c.remat == "full") * down) * s.inner_tokens * s.layers
+    head = 3 * s.inner_tokens * p.gemms(((D, V / s.vocab_ways),)) / head_share(
+        s, c.pipeline_schedule)
+    return layers, head
 
-    def collective(name: str, nbytes: float, axes: tuple[str, ...], count: int = 1) -> float:
-        """`count` collectives moving `nbytes` in all over the devices of `axes`."""
-        n = math.prod(fitted.axes[a] for a in axes)
-        if n == 1:
-            return 0.0
-        bandwidth = profile.bandwidth(PRICED_AS.get(name, name), n,
-                                      _crosses_nodes(fitted, axes, profile.devices_per_node))
-        return count * profile.collective_latency + BUS_FACTOR[name](n) * nbytes / bandwidth
 
-    wide = profile.platform in WIDE_WIRE
-    wire = HELD_BYTES.get(profile.platform, compute) if wide else compute
-    activation = s.inner_tokens * D * wire
+def _attention(p: _Pricing) -> float:
+    """Seconds of attention: the pairs the kernel that runs computes, at its efficiency."""
+    c, s, profile = p.config, p.s, p.profile
+    seq_len = p.shape[1]
+    context, exchange = axes_size(p.strategy, s.ring_axes), axes_size(p.strategy, s.exchange_axes)
+    block, _ = attention_kernel(c, profile.platform, seq_len, context)
+    pairs = s.rows * visible_pairs(seq_len, context, p.strategy.balanced, block)
+    kernel = attention_backend(c, profile.platform, seq_len, context, profile.compute_capability)
+    return ((p.attention_forwards + 2.5) * 4 * c.head_dim * c.n_heads
+            / (s.head_ways * exchange) * pairs * s.layers
+            / (profile.peak_flops * profile.attention_at(kernel)))
+
+
+def _tensor(p: _Pricing) -> tuple[float, float]:
+    """Seconds of a head split's collectives: the layers' alone (a pipeline's bubble repeats
+    them), and with the embedding's and the head's and Ulysses' exchanges."""
+    c, s = p.config, p.s
+    activation = s.inner_tokens * c.dim * p.wire
     # Each layer's all-reduces (under sequence parallelism, reduce-scatters) and all-gathers.
-    reductions, all_gathers = _tensor_collectives(profile.platform, config.remat, staged)
-    reduce = "all-reduce" if wide or not s.sequence_parallel else "reduce-scatter"
-    reduction = collective(reduce, activation, s.tensor_axes)
-    gather = collective("all-gather", activation, s.tensor_axes) if s.sequence_parallel else 0.0
-    layer_tensor = s.layers * (reductions * reduction + all_gathers * gather)
+    reductions, all_gathers = _tensor_collectives(p.profile.platform, c.remat, p.staged)
+    reduce = "all-reduce" if p.wide or not s.sequence_parallel else "reduce-scatter"
+    reduction = p.collective(reduce, activation, s.tensor_axes)
+    gather = (p.collective("all-gather", activation, s.tensor_axes) if s.sequence_parallel
+              else 0.0)
+    layers = s.layers * (reductions * reduction + all_gathers * gather)
     # The embedding's reduction, the LM head's input gradient (fp32, from the fp32 logits), and
     # under sequence parallelism three gathers about them.
-    tensor = layer_tensor + reduction + collective(
-        reduce, s.inner_tokens * D * FP32, s.tensor_axes) + 3 * gather + s.layers * _exchange(
-        s, config, attention_forwards, collective, wire, exchange,
-        "all-reduce" if wide else "reduce-scatter")
+    exchange = axes_size(p.strategy, s.exchange_axes)
+    return layers, layers + reduction + p.collective(
+        reduce, s.inner_tokens * c.dim * FP32, s.tensor_axes) + 3 * gather + s.layers * _exchange(
+        s, c, p.attention_forwards, p.collective, p.wire, exchange,
+        "all-reduce" if p.wide else "reduce-scatter")
 
-    chunk_kv = 2 * s.rows * shape[1] / context * K * H / s.kv_ways
-    ring = s.layers * (2 * (context - 1) * collective("send", chunk_kv * wire, s.ring_axes)
-                       + context * collective("send", chunk_kv * FP32, s.ring_axes))
-    overlaps = profile.platform not in SERIAL_RING
 
-    weights = (s.layer_weights + s.other_weights) * compute
-    gathers = 1 if config.remat == "none" else 2
-    fsdp = gathers * collective("all-gather", weights, s.gather_axes, s.gathered_arrays)
-    kept_apart = s.partial_axes if accumulate == "local" else ()
-    scatter = s.scatter_axes + (s.partial_axes if accumulate == "sharded" else ())
+def _ring(p: _Pricing) -> float:
+    """Seconds of the ring's K/V sends, hidden or not."""
+    c, s = p.config, p.s
+    context = axes_size(p.strategy, s.ring_axes)
+    chunk_kv = 2 * s.rows * p.shape[1] / context * c.n_kv_heads * c.head_dim / s.kv_ways
+    return s.layers * (2 * (context - 1) * p.collective("send", chunk_kv * p.wire, s.ring_axes)
+                       + context * p.collective("send", chunk_kv * FP32, s.ring_axes))
+
+
+def _weight_bytes(p: _Pricing) -> float:
+    return (p.s.layer_weights + p.s.other_weights) * p.compute
+
+
+def _fsdp(p: _Pricing) -> float:
+    """Seconds of FSDP's weight all-gathers: once without remat, again in the backward with."""
+    gathers = 1 if p.config.remat == "none" else 2
+    return gathers * p.collective("all-gather", _weight_bytes(p), p.s.gather_axes,
+                                  p.s.gathered_arrays)
+
+
+def _gradients(p: _Pricing) -> float:
+    """Seconds of a micro-step's gradient reduction over the axes that split its tokens."""
+    s, weights = p.s, _weight_bytes(p)
+    kept_apart = s.partial_axes if p.accumulate == "local" else ()
+    scatter = s.scatter_axes + (s.partial_axes if p.accumulate == "sharded" else ())
     rest = tuple(a for a in s.token_axes if a not in scatter and a not in kept_apart)
-    scattered = weights / axes_size(fitted, scatter)
-    gradients = (collective("reduce-scatter", weights, scatter)
-                 + collective("all-reduce", scattered, rest))
+    scattered = weights / axes_size(p.strategy, scatter)
+    return (p.collective("reduce-scatter", weights, scatter)
+            + p.collective("all-reduce", scattered, rest))
 
-    stage_send = collective("send", s.tokens / M * D * wire, ("stage",))
-    head_sends = 2 * (config.pipeline_schedule == "1f1b")  # to the head's groups and back
-    stages = (forwards + 1 + head_sends) * M * stage_send if S > 1 else 0.0
 
-    rate = profile.elementwise_bandwidth
-    held = HELD_BYTES.get(profile.platform, compute)
-    layer_elementwise = s.layers * layer_elementwise_bytes(
-        config, s.tokens, s.inner_tokens, (s.head_ways, s.kv_ways, s.mlp_ways),
-        attention_forwards, held) / rate if rate else 0.0
-    accumulated = s.grad_sum / (axes_size(fitted, s.partial_axes) if accumulate == "sharded" else 1)
-    other_elementwise = (ELEMENTWISE.logits * FP32 * s.inner_tokens * V / s.vocab_ways
-                         / head_share(s, config.pipeline_schedule)
-                         + accumulated * (ELEMENTWISE.accumulator * FP32 + compute)
-                         ) / rate if rate else 0.0
-    per_iteration = (layer_matmuls + attention + layer_tensor + stages + layer_elementwise) / M
-    return MicroStepTime(
-        matmuls=layer_matmuls + head_matmuls, attention=attention, tensor=tensor,
-        context=_exposed(ring, attention, overlaps), fsdp=fsdp, gradients=gradients,
-        stages=stages, bubble=(S - 1) * per_iteration if S > 1 else 0.0,
-        elementwise=layer_elementwise + other_elementwise, ring=ring, ring_overlaps=overlaps,
-        overhead=profile.step_overhead, one_schedule=S > 1 and config.pipeline_schedule == "1f1b")
+def _stages(p: _Pricing) -> float:
+    """Seconds of a pipeline's sends between stages (and to the head's groups, under 1F1B)."""
+    s = p.s
+    if s.stages == 1:
+        return 0.0
+    send = p.collective("send", s.tokens / s.microbatches * p.config.dim * p.wire, ("stage",))
+    head_sends = 2 * (p.config.pipeline_schedule == "1f1b")  # to the head's groups and back
+    return (p.forwards + 1 + head_sends) * s.microbatches * send
+
+
+def _elementwise(p: _Pricing) -> tuple[float, float]:
+    """Seconds of the layers' elementwise passes, and of the loss's and the accumulator's."""
+    c, s, rate = p.config, p.s, p.profile.elementwise_bandwidth
+    if not rate:
+        return 0.0, 0.0
+    layers = s.layers * layer_elementwise_bytes(
+        c, s.tokens, s.inner_tokens, (s.head_ways, s.kv_ways, s.mlp_ways),
+        p.attention_forwards, p.held) / rate
+    accumulated = s.grad_sum / (axes_size(p.strategy, s.partial_axes)
+                                if p.accumulate == "sharded" else 1)
+    other = (ELEMENTWISE.logits * FP32 * s.inner_tokens * c.vocab_size / s.vocab_ways
+             / head_share(s, c.pipeline_schedule)
+             + accumulated * (ELEMENTWISE.accumulator * FP32 + p.compute)) / rate
+    return layers, other
 
 
 def layer_elementwise_bytes(config: LlamaConfig, tokens: float, inner_tokens: float,

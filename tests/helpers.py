@@ -44,14 +44,15 @@ OPTIM = OptimConfig(lr=1e-3, warmup_steps=1, total_steps=4)
 
 
 def trainer(layout: str | Strategy | StrategyTable, devices, *, max_len: int = 64,
-            rows: int | None = None, config: LlamaConfig = MODEL, **options) -> Trainer:
-    """A Trainer of `config` and OPTIM under `layout`: a table, or one strategy (text or parsed)
-    as a table of one bucket of `max_len`-token rows, `rows` a micro-step (None: the trainer's
-    choice). `options` are the Trainer's."""
+            rows: int | None = None, config: LlamaConfig = MODEL, optim: OptimConfig = OPTIM,
+            **options) -> Trainer:
+    """A Trainer of `config` and `optim` under `layout`: a table, or one strategy (text or
+    parsed) as a table of one bucket of `max_len`-token rows, `rows` a micro-step (None: the
+    trainer's choice). `options` are the Trainer's."""
     if not isinstance(layout, StrategyTable):
         strategy = Strategy.parse(layout) if isinstance(layout, str) else layout
         layout = StrategyTable((Bucket(max_len, strategy, rows),), str(strategy))
-    return Trainer(config, OPTIM, layout, devices, **options)
+    return Trainer(config, optim, layout, devices, **options)
 
 
 def packed_rows(rows: int, length: int, *, documents: int = 3, padded: bool = True,

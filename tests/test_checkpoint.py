@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY, hotjax, small_corpus
+from helpers import TINY, hotjax, small_corpus, trainer
 
 from hotjax.checkpoint import dirs, fingerprint, formats, store
 from hotjax.checkpoint import meta as meta_lib
@@ -29,8 +29,6 @@ from hotjax.errors import UserError
 from hotjax.models.hf import load_hf_checkpoint
 from hotjax.models.llama import PRESETS, LlamaConfig, abstract_params
 from hotjax.optim import OptimConfig
-from hotjax.sharding.strategy import Strategy
-from hotjax.sharding.table import StrategyTable
 from hotjax.train import Trainer
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=4)
@@ -42,8 +40,7 @@ TINY_RUN = ["train", "--model", "tiny", "--tokenizer", "bytes", "--context", "25
 
 def _trainer(strategy: str, devices, config=TINY) -> Trainer:
     """A single strategy over rows of 64 tokens; its home holds the state in that strategy."""
-    table = StrategyTable.single(Strategy.parse(strategy), 64, strategy)
-    return Trainer(config, OPTIM, table, devices)
+    return trainer(strategy, devices, config=config, optim=OPTIM)
 
 
 def _batch() -> MiniBatch:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import TINY
+from helpers import TINY, trainer
 
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint import store
@@ -23,7 +23,6 @@ from hotjax.models.optimizers import FACTOR_MIN, OPTIMIZERS, SCHEDULES
 from hotjax.optim import OptimConfig, make_optimizer
 from hotjax.sharding.report import state_bytes
 from hotjax.sharding.strategy import Strategy
-from hotjax.sharding.table import StrategyTable
 from hotjax.train import Trainer
 
 # Wide enough that Adafactor factors its matrices (both of their dimensions >= FACTOR_MIN).
@@ -37,8 +36,7 @@ def _optim(name: str) -> OptimConfig:
 
 
 def _trainer(name: str, devices) -> Trainer:
-    table = StrategyTable.single(Strategy.parse(STRATEGY), 64, STRATEGY)
-    return Trainer(TINY, _optim(name), table, devices[:2])
+    return trainer(STRATEGY, devices[:2], config=TINY, optim=_optim(name))
 
 
 def _batch(seed: int) -> MiniBatch:

@@ -102,11 +102,11 @@ PROCESS_DEVICE_MEMORY_MIB = 6144  # per process of one device, two on a 24 GiB h
 # while 8-way sharded strategies do; 8 devices x 1 GiB also fits a 24 GiB host.
 DEVICE_MEMORY_MIB = 1024
 # A quick run's two candidates for (a), both timed and priced, split the rows over all 8
-# devices: a mini-batch's rows then fill one micro-step under either, within the budget, so
-# that each candidate compiles a single micro-step, which (a), (a0), (b) and the hot table's
-# long bucket share. Both shard the weights, so the hot table's data-parallel bucket switches
-# away from home. Seed 1: on Python 3.11's standard library, both mini-batches then hold a
-# document of the short bucket.
+# devices: a mini-batch's rows (fewer than 16) then run in micro-steps of a row per device,
+# within the budget, so that each candidate compiles a single micro-step, which (a), (a0), (b)
+# and the hot table's long bucket share. Both shard the weights, so the hot table's
+# data-parallel bucket switches away from home. Seed 1: on Python 3.11's standard library,
+# both mini-batches then hold a document of the short bucket.
 QUICK = {"context": 256, "batch_tokens": 2048, "device_memory": 40 * MiB, "steps": 1,
          "tokenizer": "bytes", "switch_method": "device_put", "seed": 1,
          "candidates": "fsdp=8,rules=fsdp; data=2,fsdp=4,rules=fsdp"}

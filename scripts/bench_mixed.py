@@ -45,8 +45,8 @@ timed steps), real tokens/s, the padding share of
 the token slots computed, the data shards' imbalance (busiest over mean estimated work), bytes
 switched, each step's loss (the same for every method up to float rounding), and the ratios
 hot/a, auto/a, hot/b, hot/c, c/a and a/a0 of real tokens/s. `--quick`: the
-tiny model at a short context with a fixed (a) (a smoke test). On simulated CPU devices the
-timings compare methods on this machine only: 8 fake devices share its cores.
+tiny model at a 256-token context, two candidates for (a) (a smoke test). On simulated CPU
+devices the timings compare methods on this machine only: 8 fake devices share its cores.
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ METHODS = {"hot": "hot-switched table", "auto": "--strategies auto (planned)",
 # the strategy of (a).
 SHORT_BUCKETS = ((8, "data=8,rules=dp"), (2, "data=2,tensor=4,rules=megatron-sp"))
 # One shorter bucket in a quick run: every method's longest bucket then shares (a)'s compiled
-# micro-steps, since the home (and so the memory left) is (a)'s strategy throughout.
-QUICK_SHORT_BUCKETS = ((4, "data=8,rules=dp"),)
+# micro-steps, since the home (and so the memory left) is (a)'s strategy throughout; and at
+# 128 tokens the short one shares the profile's data-parallel micro-step (8 x 128).
+QUICK_SHORT_BUCKETS = ((2, "data=8,rules=dp"),)
 # With other device counts (`--processes N`): a table of data parallelism for the short bucket
 # and balanced context parallelism for the long one.
 OTHER_TABLE = ((8, "data={n},rules=dp"), (1, "context={n},rules=context,balanced=true"))
@@ -100,13 +101,15 @@ PROCESS_DEVICE_MEMORY_MIB = 6144  # per process of one device, two on a 24 GiB h
 # attention probabilities per layer, kept for the backward pass), so data=8 does not fit 1 GiB
 # while 8-way sharded strategies do; 8 devices x 1 GiB also fits a 24 GiB host.
 DEVICE_MEMORY_MIB = 1024
-# The budget still splits (a) and (b) into micro-steps. Seed 1: on Python 3.11's standard
-# library, both mini-batches then hold a document of the short bucket. Two candidates for (a),
-# both timed and priced.
-QUICK = {"context": 512, "batch_tokens": 4096, "device_memory": 40 * MiB, "steps": 1,
+# A quick run's two candidates for (a), both timed and priced, split the rows over all 8
+# devices: a mini-batch's rows (fewer than 16) then run in micro-steps of a row per device,
+# within the budget, so that each candidate compiles a single micro-step, which (a), (a0), (b)
+# and the hot table's long bucket share. Both shard the weights, so the hot table's
+# data-parallel bucket switches away from home. Seed 1: on Python 3.11's standard library,
+# both mini-batches then hold a document of the short bucket.
+QUICK = {"context": 256, "batch_tokens": 2048, "device_memory": 40 * MiB, "steps": 1,
          "tokenizer": "bytes", "switch_method": "device_put", "seed": 1,
-         "candidates": "fsdp=2,context=4,rules=context,balanced=true; "
-                       "context=8,rules=context-fsdp,balanced=true"}
+         "candidates": "fsdp=8,rules=fsdp; data=2,fsdp=4,rules=fsdp"}
 
 
 WALL = "wall"

@@ -19,8 +19,9 @@ efficiency is fitted on a data-parallel micro-step of the same model on a micro-
 shape (see `hotjax.planning.measure`). On simulated CPU devices the devices share the machine's
 cores, in the measurements and in the steps alike. Memory: the same strategies, `--memory-model`
 cut to `--memory-layers` layers (default: all), on micro-steps of `--memory-shape` (rows x
-tokens). `--quick`: the `tiny` model, short rows, two strategies, a quick profile and a 4-layer
-LLaMA2-7B (a smoke test: its timings are too small and noisy to judge the model by).
+tokens). `--quick`: the `tiny` model in float32, short rows, the hot table's two strategies, a
+quick profile and a 4-layer LLaMA2-7B (a smoke test: its timings are too small and noisy to
+judge the model by).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ DEFAULTS = {
             "data=2,rules=dp", "fsdp=2,rules=fsdp", "tensor=2,rules=megatron",
             "tensor=2,rules=megatron-sp", "context=2,rules=context,balanced=true",
             "stage=2,microbatches=2"))}}
-QUICK_STRATEGIES = {8: "data=2,tensor=4,rules=megatron-sp; stage=2,data=4,microbatches=2",
+# A quick run times the strategies of the hot table (TABLES), whose step then reuses the
+# micro-steps already compiled where the shapes agree.
+QUICK_STRATEGIES = {8: "data=8,rules=dp; data=2,tensor=4,rules=megatron-sp",
                     2: "tensor=2,rules=megatron-sp; stage=2,microbatches=2"}
 # Hot tables, by device count: each bucket's strategy, shortest first, its length the timed
 # row length of the same position (a table of 2 buckets takes the two longest).
@@ -84,8 +87,8 @@ TARGETS = {8: {"spearman": 0.8, "median_relative_error": 0.25},
            2: {"spearman": 0.9, "median_relative_error": 0.15}}
 # Cut models keep two layers per pipeline stage, as a real model has more than one (with one,
 # XLA plans a 1F1B stage differently, and the cost model is not calibrated there).
-QUICK = {"model": "tiny", "seq_lens": "64,256", "tokens": 2048, "repeats": 2,
-         "memory_layers": 4, "memory_shape": "8x256"}
+QUICK = {"model": "tiny", "compute_dtype": "float32", "seq_lens": "64,256", "tokens": 2048,
+         "repeats": 2, "memory_layers": 4, "memory_shape": "8x256"}
 MiB, GiB = 2**20, 2**30
 
 

@@ -7,9 +7,10 @@ Each (strategy, sequence length) trains the same synthetic packed mini-batch (ra
 few documents per row) as a one-bucket `hotjax.Run` whose one micro-step holds every row: the
 micro-step is compiled ahead of time, XLA's memory analysis read, then one warm-up step and
 `--steps` timed ones. A strategy that cannot run a shape (sizes that do not divide, a mesh of the
-wrong device count) is reported, not fatal. `--quick`: the `tiny` model, short rows, two
-strategies, one timed step (a smoke test). On simulated CPU devices the timings say nothing about
-a GPU cluster: 8 fake devices share the machine's cores.
+wrong device count) is reported, not fatal. `--quick`: the `tiny` model, 512-token mini-batches
+of short rows, three strategies (data, context and pipeline parallel), one timed step (a smoke
+test). On simulated CPU devices the timings say nothing about a GPU cluster: 8 fake devices
+share the machine's cores.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ MiB = 2**20
 CACHE_MISS = "/jax/compilation_cache/cache_misses"
 TRACED_STEPS = 2  # bench_one's steps under the profiler, after the timed ones
 HOST_MEMORY_SHARE = 0.8  # of the host's available memory that simulated devices may plan to use
-QUICK = {"model": "tiny", "seq_lens": "64,128", "batch_tokens": 1024, "steps": 1,
+QUICK = {"model": "tiny", "seq_lens": "64,128", "batch_tokens": 512, "steps": 1,
          "strategies": "data=8,rules=dp; fsdp=2,context=4,rules=context; stage=2,data=4"}
 
 

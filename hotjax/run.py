@@ -244,7 +244,8 @@ class Run:
     `model` is the model as trained (`model_config`: the tokenizer's vocabulary, padded; the
     compute dtype); `optimizer` is hotjax's AdamW (`OptimConfig`) or any optax optimizer;
     `batches` any iterable of `MiniBatch`es over the table's buckets (a `MiniBatches` saves and
-    restores its position with the checkpoints). `device_memory` is bytes per device. A state
+    restores its position with the checkpoints). `device_memory` is bytes per device;
+    `switch_method` how weights and gradients move between strategies (`Trainer`'s). A state
     restored from a checkpoint is laid out in this run's home strategy, whatever mesh wrote it.
     JAX must have been started first (`hotjax.start_jax`, which also gives the `devices`;
     default: all). A `ckpt_dir` is this run's alone until `close` (a second run there stops at
@@ -257,7 +258,8 @@ class Run:
                  devices: Sequence[jax.Device] | None = None, seed: int = 0,
                  device_memory: int | None = None, remat: str | None = None,
                  typical_rows: Sequence[float] | None = None, balance: bool = True,
-                 bucket_timings: bool = False, ckpt_dir: str | Path | None = None,
+                 bucket_timings: bool = False, switch_method: str = "auto",
+                 ckpt_dir: str | Path | None = None,
                  keep_last: int | None = 3, keep_every: int | None = None,
                  resume_from: str | Path | None = None, data: dict | None = None,
                  name: str = "of your own", console: Console | None = None,
@@ -274,7 +276,7 @@ class Run:
             self._given = table
             self._trainer_options = {"device_memory": device_memory, "remat": remat,
                                      "typical_rows": typical_rows, "balance": balance,
-                                     "timings": bucket_timings}
+                                     "timings": bucket_timings, "switch_method": switch_method}
             self._data = data if data is not None else _data_record(batches, table)
             self._iterator = iter(batches)
             self.lengths: np.ndarray | None = None  # the corpus's estimated, when known

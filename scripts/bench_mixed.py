@@ -35,10 +35,9 @@ strategy that keeps them whole, with every remat policy, found over the complete
 strategies whatever `--candidates` says (`hotjax.planning.wall`). auto plans as `hotjax train
 --strategies auto` does (`hotjax.run.plan_search`): its buckets hold no more rows per
 micro-step than the run's mini-batches fill.
-Each is a `Trainer` with `device_memory`: a bucket's micro-steps hold the most rows that fit
-the budget by XLA's memory analysis; a method any part of which does not fit is an error. (A
-`Trainer`, not a `hotjax.Run`: a run takes no `--switch-method`, and checks no memory budget
-before its first step.)
+Each is a `hotjax.Run` with `device_memory`: a bucket's micro-steps hold the most rows that
+fit the budget by XLA's memory analysis; a method any part of which does not fit is an error
+(checked before its first step, as `hotjax train --device-memory` checks it).
 Reported per method: median wall and CPU seconds per step, the cost model's predicted step
 (`hotjax.planning.search.fixed_table` on each step's own documents, its median over the same
 timed steps), real tokens/s, the padding share of
@@ -141,18 +140,18 @@ def timed(fn: Callable, *args: Any) -> tuple[Any, float, float]:
 def build(table: StrategyTable, data: list[MiniBatch], args: argparse.Namespace,
           config: LlamaConfig, optim: OptimConfig, devices: list, balance: bool = True
           ) -> Trainer:
-    """The table's trainer, its micro-steps sized to the budget and to the rows `data`
-    puts in each bucket on average, checked and compiled."""
-    from hotjax.train import Trainer
+    """The trainer of the table's run, its micro-steps sized to the budget and to the rows
+    `data` puts in each bucket on average, checked and compiled."""
+    from hotjax.run import Run
 
     typical = [sum(m.buckets[b].tokens.shape[0] for m in data) / len(data)
                for b in range(len(table.buckets))]
-    trainer = Trainer(config, optim, table, devices, device_memory=args.device_memory,
-                      typical_rows=typical, switch_method=args.switch_method, balance=balance,
-                      timings=args.bucket_timings)
-    trainer.check_memory(args.device_memory)  # as `hotjax train --device-memory` checks it
-    trainer.prepare()
-    return trainer
+    run = Run(config, table, optim, data, devices=devices, device_memory=args.device_memory,
+              typical_rows=typical, balance=balance, bucket_timings=args.bucket_timings,
+              switch_method=args.switch_method)
+    run.trainer.check_memory(args.device_memory)  # as `hotjax train --device-memory` checks it
+    run.compile()
+    return run.trainer
 
 
 def choose(candidates: list[Strategy], data: list[MiniBatch], args: argparse.Namespace,

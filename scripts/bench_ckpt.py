@@ -303,41 +303,79 @@ def main(argv: list[str] | None = None) -> int:
 def state_times(args: argparse.Namespace, root: Path) -> dict:
     """Save and restore of `--model`'s training state, and training held up by async saves."""
     import jax
-    import numpy as np
 
     from hotjax.checkpoint import meta as meta_lib
-    from hotjax.checkpoint import store
-    from hotjax.data import Batch, MiniBatch
     from hotjax.models.llama import preset
-    from hotjax.optim import OptimConfig
-    from hotjax.sharding.strategy import Strategy
-    from hotjax.sharding.table import StrategyTable
-    from hotjax.train import Trainer
 
     config = dataclasses.replace(preset(args.model), compute_dtype="float32")
-    optim = OptimConfig(total_steps=1000)
     devices = jax.devices()
+    home = _trainer(args, config, args.strategy, devices)
+    state, batch = _one_step(home, args.seq_len)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
+    record = meta_lib.record(step=0, source="bench", items=[], model=config.to_dict())
+    disk = [disk_baseline(root, nbytes) for _ in range(args.repeats)]
+    ckpt, saves, blocked = _save_seconds(args, root, state, record)
+    restores = {name: _restore_seconds(args, ckpt, _trainer(args, config, strategy,
+                                                            devices[:count]))
+                for name, strategy, count in (
+                    ("same mesh", args.strategy, len(devices)),
+                    ("new mesh", args.new_mesh, len(devices)),
+                    ("new device count", f"fsdp={args.new_devices}", args.new_devices))}
+    # Training held up by an async save: steps alone, then a save after every step.
+    state, step_alone, _ = _steps(args, home, state, batch, None, record)
+    state, step_saving, held = _steps(args, home, state, batch, root / "loop", record)
+    shutil.rmtree(root / "loop", ignore_errors=True)
+    gb = nbytes / 1e9
+    return {
+        "model": args.model, "home": args.strategy, "state_bytes": nbytes,
+        "disk_bytes": _bytes(ckpt), "batch": list(batch.buckets[0].tokens.shape),
+        "disk": {"write_gb_s": statistics.median(d["write_gb_s"] for d in disk),
+                 "read_gb_s": statistics.median(d["read_gb_s"] for d in disk)},
+        "save": {"gb_s": gb / statistics.median(saves), "seconds": statistics.median(saves),
+                 "blocked_s": statistics.median(blocked)},
+        "restore": {name: {"gb_s": gb / s, "seconds": s} for name, s in restores.items()},
+        "training": {"step_s": step_alone, "step_s_saving_every_step": step_saving,
+                     "blocked_per_save_s": statistics.median(held),
+                     "steps": args.steps},
+    }
 
-    def trainer(strategy: str, count: int) -> Trainer:
-        table = StrategyTable.single(Strategy.parse(strategy), args.seq_len, strategy)
-        return Trainer(config, optim, table, devices[:count])
 
-    home = trainer(args.strategy, len(devices))
-    # One row per batch shard; one step first, so that the optimizer moments are not zeros
-    # (which would compress to nothing).
+def _trainer(args: argparse.Namespace, config, strategy: str, devices: list):
+    """The trainer of a run of `config` under one strategy over `--seq-len`-token rows."""
+    from hotjax.optim import OptimConfig
+    from hotjax.run import Run
+    from hotjax.sharding.strategy import Strategy
+    from hotjax.sharding.table import StrategyTable
+
+    table = StrategyTable.single(Strategy.parse(strategy), args.seq_len, strategy)
+    return Run(config, table, OptimConfig(total_steps=1000), (), devices=devices).trainer
+
+
+def _one_step(home, seq: int):
+    """The state after one step on random tokens, one row per batch shard (so that the
+    optimizer moments are not zeros, which would compress to nothing), and that mini-batch."""
+    import numpy as np
+
+    from hotjax.data import Batch, MiniBatch
+
     rng = np.random.default_rng(0)
-    rows, seq = home.micro_rows[0], args.seq_len
-    tokens_BxT = rng.integers(0, config.vocab_size, (rows, seq)).astype(np.int32)
+    rows = home.micro_rows[0]
+    tokens_BxT = rng.integers(0, home.config.vocab_size, (rows, seq)).astype(np.int32)
     batch = MiniBatch((Batch(tokens_BxT, np.ones_like(tokens_BxT),
                              np.tile(np.arange(seq, dtype=np.int32), (rows, 1))),))
     state, metrics, _ = home.step(home.init(0), batch)
     float(metrics["loss"])
-    nbytes = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
-    record = meta_lib.record(step=0, source="bench", items=[], model=config.to_dict())
+    return state, batch
 
-    disk = [disk_baseline(root, nbytes) for _ in range(args.repeats)]
+
+def _save_seconds(args: argparse.Namespace, root: Path, state, record: dict
+                  ) -> tuple[Path, list[float], list[float]]:
+    """The last checkpoint written, and each save's seconds to complete and to return (the
+    first save, which compiles, not counted)."""
+    from hotjax.checkpoint import store
+
     saves, blocked = [], []
-    for repeat in range(args.repeats + 1):  # the first save compiles: not counted
+    for repeat in range(args.repeats + 1):
         # Each save a step-1 checkpoint of its own: a checkpoint's step is its state's count.
         ckpt = root / f"ck-{repeat}"
         checkpoints = store.Checkpoints(ckpt, keep_last=1)
@@ -348,57 +386,44 @@ def state_times(args: argparse.Namespace, root: Path) -> dict:
         checkpoints.close()
         if repeat < args.repeats:
             shutil.rmtree(ckpt)
-    saves, blocked = saves[1:], blocked[1:]
-    disk_bytes = _bytes(ckpt)
+    return ckpt, saves[1:], blocked[1:]
 
-    def restore_s(strategy: str, count: int) -> float:
-        targets = trainer(strategy, count).home.abstract_state()
-        items = {"params": targets.params, "opt_state": targets.opt_state}
-        times = []
-        for _ in range(args.repeats + 1):
-            _drop_cache(ckpt)
-            started = time.perf_counter()
-            jax.block_until_ready(store.restore(ckpt, items).arrays)
-            times.append(time.perf_counter() - started)
-        return statistics.median(times[1:])
 
-    restores = {"same mesh": restore_s(args.strategy, len(devices)),
-                "new mesh": restore_s(args.new_mesh, len(devices)),
-                "new device count": restore_s(f"fsdp={args.new_devices}", args.new_devices)}
+def _restore_seconds(args: argparse.Namespace, ckpt: Path, trainer) -> float:
+    """The median seconds to restore `ckpt` into `trainer`'s home layout, page cache dropped
+    (the first restore, which compiles, not counted)."""
+    import jax
 
-    # Training held up by an async save: steps alone, then a save after every step.
-    def loop(save: bool) -> tuple[float, list[float]]:
-        nonlocal state
-        run = store.Checkpoints(root / f"loop-{save}", keep_last=1) if save else None
-        held: list[float] = []
+    from hotjax.checkpoint import store
+
+    targets = trainer.home.abstract_state()
+    items = {"params": targets.params, "opt_state": targets.opt_state}
+    times = []
+    for _ in range(args.repeats + 1):
+        _drop_cache(ckpt)
         started = time.perf_counter()
-        for _ in range(args.steps):
-            state, metrics, _ = home.step(state, batch)
-            float(metrics["loss"])
-            if run:
-                held.append(run.save(int(state.step), state.params, state.opt_state, record,
-                                     None))
-        elapsed = time.perf_counter() - started
-        if run:
-            run.close()
-        return elapsed / args.steps, held
+        jax.block_until_ready(store.restore(ckpt, items).arrays)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
 
-    step_alone, _ = loop(False)
-    step_saving, held = loop(True)
-    shutil.rmtree(root / "loop-True", ignore_errors=True)
-    gb = nbytes / 1e9
-    return {
-        "model": args.model, "home": args.strategy, "state_bytes": nbytes,
-        "disk_bytes": disk_bytes, "batch": [rows, seq],
-        "disk": {"write_gb_s": statistics.median(d["write_gb_s"] for d in disk),
-                 "read_gb_s": statistics.median(d["read_gb_s"] for d in disk)},
-        "save": {"gb_s": gb / statistics.median(saves), "seconds": statistics.median(saves),
-                 "blocked_s": statistics.median(blocked)},
-        "restore": {name: {"gb_s": gb / s, "seconds": s} for name, s in restores.items()},
-        "training": {"step_s": step_alone, "step_s_saving_every_step": step_saving,
-                     "blocked_per_save_s": statistics.median(held),
-                     "steps": args.steps},
-    }
+
+def _steps(args: argparse.Namespace, home, state, batch, saves_to: Path | None, record: dict):
+    """`--steps` steps from `state` (donated), with an async save after each into `saves_to`
+    where given: the state reached, seconds per step, and each save's seconds held up."""
+    from hotjax.checkpoint import store
+
+    run = store.Checkpoints(saves_to, keep_last=1) if saves_to else None
+    held: list[float] = []
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        state, metrics, _ = home.step(state, batch)
+        float(metrics["loss"])
+        if run:
+            held.append(run.save(int(state.step), state.params, state.opt_state, record, None))
+    elapsed = time.perf_counter() - started
+    if run:
+        run.close()
+    return state, elapsed / args.steps, held
 
 
 def _table(r: dict, console: Console) -> None:

@@ -84,7 +84,6 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   (`MicroStepTime.bucket_seconds`); GPipe pays the bubble every micro-step.
 """
 
-
 from __future__ import annotations
 
 import dataclasses

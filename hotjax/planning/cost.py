@@ -243,6 +243,16 @@ class _Pricing:
     def wide(self) -> bool:
         return self.profile.platform in WIDE_WIRE
 
+    @property
+    def ring_size(self) -> int:
+        """Ranks of the context ring (1 without one)."""
+        return axes_size(self.strategy, self.s.ring_axes)
+
+    @property
+    def exchange_ranks(self) -> int:
+        """Ranks Ulysses' all-to-alls exchange heads over (1 without them)."""
+        return axes_size(self.strategy, self.s.exchange_axes)
+
     def collective(self, name: str, nbytes: float, axes: tuple[str, ...], count: int = 1
                    ) -> float:
         """`count` collectives moving `nbytes` in all over the devices of `axes`."""
@@ -318,7 +328,7 @@ def _attention(p: _Pricing) -> float:
     """Seconds of attention: the pairs the kernel that runs computes, at its efficiency."""
     c, s, profile = p.config, p.s, p.profile
     seq_len = p.shape[1]
-    context, exchange = axes_size(p.strategy, s.ring_axes), axes_size(p.strategy, s.exchange_axes)
+    context, exchange = p.ring_size, p.exchange_ranks
     block, _ = attention_kernel(c, profile.platform, seq_len, context)
     pairs = s.rows * visible_pairs(seq_len, context, p.strategy.balanced, block)
     kernel = attention_backend(c, profile.platform, seq_len, context, profile.compute_capability)
@@ -341,17 +351,14 @@ def _tensor(p: _Pricing) -> tuple[float, float]:
     layers = s.layers * (reductions * reduction + all_gathers * gather)
     # The embedding's reduction, the LM head's input gradient (fp32, from the fp32 logits), and
     # under sequence parallelism three gathers about them.
-    exchange = axes_size(p.strategy, s.exchange_axes)
     return layers, layers + reduction + p.collective(
-        reduce, s.inner_tokens * c.dim * FP32, s.tensor_axes) + 3 * gather + s.layers * _exchange(
-        s, c, p.attention_forwards, p.collective, p.wire, exchange,
-        "all-reduce" if p.wide else "reduce-scatter")
+        reduce, s.inner_tokens * c.dim * FP32, s.tensor_axes) + 3 * gather + s.layers * _exchange(p)
 
 
 def _ring(p: _Pricing) -> float:
     """Seconds of the ring's K/V sends, hidden or not."""
     c, s = p.config, p.s
-    context = axes_size(p.strategy, s.ring_axes)
+    context = p.ring_size
     chunk_kv = 2 * s.rows * p.shape[1] / context * c.n_kv_heads * c.head_dim / s.kv_ways
     return s.layers * (2 * (context - 1) * p.collective("send", chunk_kv * p.wire, s.ring_axes)
                        + context * p.collective("send", chunk_kv * FP32, s.ring_axes))
@@ -449,12 +456,13 @@ def _tensor_collectives(platform: str, remat: str, staged: bool) -> tuple[int, i
     return reductions, 6 + 2 * staged
 
 
-def _exchange(s: Shares, config: LlamaConfig, forwards: int, collective: Callable,
-              wire: int, ranks: int, reduce: str) -> float:
+def _exchange(p: _Pricing) -> float:
     """Seconds of one layer's Ulysses all-to-alls (read off the HLO, XLA:CPU): q, k, v to the
     head split and the output back, in each forward and transposed backward; without remat
     the backward exchanges the saved q, k, v again. K/V heads fewer than the ranks are
     gathered whole instead, once a forward, and their gradients reduced once."""
+    s, config, forwards, collective, wire = (p.s, p.config, p.attention_forwards, p.collective,
+                                             p.wire)
     axes = s.exchange_axes
     q = s.inner_tokens * config.n_heads * config.head_dim / s.head_ways * wire
     kv = 2 * s.inner_tokens * config.n_kv_heads * config.head_dim / s.kv_ways * wire
@@ -463,9 +471,9 @@ def _exchange(s: Shares, config: LlamaConfig, forwards: int, collective: Callabl
                + (forwards + 1) * collective("all-to-all", q, axes))
     if s.kv_exchanged:
         return seconds
-    whole = kv * ranks
+    whole = kv * p.exchange_ranks
     return (seconds + forwards * collective("all-gather", whole, axes)
-            + collective(reduce, whole, axes))
+            + collective("all-reduce" if p.wide else "reduce-scatter", whole, axes))
 
 
 def _exposed(ring: float, attention: float, overlaps: bool) -> float:

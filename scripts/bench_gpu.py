@@ -255,8 +255,8 @@ def kernels(args) -> dict:
     device = _device()
     on_gpu = device.platform == "gpu"
     N, K = (4, 2) if args.quick else (KERNEL_SHAPE["heads"], KERNEL_SHAPE["kv_heads"])
-    head_dims = (64,) if args.quick else (128, 64)
-    lengths = (512,) if args.quick else (8192, 32768)
+    head_dims = args.head_dims or ((64,) if args.quick else (128, 64))
+    lengths = args.kernel_lens or ((512,) if args.quick else (8192, 32768))
     repeats = 2 if args.quick else 3
     dtype = jnp.bfloat16
     results = []
@@ -293,6 +293,8 @@ def kernels(args) -> dict:
                     names += ["cudnn"] if doc == T else []
                     names += ["blockwise"] if args.blockwise and T <= 8192 and doc == 2048 \
                         else []
+                if args.kernels:  # the names asked for, each with its tiles' variants
+                    names = [name for name in names if name.partition(":")[0] in args.kernels]
                 for name in names:
                     entry = {"head_dim": H, "seq_len": T, "doc_len": doc, "kernel": name,
                              "pairs": pairs, "causal_pairs": T * (T + 1) // 2}
@@ -732,6 +734,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fa2-tiles", type=_fa2_tiles, action="append", default=[],
                         metavar="QxW,WARPS,STAGES", help="kernels: also time the packed "
                         "kernel's FA2 backwards at these tiles (repeatable), e.g. 64x128,8,2")
+    parser.add_argument("--kernels", type=lambda text: set(text.split(",")),
+                        help="kernels: time only these kernels, comma-separated (e.g. "
+                        "packed,packed-fa2-split,cudnn-packed; default: all)")
+    parser.add_argument("--kernel-lens", type=lambda text: [int(n) for n in text.split(",")],
+                        help="kernels: row lengths, comma-separated (default: 8192,32768)")
+    parser.add_argument("--head-dims", type=lambda text: [int(n) for n in text.split(",")],
+                        help="kernels: head dims, comma-separated (default: 128,64)")
     parser.add_argument("--profile", help="calibrate: a `profile --json` report to predict "
                         "with, instead of measuring one")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # calibrate's child: ROWS,TOKENS,REMAT

@@ -10,7 +10,7 @@ alone. Forward: grid (rows, query heads, query blocks), online softmax over key 
 bound up to the diagonal.
 
 Backward, one of `BACKWARDS` (`packed_attention(backward=)`):
-- "two-loop" (the default): one fused kernel on the forward's grid: dK/dV of key block j over
+- "two-loop": one fused kernel on the forward's grid: dK/dV of key block j over
   query blocks from the diagonal to j's bound, then dQ of query block j like the forward; QKᵀ
   and dO·Vᵀ are computed in both loops (7 tile matmuls). Query head n reads K/V head n // G;
   with G > 1 each query head's dK/dV are written in fp32 and summed outside the kernel.
@@ -22,17 +22,19 @@ Backward, one of `BACKWARDS` (`packed_attention(backward=)`):
   head dim, or `tiles=`. Tiles a document covers whole and all below the diagonal
   (`interior_blocks`) skip the mask: each loop runs masked tiles, then those, then masked.
 
-Measured (one H100, JAX 0.11.2, bf16, N=32, K=8, H=128, one 8K row, forward + backward;
-docs/measurements/h100-2026-11-27d): fa2 at its table tiles (64 x 128, 8 warps, 2 stages) took
-8.35 ms for documents of 2,048 tokens, 21.0 ms for one document and 3.07 ms for documents of
-256, where the two-loop backward took 3.79, 10.6 and 1.72 ms in the same run: 2.2x slower, so
-it is not the default. Its errors against dense attention equalled the two-loop kernel's on
-that GPU, fp32 and bf16. 64 x 128 at 4 warps and 3 stages was slower still (13.5 ms), 32 x 128
-(22.1) too, and 128 x 128 overflowed shared memory. Not measured yet: why (the suspect: dQ's
-atomic adds, one fp32 atomic per element of every tile pair visited, each acquire-release as
-Pallas' Triton lowering issues them), fa2-split, the other table entries. In that run the
-forward also skipped masks on interior tiles, and the two-loop totals were 12 % above the 3.37
-and 9.48 ms measured before that change (not isolated); the forward masks every tile again.
+Measured (one H100, JAX 0.11.2, bf16, N=32, K=8, H=128, forward + backward, `scripts/bench_gpu.py
+kernels`; docs/measurements/h100-2026-11-27e): "fa2-split" at 64 x 64 tiles, 4 warps and 2
+stages ran 1.6-1.8x the two-loop backward's speed on every row measured: 1.07 against 1.79 ms
+on an 8K row of 256-token documents, 2.20 against 3.63 of 2,048-token ones, 6.16 against 11.03
+for one 8K document, and at 32K 3.10 against 5.56, 7.59 against 13.47 (cuDNN's packed layout:
+8.22) and 89.7 against 150.1 ms (312 and 343 TFLOP/s of useful work on one document; cuDNN
+554). Of the other tiles tried at 8K, 128 x 64 at 8 warps came nearest (2.56 ms on 2K-token
+documents); 64 x 128 (FlashAttention-2's own at H=128) and 32 x 128 were no faster than the
+two-loop kernel. "fa2" (dQ by atomic adds) was 2.2x slower than the two-loop kernel at 64 x 128
+(docs/measurements/h100-2026-11-27d): the atomics, which "fa2-split" does without. So
+`default_backward` takes "fa2-split" where it was measured faster (16-bit inputs, H=128) and the
+two-loop kernel elsewhere until measured. Errors against dense attention equal the two-loop
+kernel's on that GPU, fp32 and bf16, all three backwards.
 
 A context-parallel ring (`hotjax.models.attention`) runs one step of its own per K/V chunk a rank
 holds:
@@ -437,16 +439,15 @@ class Tiles(NamedTuple):
     stages: int
 
 
-# The FA2 backwards' tiles by (bytes per input element, head dim), chosen by reasoning: only
-# (2, 128) has run on a GPU (the module's docstring; `scripts/bench_gpu.py kernels
-# --fa2-tiles` times others). Each compiles for an H100 within its shared memory (compiled on
-# the CPU; the fp32 H=256 backward beside a forward of `block=32`, as `block_for`'s 64 does not
-# fit there).
+# The FA2 backwards' tiles by (bytes per input element, head dim): (2, 128) measured, the best
+# of seven on an H100 (the module's docstring), the others chosen by reasoning (`scripts/
+# bench_gpu.py kernels --fa2-tiles` times them). Each compiles for an H100 within its shared
+# memory (compiled on the CPU; the fp32 H=256 backward beside a forward of `block=32`, as
+# `block_for`'s 64 does not fit there).
 BACKWARD_TILES = {
-    # FlashAttention-2's tiles at H=128: 64 queries by 128 keys, 8 warps. dK and dV (fp32,
-    # 128 x H) take 128 registers a thread, the P, dP and dS tiles 32 each, where 128 x 128
-    # tiles (the two-loop kernel's) double those, likely past the 255 a thread may hold.
-    (2, 128): Tiles(64, 128, 8, 2),
+    # 64 queries by 64 keys, 4 warps, 2 stages: measured fastest at H=128 (1.6-1.8x the
+    # two-loop kernel); at FlashAttention-2's 64 x 128 and 8 warps it ran 1.7-1.9x slower.
+    (2, 128): Tiles(64, 64, 4, 2),
     # Half the width: 4 warps hold dK and dV in as many registers; a stage more hides loads.
     (2, 64): Tiles(64, 128, 4, 3),
     # Twice the width: dK and dV at 64 keys keep 128 registers at 8 warps; K and V (64 KiB)
@@ -459,6 +460,15 @@ BACKWARD_TILES = {
     (4, 256): Tiles(32, 32, 8, 1),
 }
 BACKWARDS = ("two-loop", "fa2", "fa2-split")
+# (bytes per input element, head dim) where "fa2-split" was measured faster than the two-loop
+# backward on a GPU (the module's docstring); elsewhere the two-loop one until measured.
+FA2_MEASURED_FASTER = frozenset({(2, 128)})
+
+
+def default_backward(dtype, head_dim: int) -> str:
+    """The backward `packed_attention` runs unless told: "fa2-split" where measured faster."""
+    width = 2 if jnp.dtype(dtype).itemsize <= 2 else 4
+    return "fa2-split" if (width, head_dim) in FA2_MEASURED_FASTER else "two-loop"
 
 
 def backward_tiles(dtype, head_dim: int, seq_len: int) -> Tiles:
@@ -476,13 +486,15 @@ def backward_tiles(dtype, head_dim: int, seq_len: int) -> Tiles:
 
 
 def packed_attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
-                     segment_ids_BxT: Array, *, block: int = 0, backward: str = "two-loop",
+                     segment_ids_BxT: Array, *, block: int = 0, backward: str | None = None,
                      tiles: Tiles | None = None, interpret: bool = False) -> Array:
     """Attention under the document-causal mask of packed rows, [B, T, N, H] in q's dtype.
     `block`: the forward's tile edge, and the two-loop backward's (0: `block_for`);
-    `backward`: one of `BACKWARDS`, the FA2 ones under `tiles` (None: `backward_tiles`);
-    `interpret` runs the kernels in Pallas' interpreter (any platform)."""
+    `backward`: one of `BACKWARDS` (None: `default_backward`), the FA2 ones under `tiles`
+    (None: `backward_tiles`); `interpret` runs the kernels in Pallas' interpreter (any
+    platform)."""
     _, T, _, H = q_BxTxNxH.shape
+    backward = backward or default_backward(q_BxTxNxH.dtype, H)
     if backward not in BACKWARDS:
         raise ValueError(f"packed attention's backward is one of {BACKWARDS}, not {backward!r}")
     block = block or block_for(q_BxTxNxH.dtype, H, T)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from hotjax.models.attention import DEFAULT_BLOCK, PALLAS_BLOCK, choose_backend
 from hotjax.models.cudnn_attention import workspace_bytes
 from hotjax.models.llama import LlamaConfig
-from hotjax.models.packed_attention import block_for
+from hotjax.models.packed_attention import block_for, default_backward
 
 MATMUL_TRAINING = 6  # FLOPs per weight and token, forward and backward
 ATTENTION_TRAINING = 3.5  # attention forward and backward, in forwards
@@ -52,11 +52,15 @@ def attention_backend(config: LlamaConfig, platform: str, seq_len: int, context:
     """The attention kernel rows of `seq_len` tokens, one causal document each (the cost
     model's worst case), run on `platform` under a ring of `context` devices, as
     `hotjax.models.attention.choose_backend` picks it for `config.attention` with the installed JAX;
-    `capability`: the GPU's compute capability (major), None when not known."""
+    "pallas-fa2" for the packed Pallas kernel under its FA2-form backward (`default_backward`),
+    which runs at its own speed. `capability`: the GPU's compute capability (major), None when
+    not known."""
     ring = context > 1
     kernel, _ = choose_backend(
         config.attention, platform, ring=ring, packed=True,
         seq_len=seq_len // context if ring else seq_len, dtype=config.dtype, documents=1,
         workspace=workspace_bytes(1, seq_len, 1, config.n_heads, config.head_dim),
         capability=capability)
+    if kernel == "pallas" and default_backward(config.dtype, config.head_dim) != "two-loop":
+        return "pallas-fa2"
     return kernel

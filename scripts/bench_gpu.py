@@ -166,7 +166,7 @@ def check(args) -> dict:
         block = block_for(jnp.dtype(dtype), H, T)
         for kernel, attend in (
                 *((name, packed_by(name, seg, interpret))
-                  for name in ("packed", "packed-fa2", "packed-fa2-split")),
+                  for name in ("packed-two-loop", "packed-fa2", "packed-fa2-split")),
                 ("ring-step", ring_step_on_row(seg, pos, block, interpret=interpret))):
             (_, out), grads = jax.block_until_ready(_grad_step(attend, ct)(q, k, v))
             errors = {name: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)))
@@ -181,14 +181,15 @@ def check(args) -> dict:
 
 
 def packed_by(name: str, seg, interpret: bool):
-    """The packed kernel a bench name asks for: `packed` under the two-loop backward,
-    `packed-fa2` and `packed-fa2-split` under those backwards at `backward_tiles`' tiles, or
-    at the tiles after a colon (`packed-fa2:QxW,warps,stages`)."""
+    """The packed kernel a bench name asks for: `packed` under its default backward
+    (`default_backward`), `packed-two-loop`, `packed-fa2` and `packed-fa2-split` under those
+    backwards, the FA2 ones at `backward_tiles`' tiles or at the tiles after a colon
+    (`packed-fa2:QxW,warps,stages`)."""
     from hotjax.models.packed_attention import packed_attention
 
     backward, _, tiles = name.removeprefix("packed").removeprefix("-").partition(":")
     return lambda q, k, v: packed_attention(
-        q, k, v, seg, backward=backward or "two-loop", tiles=_tiles(tiles) if tiles else None,
+        q, k, v, seg, backward=backward or None, tiles=_tiles(tiles) if tiles else None,
         interpret=interpret)
 
 
@@ -286,7 +287,7 @@ def kernels(args) -> dict:
                 seg_np, pos_np = make_row("packed" if doc < T else "causal", T, doc)
                 seg, pos = jnp.asarray(seg_np), jnp.asarray(pos_np)
                 pairs = _document_pairs(seg_np)
-                names = (["packed", "packed-fa2", "packed-fa2-split",
+                names = (["packed", "packed-two-loop", "packed-fa2", "packed-fa2-split",
                           *(name for pair in args.fa2_tiles for name in pair), "ring-step"]
                          + (["cudnn-packed"] if on_gpu else []))
                 if on_gpu and H == 128:

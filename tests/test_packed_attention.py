@@ -18,6 +18,7 @@ from hotjax.models.packed_attention import (
     block_bounds,
     block_for,
     computed_blocks,
+    default_backward,
     interior_blocks,
     packed_attention,
     ring_step,
@@ -129,7 +130,7 @@ def test_interior_tiles_are_exactly_those_the_mask_fills():
 
 
 def test_the_backward_tiles_come_from_the_table_and_divide_the_row():
-    assert backward_tiles(jnp.bfloat16, 128, 8192) == Tiles(64, 128, 8, 2)
+    assert backward_tiles(jnp.bfloat16, 128, 8192) == Tiles(64, 64, 4, 2)  # measured fastest
     assert backward_tiles(jnp.bfloat16, 32, 8192) == backward_tiles(jnp.bfloat16, 64, 8192)
     assert backward_tiles(jnp.float32, 512, 8192) == backward_tiles(jnp.float32, 256, 8192)
     assert backward_tiles(jnp.bfloat16, 128, 96)[:2] == (32, 32)
@@ -183,7 +184,7 @@ def _for_h100(fn, *shapes: tuple[tuple[int, ...], object]) -> jax.stages.Compile
     )).compile()
 
 
-def _forward_backward(dtype, H: int, T: int, block: int = 0, backward: str = "two-loop",
+def _forward_backward(dtype, H: int, T: int, block: int = 0, backward: str | None = "two-loop",
                       K: int = 32) -> jax.stages.Compiled:
     """Forward and backward of a [1, T, 32, H] row (K K/V heads) compiled for one H100."""
     def forward_backward(q, k, v, segment_ids, dout):
@@ -199,6 +200,19 @@ def _forward_backward(dtype, H: int, T: int, block: int = 0, backward: str = "tw
 KERNELS = {"two-loop": ["packed_attention_backward"],  # each backward's Triton kernels
            "fa2": ["packed_attention_backward_fa2"],
            "fa2-split": ["packed_attention_backward_fa2", "packed_attention_backward_fa2_dq"]}
+
+
+def test_the_fa2_split_backward_is_the_default_only_where_measured_faster():
+    """16-bit inputs at head dim 128 (1.6-1.8x the two-loop backward on an H100); the two-loop
+    one elsewhere, and a default-built step compiles to fa2-split's kernels there."""
+    assert default_backward(jnp.bfloat16, 128) == default_backward(jnp.float16, 128) == \
+        "fa2-split"
+    assert default_backward(jnp.bfloat16, 64) == default_backward(jnp.float32, 128) == \
+        "two-loop"
+    text = _forward_backward(jnp.bfloat16, 128, 1024, backward=None, K=8).as_text()
+    kernels = {line.split('name = "')[1].split('"')[0]
+               for line in text.splitlines() if "__gpu$xla.gpu.triton" in line}
+    assert kernels == {"packed_attention_forward", *KERNELS["fa2-split"]}
 
 
 @pytest.mark.parametrize("backward", BACKWARDS)

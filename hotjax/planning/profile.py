@@ -36,8 +36,8 @@ PROFILES = Path(__file__).parent / "profiles"
 # `hotjax.planning.cost`).
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "send")
 # The attention kernels a profile may price apart (`[efficiency] attention_KERNEL`, "-" as
-# "_"), by `hotjax.models.attention.choose_backend`'s names; `attention` prices the others.
-ATTENTION_KERNELS = ("cudnn", "pallas", "pallas-ring", "blockwise")
+# "_"), by `hotjax.models.work.attention_backend`'s names; `attention` prices the others.
+ATTENTION_KERNELS = ("cudnn", "pallas", "pallas-fa2", "pallas-ring", "blockwise")
 _TOP_KEYS = ("name", "platform", "nodes", "devices_per_node", "device", "efficiency", "links",
              "collectives")
 TERA, GIGA, GiB = 1e12, 1e9, 2**30

@@ -507,8 +507,9 @@ def _kernel_backward_chunk(grads: tuple[Array, Array, Array], q_BxTxKxGxH: Array
                            k_BxSxKxH: Array, v_BxSxKxH: Array, q: Tokens, k: Tokens,
                            lse_BxTxKxG: Array, dout_BxTxKxGxH: Array, delta_BxTxKxG: Array,
                            chunks: _Chunks) -> tuple[Array, Array, Array]:
-    """`_backward_chunk` by the ring step's Pallas kernel."""
-    from hotjax.models.packed_attention import ring_step_backward
+    """`_backward_chunk` by the ring step's Pallas kernel, under the packed kernel's backward
+    (`hotjax.models.packed_attention.default_backward`)."""
+    from hotjax.models.packed_attention import default_backward, ring_step_backward
 
     B, T, K, G, H = q_BxTxKxGxH.shape
 
@@ -519,7 +520,7 @@ def _kernel_backward_chunk(grads: tuple[Array, Array, Array], q_BxTxKxGxH: Array
         q_BxTxKxGxH.reshape(B, T, K * G, H), k_BxSxKxH, v_BxSxKxH, q[:2], k[:2],
         visible_blocks(q, k, *chunks.blocks), per_head(lse_BxTxKxG), per_head(delta_BxTxKxG),
         dout_BxTxKxGxH.reshape(B, T, K * G, H), block=chunks.blocks[0],
-        interpret=chunks.interpret)
+        backward=default_backward(q_BxTxKxGxH.dtype, H), interpret=chunks.interpret)
     dq, dk, dv = grads
     return dq + dq_BxTxNxH.reshape(dq.shape), dk + dk_BxSxKxH, dv + dv_BxSxKxH
 

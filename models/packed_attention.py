@@ -42,7 +42,11 @@ holds:
 ring to merge, and `ring_step_backward` their share of dQ and the chunk's dK/dV from the final
 log-sum-exp. A rank's chunk is not one run of the row (balanced chunks are two), so these mask
 by positions within documents, not columns, and loop over the block pairs a table computed
-outside the kernel lists, forward and backward.
+outside the kernel lists, forward and backward. The ring's backward is the two-loop form or
+FA2-split's (a K/V head's query heads in one program, dK/dV summed there, no per-head fp32
+copies; then dQ per query block, on the table refined to `backward_tiles`); the ring takes
+`default_backward`'s choice, FA2-split's on the strength of the packed kernel's measurement on
+the same tile code: the ring's own speed under it is not yet measured.
 
 Letters as in `hotjax.models.attention`; Q and W are blocks of queries and keys (`block` tokens
 both, or `Tiles.query` and `Tiles.key` in the FA2 backwards).
@@ -400,6 +404,47 @@ def _ring_backward_kernel(k_count_ref, k_listed_ref, q_count_ref, q_listed_ref, 
         lambda n, dq: _query_grads(dq, queries, key_block(k_listed_ref[j, n]), scale), zeros)
 
 
+def _ring_key_block_kernel(count_ref, listed_ref, q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref,
+                           k_seg_ref, k_pos_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+                           rows: int, scale: float):
+    """The ring step's FA2-split backward, key block j of one K/V head: for each of its G query
+    heads the listed query blocks of `rows` that see it, dK and dV summed in registers."""
+    j = pl.program_id(2)
+    W, H = k_ref.shape
+    cols = pl.ds(j * W, W)
+    keys = _Keys(k_ref[...], v_ref[...], k_seg_ref[cols], k_pos_ref[cols])
+
+    def head(g, carry):
+        def body(n, carry):
+            r = pl.ds(listed_ref[j, n] * rows, rows)
+            queries = _Queries(q_ref[r, g, :], q_seg_ref[r], q_pos_ref[r], do_ref[r, g, :],
+                               lse_ref[g, r], delta_ref[g, r])
+            return _key_grads(carry, queries, keys, scale)[0]
+        return lax.fori_loop(0, count_ref[j], body, carry)
+
+    zeros = jnp.zeros((W, H), jnp.float32)
+    dk_ref[...], dv_ref[...] = lax.fori_loop(0, q_ref.shape[1], head, (zeros, zeros))
+
+
+def _ring_query_block_kernel(count_ref, listed_ref, q_ref, k_ref, v_ref, q_seg_ref, q_pos_ref,
+                             k_seg_ref, k_pos_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+                             keys: int, scale: float):
+    """The ring step's FA2-split backward, dQ of one query head's query block i over the
+    listed key blocks of `keys` it sees."""
+    i = pl.program_id(2)
+    Q = q_ref.shape[0]
+    rows = pl.ds(i * Q, Q)
+    queries = _Queries(q_ref[...], q_seg_ref[rows], q_pos_ref[rows], do_ref[...], lse_ref[...],
+                       delta_ref[...])
+
+    def body(n, dq_QxH):
+        cols = pl.ds(listed_ref[i, n] * keys, keys)
+        return _query_grads(dq_QxH, queries, _Keys(k_ref[cols, :], v_ref[cols, :],
+                                                   k_seg_ref[cols], k_pos_ref[cols]), scale)
+
+    dq_ref[...] = lax.fori_loop(0, count_ref[i], body, jnp.zeros(q_ref.shape, jnp.float32))
+
+
 def _specs(B: int, T: int, N: int, G: int, H: int, block: int):
     """BlockSpecs on the grid (row b, query head n, block i): n's block i of [B, T, N, H], the
     whole row of K/V head n // G, and whole rows of [B, T/block], [B, T/block, T/block],
@@ -674,16 +719,32 @@ def ring_step(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
 def ring_step_backward(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
                        q_tokens: tuple[Array, Array], k_tokens: tuple[Array, Array],
                        visible_BxIxJ: Array, lse_BxNxT: Array, delta_BxNxT: Array,
-                       dout_BxTxNxH: Array, *, block: int, interpret: bool = False
+                       dout_BxTxNxH: Array, *, block: int, backward: str = "two-loop",
+                       tiles: Tiles | None = None, interpret: bool = False
                        ) -> tuple[Array, Array, Array]:
     """The backward of `ring_step` given the ring's final natural log-sum-exp and delta
     (rowsum(dO * O) of its final output), [B, N, T]: this chunk's share of dQ, and its dK and
-    dV, all fp32."""
+    dV, all fp32. `backward`: "two-loop" (one kernel on `block`'s tiles, dK/dV per query head
+    summed outside it) or "fa2-split" (`_ring_key_blocks` and `_ring_query_blocks` on `tiles`,
+    None: `backward_tiles`, each edge at most `block`)."""
     _check(q_BxTxNxH, k_BxSxKxH, block)
     (B, T, N, H), K = q_BxTxNxH.shape, k_BxSxKxH.shape[2]
-    spec = _specs(B, T, N, N // K, H, block)
     # Base 2 in the kernel; a query that sees nothing has every probability masked.
     lse_BxNxT = jnp.where(jnp.isfinite(lse_BxNxT), lse_BxNxT * _LOG2E, 0)
+    inputs = (q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, *_int32(q_tokens), *_int32(k_tokens),
+              dout_BxTxNxH.astype(q_BxTxNxH.dtype), lse_BxNxT, delta_BxNxT)
+    if backward == "fa2-split":
+        tiles = tiles or backward_tiles(q_BxTxNxH.dtype, H, T)
+        tiles = tiles._replace(query=min(tiles.query, block), key=min(tiles.key, block))
+        # The table refined to the tiles: a block pair that may see something, all its tiles.
+        visible_BxIxJ = jnp.repeat(jnp.repeat(visible_BxIxJ, block // tiles.query, axis=1),
+                                   block // tiles.key, axis=2)
+        dk_BxSxKxH, dv_BxSxKxH = _ring_key_blocks(tiles, interpret, visible_BxIxJ, inputs)
+        return _ring_query_blocks(tiles, interpret, visible_BxIxJ, inputs), dk_BxSxKxH, \
+            dv_BxSxKxH
+    if backward != "two-loop":
+        raise ValueError(f"the ring step's backward is two-loop or fa2-split, not {backward!r}")
+    spec = _specs(B, T, N, N // K, H, block)
     dq_BxTxNxH, dk_BxSxNxH, dv_BxSxNxH = pl.pallas_call(
         functools.partial(_ring_backward_kernel, block=block, scale=H ** -0.5),
         grid=(B, N, T // block),
@@ -694,13 +755,55 @@ def ring_step_backward(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
         out_shape=[jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)] * 3,
         compiler_params=plgpu.CompilerParams(num_warps=_warps(block), num_stages=2),
         interpret=interpret, name="ring_attention_backward",
-    )(*_listed(visible_BxIxJ), *_listed(visible_BxIxJ.transpose(0, 2, 1)), q_BxTxNxH,
-      k_BxSxKxH, v_BxSxKxH, *_int32(q_tokens), *_int32(k_tokens),
-      dout_BxTxNxH.astype(q_BxTxNxH.dtype), lse_BxNxT, delta_BxNxT)
+    )(*_listed(visible_BxIxJ), *_listed(visible_BxIxJ.transpose(0, 2, 1)), *inputs)
     # Per query head: each K/V head's G query heads summed.
     dk_BxSxKxH, dv_BxSxKxH = (x.reshape(B, T, K, N // K, H).sum(axis=3)
                               for x in (dk_BxSxNxH, dv_BxSxNxH))
     return dq_BxTxNxH, dk_BxSxKxH, dv_BxSxKxH
+
+
+def _ring_key_blocks(tiles: Tiles, interpret: bool, visible_BxIxJ: Array, inputs
+                     ) -> tuple[Array, Array]:
+    """`_ring_key_block_kernel` on the grid (row, K/V head, key block): fp32 dK, dV."""
+    q_BxTxNxH, k_BxSxKxH = inputs[:2]
+    (B, T, N, H), K = q_BxTxNxH.shape, k_BxSxKxH.shape[2]
+    G, I, J = N // K, T // tiles.query, T // tiles.key
+    group_row = pl.BlockSpec((None, T, G, H), lambda b, h, j: (b, 0, h, 0))
+    key_block = pl.BlockSpec((None, tiles.key, None, H), lambda b, h, j: (b, j, h, 0))
+    tokens = pl.BlockSpec((None, T), lambda b, h, j: (b, 0))
+    group_tokens = pl.BlockSpec((None, G, T), lambda b, h, j: (b, h, 0))
+    return pl.pallas_call(
+        functools.partial(_ring_key_block_kernel, rows=tiles.query, scale=H ** -0.5),
+        grid=(B, K, J),
+        in_specs=[pl.BlockSpec((None, J), lambda b, h, j: (b, 0)),
+                  pl.BlockSpec((None, J, I), lambda b, h, j: (b, 0, 0)),
+                  group_row, key_block, key_block] + [tokens] * 4
+        + [group_row, group_tokens, group_tokens],
+        out_specs=[key_block] * 2,
+        out_shape=[jax.ShapeDtypeStruct(k_BxSxKxH.shape, jnp.float32)] * 2,
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
+        interpret=interpret, name="ring_attention_backward_fa2",
+    )(*_listed(visible_BxIxJ.transpose(0, 2, 1)), *inputs)
+
+
+def _ring_query_blocks(tiles: Tiles, interpret: bool, visible_BxIxJ: Array, inputs) -> Array:
+    """`_ring_query_block_kernel` on the grid (row, query head, query block): fp32 dQ."""
+    q_BxTxNxH, k_BxSxKxH = inputs[:2]
+    (B, T, N, H), K = q_BxTxNxH.shape, k_BxSxKxH.shape[2]
+    I, J = T // tiles.query, T // tiles.key
+    spec = _specs(B, T, N, N // K, H, tiles.query)
+    return pl.pallas_call(
+        functools.partial(_ring_query_block_kernel, keys=tiles.key, scale=H ** -0.5),
+        grid=(B, N, I),
+        in_specs=[pl.BlockSpec((None, I), lambda b, n, i: (b, 0)),
+                  pl.BlockSpec((None, I, J), lambda b, n, i: (b, 0, 0)),
+                  spec["q_block"], spec["kv_row"], spec["kv_row"]] + [spec["tokens"]] * 4
+        + [spec["q_block"], spec["head_block"], spec["head_block"]],
+        out_specs=spec["q_block"],
+        out_shape=jax.ShapeDtypeStruct(q_BxTxNxH.shape, jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
+        interpret=interpret, name="ring_attention_backward_fa2_dq",
+    )(*_listed(visible_BxIxJ), *inputs)
 
 
 def _int32(tokens: tuple[Array, Array]) -> tuple[Array, ...]:

@@ -167,7 +167,9 @@ def check(args) -> dict:
         for kernel, attend in (
                 *((name, packed_by(name, seg, interpret))
                   for name in ("packed-two-loop", "packed-fa2", "packed-fa2-split")),
-                ("ring-step", ring_step_on_row(seg, pos, block, interpret=interpret))):
+                ("ring-step", ring_step_on_row(seg, pos, block, interpret=interpret)),
+                ("ring-step-fa2-split", ring_step_on_row(seg, pos, block, interpret=interpret,
+                                                         backward="fa2-split"))):
             (_, out), grads = jax.block_until_ready(_grad_step(attend, ct)(q, k, v))
             errors = {name: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)))
                       for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads),
@@ -272,9 +274,10 @@ def kernels(args) -> dict:
                     q, k, v, s, interpret=not on_gpu))
         if name == "cudnn":
             return _cudnn
-        if name == "ring-step":
+        if name.startswith("ring-step"):  # ring-step, ring-step-fa2-split
             return ring_step_on_row(seg, pos, block_for(dtype, head_dim[0], seg.shape[1]),
-                                    interpret=not on_gpu)
+                                    interpret=not on_gpu,
+                                    backward=name.partition("ring-step-")[2] or "two-loop")
         return lambda q, k, v: blockwise_or_auto(q, k, v, seg, pos, backend="blockwise")
 
     head_dim = [0]  # the head dim of the case being timed, for attend_by's ring step
@@ -288,7 +291,8 @@ def kernels(args) -> dict:
                 seg, pos = jnp.asarray(seg_np), jnp.asarray(pos_np)
                 pairs = _document_pairs(seg_np)
                 names = (["packed", "packed-two-loop", "packed-fa2", "packed-fa2-split",
-                          *(name for pair in args.fa2_tiles for name in pair), "ring-step"]
+                          *(name for pair in args.fa2_tiles for name in pair), "ring-step",
+                          "ring-step-fa2-split"]
                          + (["cudnn-packed"] if on_gpu else []))
                 if on_gpu and H == 128:
                     names += ["cudnn"] if doc == T else []
@@ -312,7 +316,7 @@ def kernels(args) -> dict:
             "repeats": repeats, "results": results}
 
 
-def ring_step_on_row(seg, pos, block: int, interpret: bool):
+def ring_step_on_row(seg, pos, block: int, interpret: bool, backward: str = "two-loop"):
     """Attention over a row by one step of the ring's Pallas kernel pair, the row as both the
     queries' chunk and the K/V chunk held (`hotjax.models.packed_attention.ring_step`), its backward
     from that step's own log-sum-exp: what a ring step costs on the block the packed kernel
@@ -341,7 +345,7 @@ def ring_step_on_row(seg, pos, block: int, interpret: bool):
         q, k, v, out, lse = saved
         delta = jnp.einsum("btnh,btnh->bnt", out, dout.astype(jnp.float32))
         dq, dk, dv = ring_step_backward(q, k, v, *mask, lse, delta, dout.astype(q.dtype),
-                                        block=block, interpret=interpret)
+                                        block=block, backward=backward, interpret=interpret)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
     attend.defvjp(forward, backward)

@@ -176,6 +176,8 @@ def test_attention_under_every_layout_equals_dense(devices, text, kv_heads):
 
 RING_KERNEL_CASES = {  # strategy, K/V heads, dtype, rows of padding only
     "ring of 4, GQA 8/2, a row of padding": ("data=2,context=4,rules=context", 2, "float32", 1),
+    "ring of 4, GQA 8/2, a row of padding, FA2-split backward":
+        ("data=2,context=4,rules=context", 2, "float32", 1),
     "balanced ring of 2, heads split, K/V heads replicated":
         ("context=2,tensor=4,rules=megatron,balanced=true", 2, "float32", 0),
     "balanced ring of 4 in bfloat16": ("data=2,context=4,rules=context,balanced=true", 4,
@@ -185,11 +187,14 @@ BF16_TOLERANCE = 3e-2  # bfloat16 inputs, probabilities and dS: 8 bits of mantis
 
 
 @pytest.mark.parametrize("case", RING_KERNEL_CASES)
-def test_the_ring_step_pallas_kernel_equals_dense_when_interpreted(devices, case):
+def test_the_ring_step_pallas_kernel_equals_dense_when_interpreted(devices, case, monkeypatch):
     """The ring with the ring step's Pallas kernel per K/V chunk, as on a GPU, run by Pallas'
     interpreter: chunks of 32 tokens (halves of 16 when balanced, the kernel's least tile),
     documents crossing chunks and tiles, in the strategy's column order. Padding's outputs
-    and its K/V gradients are exactly zero."""
+    and its K/V gradients are exactly zero. The FA2-split case takes that backward as heads of
+    128 in 16 bits do (`default_backward`), here for the tiny model's fp32 heads."""
+    import hotjax.models.packed_attention as packed
+
     text, kv_heads, dtype, padding = RING_KERNEL_CASES[case]
     config = dataclasses.replace(MODEL, n_kv_heads=kv_heads)
     strategy, _ = fit_to_model(Strategy.parse(text), config)
@@ -198,6 +203,9 @@ def test_the_ring_step_pallas_kernel_equals_dense_when_interpreted(devices, case
     segment_ids_BxT, positions_BxT = packed_rows(rows, seq_len, [5, 20, 50, 128], seed=3,
                                                  padding_rows=padding)
     q, k, v = (x.astype(dtype) for x in qkv(rows, seq_len, config.n_heads, kv_heads))
+    if "FA2-split" in case:
+        monkeypatch.setattr(packed, "FA2_MEASURED_FASTER", {(4, q.shape[-1])})
+        assert packed.default_backward(q.dtype, q.shape[-1]) == "fa2-split"
     order = (balanced_order(seq_len, strategy.ring) if strategy.balanced
              else np.arange(seq_len))
     back = np.argsort(order)

@@ -289,18 +289,27 @@ def test_a_ring_step_is_attention_over_the_chunk_it_holds_when_interpreted():
     assert unseen[:, :, 36:].all() and not unseen[0, :, :36].any()  # from column 100 on
 
     delta_BxNxT = jnp.einsum("btnh,btnh->bnt", want_out, dout)
-    got = ring_step_backward(q, k, v, q_tokens[:2], k_tokens[:2], visible_BxIxJ, want_lse,
-                             delta_BxNxT, dout, block=16, interpret=True)
-    for got_grad, want_grad in zip(got, vjp((dout, jnp.zeros_like(want_lse))), strict=True):
-        np.testing.assert_allclose(np.asarray(got_grad), np.asarray(want_grad), atol=TOLERANCE,
-                                   rtol=TOLERANCE)
+    wants = vjp((dout, jnp.zeros_like(want_lse)))
+    # Both backwards; FA2-split at the table's tiles (clipped to the block) and at query tiles
+    # half the block (the visible table refined to them).
+    for backward, tiles in (("two-loop", None), ("fa2-split", None),
+                            ("fa2-split", Tiles(8, 16, 4, 2))):
+        got = ring_step_backward(q, k, v, q_tokens[:2], k_tokens[:2], visible_BxIxJ, want_lse,
+                                 delta_BxNxT, dout, block=16, backward=backward, tiles=tiles,
+                                 interpret=True)
+        for got_grad, want_grad in zip(got, wants, strict=True):
+            np.testing.assert_allclose(np.asarray(got_grad), np.asarray(want_grad),
+                                       atol=TOLERANCE, rtol=TOLERANCE)
 
 
-@pytest.mark.parametrize(("dtype", "H"), [(jnp.bfloat16, 128), (jnp.float32, 64)])
-def test_the_ring_step_compiles_for_an_h100_at_the_trainers_shapes(dtype, H):
+@pytest.mark.parametrize(("dtype", "H", "backward"), [(jnp.bfloat16, 128, "two-loop"),
+                                                      (jnp.float32, 64, "two-loop"),
+                                                      (jnp.bfloat16, 128, "fa2-split")])
+def test_the_ring_step_compiles_for_an_h100_at_the_trainers_shapes(dtype, H, backward):
     """A ring of 4 over 16K rows: a rank's 4K chunk of LLaMA2-7B's heads (N=32, H=128, bf16)
     and of a float32 run's 64-wide ones, the ring step forward and backward at the tile
-    `block_for` picks: two Triton kernels within the H100's shared memory, no T x T scores."""
+    `block_for` picks: Triton kernels within the H100's shared memory (the forward and one
+    backward, or FA2-split's two), no T x T scores."""
     T = 4096
     block = block_for(dtype, H, T)
 
@@ -309,10 +318,11 @@ def test_the_ring_step_compiles_for_an_h100_at_the_trainers_shapes(dtype, H):
         out, lse = ring_step(q, k, v, tokens, tokens, visible, block=block)
         delta = jnp.einsum("btnh,btnh->bnt", out, dout.astype(jnp.float32))
         return out, ring_step_backward(q, k, v, tokens, tokens, visible, lse, delta, dout,
-                                       block=block)
+                                       block=block, backward=backward)
 
     shape, blocks = (1, T, 32, H), T // block
     compiled = _for_h100(forward_backward, *[(shape, dtype)] * 3, *[((1, T), jnp.int32)] * 2,
                          ((1, blocks, blocks), jnp.bool_), (shape, dtype))
-    assert compiled.as_text().count('custom_call_target="__gpu$xla.gpu.triton"') == 2
+    kernels = 2 if backward == "two-loop" else 3
+    assert compiled.as_text().count('custom_call_target="__gpu$xla.gpu.triton"') == kernels
     assert compiled.memory_analysis().temp_size_in_bytes < T * T * 2

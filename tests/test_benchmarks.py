@@ -130,13 +130,14 @@ def test_bench_attention() -> None:
 
 def test_bench_gpu() -> None:
     """Its check and kernel parts at toy sizes on CPU: the packed-attention kernel under each of
-    its backwards and a ring step over the row (Pallas' interpreter) against the dense
-    reference, and the tiles the packed kernel computes."""
-    kernels = ("packed", "packed-fa2", "packed-fa2-split", "ring-step")
+    its backwards and a ring step over the row under each of its own (Pallas' interpreter)
+    against the dense reference, and the tiles the packed kernel computes."""
+    kernels = ("packed", "packed-fa2", "packed-fa2-split", "ring-step", "ring-step-fa2-split")
     check = run_quick("bench_gpu", "check")
     cases = check["kernel"]
     assert [(c["kernel"], c["dtype"]) for c in cases] == [
-        (kernel, dtype) for dtype in ("float32", "bfloat16", "bfloat16") for kernel in kernels]
+        ({"packed": "packed-two-loop"}.get(kernel, kernel), dtype)
+        for dtype in ("float32", "bfloat16") for kernel in kernels]
     for case in cases:
         bound = 1e-5 if case["dtype"] == "float32" else 0.1
         assert max(case["max_abs_error"].values()) < bound, case

@@ -96,7 +96,7 @@ class AttentionSharding:
 
 def choose_backend(requested: str, platform: str, *, ring: bool, packed: bool,
                    seq_len: int | None = None, dtype=None, documents: int = 0,
-                   workspace: int = 0, capability: int | None = None
+                   workspace: int = 0, capability: int | None = None, head_dim: int = 0
                    ) -> tuple[str, str | None]:
     """The kernel that runs, and why it is not the one requested (None when it is).
 
@@ -104,7 +104,8 @@ def choose_backend(requested: str, platform: str, *, ring: bool, packed: bool,
     packed rows where its packed layout runs (`cudnn_packed_support`: 16-bit inputs, Hopper or
     later, a JAX whose packed offsets honour GQA) and pays (`cudnn_pays`: long documents, by
     `documents`, the step's cap, 0 when not known; a `workspace` in bytes within its limit,
-    `hotjax.models.cudnn_attention.workspace_bytes`). Other packed rows take the packed-attention
+    `hotjax.models.cudnn_attention.workspace_bytes`; `head_dim`, 0 when not known, for the
+    fallback's backward it is measured against). Other packed rows take the packed-attention
     Pallas kernel (`hotjax.models.packed_attention`, for rows its tiles divide; `seq_len` None: not
     yet known). A context-parallel ring takes the ring step's Pallas kernel ("pallas-ring")
     whatever was asked for, where its tiles divide `seq_len`, then the tokens of a rank's
@@ -129,7 +130,13 @@ def choose_backend(requested: str, platform: str, *, ring: bool, packed: bool,
             f"{requested} cannot pass K/V around a context-parallel ring")
     if requested in ("auto", "cudnn") and packed:
         why = cudnn_packed_support(dtype, capability)
-        pays = seq_len is not None and cudnn_pays(seq_len, documents, workspace)
+        fallback_backward = "two-loop"  # the fallback's backward, cuDNN measured against it
+        if dtype is not None and head_dim and _pallas_available():
+            from hotjax.models.packed_attention import default_backward
+
+            fallback_backward = default_backward(dtype, head_dim)
+        pays = seq_len is not None and cudnn_pays(seq_len, documents, workspace,
+                                                  fallback_backward)
         if why is None and (requested == "cudnn" or pays):
             return "cudnn", None
         fallback, fallback_why = choose_backend("pallas", platform, ring=False, packed=True,
@@ -176,7 +183,7 @@ def attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_
     kernel, _ = choose_backend(backend, platform, ring=ring, packed=packed, seq_len=tiled,
                                dtype=q_BxTxNxH.dtype, documents=documents,
                                workspace=workspace_bytes(B, T, documents, N, H),
-                               capability=compute_capability(device))
+                               capability=compute_capability(device), head_dim=H)
     block = block or DEFAULT_BLOCK.get(platform, DEFAULT_BLOCK["gpu"])
     if kernel == "dense":
         return dense_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, positions_BxT)

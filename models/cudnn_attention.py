@@ -39,6 +39,9 @@ Array = jax.Array
 # cuDNN's packed layout pays where a row holds at most one document per this many tokens;
 # also the cap where the step's own is not known (rows past it run the fallback).
 CUDNN_TOKENS_PER_DOCUMENT = 1024
+# Against the fallback's FA2-split backward, the most documents a row's cap may hold for
+# cuDNN's packed layout to pay (measured paying at 4, losing at 16; 8 not measured).
+CUDNN_OVER_FA2_DOCUMENTS = 4
 # Its workspace: about 8 bytes per (row, slot, token, query head, head dim), an fp32 dQ per
 # slot it seems (129.6 GiB asked for one 32K row, M = 128, 32 heads of 128, on an H100). A
 # micro-step whose workspace would pass the limit takes the fallback: no plan prices it.
@@ -51,13 +54,19 @@ def workspace_bytes(rows: int, seq_len: int, documents: int, heads: int, head_di
     return WORKSPACE_BYTES_PER_ELEMENT * rows * documents * seq_len * heads * head_dim
 
 
-def cudnn_pays(seq_len: int, documents: int, workspace: int) -> bool:
+def cudnn_pays(seq_len: int, documents: int, workspace: int,
+               fallback: str = "two-loop") -> bool:
     """Whether rows of `seq_len` tokens and at most `documents` documents (0: not known) run
-    faster on cuDNN's packed layout than on the fallback, within the workspace limit: on an
-    H100, 1.5-2x faster for rows of 2K-token documents or one document, slower for 256-token
-    ones (`docs/measurements/h100-2026-11-27/`)."""
+    faster on cuDNN's packed layout than on the fallback kernel under its `fallback` backward
+    (`hotjax.models.packed_attention.default_backward`), within the workspace limit. On an H100,
+    against the two-loop backward: 1.5-2x faster for rows of 2K-token documents or one document,
+    slower for 256-token ones (`docs/measurements/h100-2026-11-27/`). Against FA2-split's
+    (`docs/measurements/h100-2026-11-27e/`): 1.14x faster at a cap of 4 documents (8K rows of
+    2K-token documents), 1.08x slower at 16 (32K rows of them), so only up to
+    `CUDNN_OVER_FA2_DOCUMENTS`."""
     return documents > 0 and documents * CUDNN_TOKENS_PER_DOCUMENT <= seq_len and \
-        workspace <= WORKSPACE_LIMIT
+        workspace <= WORKSPACE_LIMIT and (fallback == "two-loop"
+                                          or documents <= CUDNN_OVER_FA2_DOCUMENTS)
 
 
 def max_documents(seq_len: int) -> int:

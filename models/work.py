@@ -60,7 +60,7 @@ def attention_backend(config: LlamaConfig, platform: str, seq_len: int, context:
         config.attention, platform, ring=ring, packed=True,
         seq_len=seq_len // context if ring else seq_len, dtype=config.dtype, documents=1,
         workspace=workspace_bytes(1, seq_len, 1, config.n_heads, config.head_dim),
-        capability=capability)
+        capability=capability, head_dim=config.head_dim)
     if kernel == "pallas" and default_backward(config.dtype, config.head_dim) != "two-loop":
         return "pallas-fa2"
     return kernel

@@ -138,6 +138,23 @@ def test_cudnn_runs_packed_rows_where_it_pays(jax_fixed, requested, dtype, capab
                           capability=capability) == (kernel, note)
 
 
+@pytest.mark.parametrize("head_dim, documents, seq_len, kernel", [
+    (128, 4, 8192, "cudnn"),  # measured 1.14x the FA2-split fallback (8K rows, 2K documents)
+    (128, 16, 32768, "pallas"),  # measured 0.92x it (32K rows of 2K-token documents)
+    (128, 8, 8192, "pallas"),  # past the cap measured to pay
+    (64, 8, 8192, "cudnn"),  # the two-loop fallback there: the documents' rule alone
+    (0, 8, 8192, "cudnn"),  # head dim not known: as against the two-loop fallback
+])
+def test_cudnn_pays_against_the_fallbacks_own_backward(jax_fixed, head_dim, documents, seq_len,
+                                                       kernel):
+    """Against the fallback's FA2-split backward (16-bit heads of 128) cuDNN's packed layout
+    takes rows of at most `CUDNN_OVER_FA2_DOCUMENTS` documents; against the two-loop one, any
+    row of long documents."""
+    assert choose_backend("auto", "gpu", ring=False, packed=True, seq_len=seq_len,
+                          dtype="bfloat16", documents=documents, capability=9,
+                          head_dim=head_dim) == (kernel, None)
+
+
 def test_a_ring_and_other_platforms_never_take_cudnns_packed_layout(jax_fixed):
     assert choose_backend("auto", "gpu", ring=True, packed=True, seq_len=8192, dtype="bfloat16",
                           documents=2) == ("pallas-ring", None)

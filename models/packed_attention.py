@@ -634,16 +634,23 @@ def _fa2_backward(atomic: bool, tiles: Tiles, interpret: bool, q_BxTxNxH: Array,
     return dq_BxTxNxH.astype(q_BxTxNxH.dtype), dk_BxTxKxH, dv_BxTxKxH, None
 
 
+def _key_block_specs(T: int, G: int, H: int, W: int):
+    """BlockSpecs on the grid (row b, K/V head h, key block j) of the FA2 backwards: the whole
+    row of h's G query heads in [B, T, N, H], key block j of [B, T, K, H], whole rows of
+    [B, T], and of h's G query heads in [B, N, T]."""
+    return (pl.BlockSpec((None, T, G, H), lambda b, h, j: (b, 0, h, 0)),
+            pl.BlockSpec((None, W, None, H), lambda b, h, j: (b, j, h, 0)),
+            pl.BlockSpec((None, T), lambda b, h, j: (b, 0)),
+            pl.BlockSpec((None, G, T), lambda b, h, j: (b, h, 0)))
+
+
 def _key_blocks(atomic: bool, tiles: Tiles, interpret: bool, bounds_J, inputs):
     """`_key_block_kernel` on the grid (row, K/V head, key block): (fp32 dQ,) dK, dV."""
     q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = inputs[:3]
     (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
     G, Q, W = N // K, tiles.query, tiles.key
     bounds = pl.BlockSpec((None, T // W), lambda b, h, j: (b, 0))
-    group_row = pl.BlockSpec((None, T, G, H), lambda b, h, j: (b, 0, h, 0))
-    key_block = pl.BlockSpec((None, W, None, H), lambda b, h, j: (b, j, h, 0))
-    tokens = pl.BlockSpec((None, T), lambda b, h, j: (b, 0))
-    group_tokens = pl.BlockSpec((None, G, T), lambda b, h, j: (b, h, 0))
+    group_row, key_block, tokens, group_tokens = _key_block_specs(T, G, H, W)
     dq_shape = jax.ShapeDtypeStruct(q_BxTxNxH.shape, jnp.float32)
     return pl.pallas_call(
         functools.partial(_key_block_kernel, rows=Q, scale=H ** -0.5),
@@ -740,8 +747,8 @@ def ring_step_backward(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
         visible_BxIxJ = jnp.repeat(jnp.repeat(visible_BxIxJ, block // tiles.query, axis=1),
                                    block // tiles.key, axis=2)
         dk_BxSxKxH, dv_BxSxKxH = _ring_key_blocks(tiles, interpret, visible_BxIxJ, inputs)
-        return _ring_query_blocks(tiles, interpret, visible_BxIxJ, inputs), dk_BxSxKxH, \
-            dv_BxSxKxH
+        dq_BxTxNxH = _ring_query_blocks(tiles, interpret, visible_BxIxJ, inputs)
+        return dq_BxTxNxH, dk_BxSxKxH, dv_BxSxKxH
     if backward != "two-loop":
         raise ValueError(f"the ring step's backward is two-loop or fa2-split, not {backward!r}")
     spec = _specs(B, T, N, N // K, H, block)
@@ -768,10 +775,7 @@ def _ring_key_blocks(tiles: Tiles, interpret: bool, visible_BxIxJ: Array, inputs
     q_BxTxNxH, k_BxSxKxH = inputs[:2]
     (B, T, N, H), K = q_BxTxNxH.shape, k_BxSxKxH.shape[2]
     G, I, J = N // K, T // tiles.query, T // tiles.key
-    group_row = pl.BlockSpec((None, T, G, H), lambda b, h, j: (b, 0, h, 0))
-    key_block = pl.BlockSpec((None, tiles.key, None, H), lambda b, h, j: (b, j, h, 0))
-    tokens = pl.BlockSpec((None, T), lambda b, h, j: (b, 0))
-    group_tokens = pl.BlockSpec((None, G, T), lambda b, h, j: (b, h, 0))
+    group_row, key_block, tokens, group_tokens = _key_block_specs(T, G, H, tiles.key)
     return pl.pallas_call(
         functools.partial(_ring_key_block_kernel, rows=tiles.query, scale=H ** -0.5),
         grid=(B, K, J),

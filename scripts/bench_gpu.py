@@ -70,6 +70,9 @@ CALIBRATE_SHAPES = {False: ((8, 2048), (2, 8192), (1, 32768)),
 # The shipped profile whose dense bf16 peak a GPU shares (an H200 computes as an H100).
 PEAK_PROFILES = {"H100": "h100-1x8", "H200": "h100-1x8", "A100": "a800-4x8", "A800": "a800-4x8"}
 KERNEL_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128}
+# What `kernels` times (`--kernels` picks among them; `--fa2-tiles` adds tiled variants).
+KERNEL_NAMES = ("packed", "packed-two-loop", "packed-fa2", "packed-fa2-split", "ring-step",
+                "ring-step-fa2-split", "cudnn-packed", "cudnn", "blockwise")
 ONE_B = {"vocab_size": 128256, "dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8,
          "ffn_dim": 8192, "head_dim": 64, "tie_embeddings": True, "rope_theta": 500000.0}
 # mfu's models: the 1B shape, and four layers of Llama-3-8B's width (its micro-step's matmuls
@@ -759,6 +762,9 @@ def main(argv: list[str] | None = None) -> int:
                         "with, instead of measuring one")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # calibrate's child: ROWS,TOKENS,REMAT
     args = parser.parse_args(argv)
+    if args.kernels and (unknown := args.kernels - set(KERNEL_NAMES)):
+        parser.error(f"--kernels: unknown {', '.join(sorted(unknown))}: choose from "
+                     f"{', '.join(KERNEL_NAMES)}")
     if args.one:
         print(json.dumps(_calibrate_one(args), default=str))
         return 0

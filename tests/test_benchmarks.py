@@ -212,3 +212,10 @@ def test_lognormal_corpus(tmp_path, capsys) -> None:
     capsys.readouterr()
     assert script.main([str(tmp_path / "docs.txt"), "--data", str(source)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_bench_gpu_refuses_an_unknown_kernel_name() -> None:
+    """`--kernels` names what `kernels` times: a name it does not know is one line, exit 2."""
+    done = python("scripts/bench_gpu.py", "kernels", "--kernels", "packed,bogus", ok=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--kernels: unknown bogus: choose from packed," in done.stderr.splitlines()[-1]

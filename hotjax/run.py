@@ -145,7 +145,8 @@ def planned_table(run: RunConfig, config: LlamaConfig, devices: Sequence[jax.Dev
         raise UserError("--strategy and --strategies both given: pass one of them")
     search, typical = plan_search(run, config, len(devices), lengths, console)
     found = plan_lib.plan_checked(search, typical, run.context,
-                                  xla_bytes(config, devices, search.optimizer))
+                                  xla_bytes(config, devices, search.optimizer),
+                                  progress=lambda line: console.print(line, markup=False))
     console.print(f"--strategies auto: planned on profile {search.profile.name}, predicted "
                   f"{found.seconds * 1e3:,.1f} ms per step; {found.why}", markup=False)
     return found.table("--strategies auto"), found.seconds

@@ -392,7 +392,8 @@ def planned(config: LlamaConfig, devices: list, args: argparse.Namespace, length
     run = RunConfig(context=args.context, batch_tokens=args.batch_tokens,
                     device_memory=args.device_memory)
     search, typical = plan_search(run, config, len(devices), lengths, console, profile)
-    found = plan_lib.plan_checked(search, typical, args.context, xla_bytes(config, devices))
+    found = plan_lib.plan_checked(search, typical, args.context, xla_bytes(config, devices),
+                                  progress=lambda line: console.print(line, markup=False))
     console.print(f"auto: planned on profile {profile.name}, predicted "
                   f"{found.seconds * 1e3:,.1f} ms per typical step", markup=False)
     return search, found.table(METHODS["auto"])

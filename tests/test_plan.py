@@ -366,3 +366,48 @@ def test_a_table_is_priced_at_the_micro_steps_a_trainer_runs(search, lengths):
     assert wide.micro_steps == 1 and wide.seconds > own.seconds
     full, kept = (priced(dataclasses.replace(chosen, remat=r)) for r in ("full", "none"))
     assert full.seconds > kept.seconds
+
+
+
+def test_a_checked_plan_finds_the_one_strategy_xla_fits_where_the_model_errs_both_ways(lengths):
+    """Near a memory wall the model errs both ways: the strategy it fits XLA puts over the
+    budget, and the one XLA fits the model puts 2 % over. `plan_checked` measures the model's
+    near misses once nothing else fits, plans that one, and corrects a fit to exactly what XLA
+    measured (a margin over it would refuse it again)."""
+    from hotjax.planning.memory import micro_step_memory
+
+    profile = load_profile("a800-4x8")
+    probe = plan.Search(MODEL, profile, 2, 80 * GiB)
+
+    def step_bytes(strategy, remat: str, rows: int) -> int:
+        return micro_step_memory(dataclasses.replace(MODEL, remat=remat), strategy,
+                                 (rows, CONTEXT), profile.platform).peak
+
+    def least(strategy) -> int:  # one row per batch shard at the context, beside its own home
+        return min(step_bytes(strategy, remat, strategy.batch_shards)
+                   for remat in plan.REMAT_POLICIES) + probe.resident[strategy]
+
+    by_need = sorted(probe.strategies, key=least)
+    wrong = by_need[0]
+    right = next(s for s in by_need[1:] if least(s) / 1.02 > least(wrong))
+    budget = int(least(right) / 1.02)
+    xla = {wrong: 3.0, right: 0.9}  # XLA's micro-step bytes over the model's
+    assert 0.9 * (least(right) - probe.resident[right]) + probe.resident[right] < budget
+    checked = []
+
+    def measured(choice: plan.Choice, home) -> int:
+        used = round(xla.get(choice.strategy, 1.0) * step_bytes(
+            choice.strategy, choice.remat, choice.micro_rows)) + probe.resident[home]
+        checked.append((choice.strategy, used))
+        return used
+
+    search, lines = plan.Search(MODEL, profile, 2, budget, [wrong, right]), []
+    found = plan.plan_checked(search, lengths, CONTEXT, measured, progress=lines.append)
+    assert {b.strategy for b in found.buckets if b.rows} == {right}
+    assert checked[0][0] == wrong and checked[0][1] > budget  # the model's fit, refused
+    assert all(measured(b, found.home) <= budget for b in found.buckets)  # what trains fits
+    corrected = [ratio for (strategy, *_), ratio in search.corrections.items()
+                 if strategy == right]
+    assert corrected and all(r == pytest.approx(0.9, rel=1e-4) for r in corrected)
+    assert len(lines) == len(checked) - len(found.buckets)
+    assert lines[0].startswith(f"checking the plan by XLA: {wrong} at ")

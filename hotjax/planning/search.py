@@ -69,8 +69,16 @@ from hotjax.sharding.table import Bucket, StrategyTable
 from hotjax.train import micro_units
 
 MIN_BUCKET = 512  # the shortest bucket boundary considered
-CHECK_ROUNDS = 4  # plans made by `plan_checked` before it gives up
-CORRECTION_MARGIN = 1.02  # a corrected memory model's margin over XLA's measured bytes
+CHECK_ROUNDS = 8  # plans made by `plan_checked` before it gives up
+# A micro-step XLA measured over the budget stays this much over it in the corrected memory
+# model (through the model's rounding); one measured within the budget is corrected to exactly
+# what XLA measured: any margin there would exclude a strategy the budget holds by less, and a
+# memory wall's headroom can be under 1 %.
+CORRECTION_MARGIN = 1.001
+# Where the memory model finds no plan at all, `plan_checked` has XLA measure the micro-steps
+# it puts over the budget by less than this (the model's calibrated error,
+# `hotjax.planning.memory`: within about 10 %) before it gives up: the model errs both ways.
+NEAR_BUDGET = 1.10
 MAX_STAGES = 8
 # A table must be predicted this much faster than the best single strategy to be planned, and a
 # run's first steps this far off the plan's prediction are reported: the cost model's measured
@@ -80,6 +88,10 @@ MAX_STAGES = 8
 # for it has lost (0.97x in the unshaped 4K cell).
 MARGIN = 1.10
 PREDICTION_STEPS = 3  # timed steps, after one of warm-up, whose median checks the prediction
+
+
+class NothingFits(UserError):
+    """No strategy fits the budget for the context's rows, by the memory model."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,8 +288,12 @@ class Search:
         self.resident = {s: resident_bytes(config, s, optimizer) for s in self.strategies}
         self._lines: dict[tuple[Strategy, int, str], tuple[int, int, int] | None] = {}
         # XLA's measured over the model's predicted micro-step bytes, where a plan was checked
-        # (`plan_checked`), by (strategy, bucket length, remat policy).
+        # (`plan_checked`), by (strategy, bucket length, remat policy); and by strategy the
+        # largest of them above 1, for its micro-steps not measured yet: where the model
+        # under-counts a strategy it does so at every length and policy (its arrays are the
+        # strategy's), and one measurement then spares a check of each.
         self.corrections: dict[tuple[Strategy, int, str], float] = {}
+        self.under_counted: dict[Strategy, float] = {}
         self._time: dict[tuple[Strategy, int, str, int], MicroStepTime] = {}
         self._reductions: dict[tuple[Strategy, str], float] = {}
         self._pairs: dict[tuple, np.ndarray] = {}
@@ -361,7 +377,7 @@ class Search:
                 one, two = (micro_step_memory(config, strategy, (k * shards, max_len),
                                               self.profile.platform, accumulate).peak
                              for k in (1, 2))
-                scale = self.corrections.get((strategy, max_len, remat), 1.0)
+                scale = self._scale(strategy, max_len, remat)
                 self._lines[key] = (shards, math.ceil(one * scale),
                                     math.ceil((two - one) * scale))
         return self._lines[key]
@@ -372,8 +388,32 @@ class Search:
         against what the model predicted, for the plans made from now on."""
         key = (choice.strategy, choice.max_len, choice.remat)
         ratio = (measured_bytes - home_bytes) / max(choice.peak_bytes - home_bytes, 1)
-        self.corrections[key] = self.corrections.get(key, 1.0) * ratio * CORRECTION_MARGIN
+        margin = CORRECTION_MARGIN if measured_bytes > self.budget else 1.0
+        self.corrections[key] = self._scale(*key) * ratio * margin
+        if self.corrections[key] > self.under_counted.get(choice.strategy, 1.0):
+            self.under_counted[choice.strategy] = self.corrections[key]
         self._lines.clear()
+
+    def _scale(self, strategy: Strategy, max_len: int, remat: str) -> float:
+        """What the memory model's micro-step bytes are scaled by (`correct`)."""
+        return self.corrections.get((strategy, max_len, remat),
+                                    self.under_counted.get(strategy, 1.0))
+
+    def near_budget(self, max_len: int) -> list[Choice]:
+        """Micro-steps of one row per batch shard at `max_len`, each strategy beside its own
+        home state under each remat policy, that the memory model puts over the budget by less
+        than its error (NEAR_BUDGET) and that XLA has not measured (`correct`)."""
+        found = []
+        for strategy, remat in itertools.product(self.strategies, REMAT_POLICIES):
+            line = self._memory_line(strategy, max_len, remat, ACCUMULATE[0])
+            if line is None or (strategy, max_len, remat) in self.corrections:
+                continue
+            shards, first, _ = line
+            peak = first + self.resident[strategy]
+            if self.budget < peak <= self.budget * NEAR_BUDGET:
+                found.append(Choice(0, max_len, strategy, shards, remat, 1, shards, 0, 0, 0.0,
+                                    peak))
+        return found
 
     def bucket(self, lengths: np.ndarray, rows: list[list[int]], low: int, max_len: int,
                strategy: Strategy, home_bytes: int, masked: bool = True,
@@ -447,17 +487,38 @@ def boundaries(lengths: np.ndarray, context: int) -> list[int]:
 
 
 def plan_checked(search: Search, lengths: np.ndarray, context: int,
-                 measured: Callable[[Choice, Strategy], int], max_buckets: int = 4) -> Plan:
+                 measured: Callable[[Choice, Strategy], int], max_buckets: int = 4,
+                 progress: Callable[[str], None] = lambda line: None) -> Plan:
     """`plan`, every bucket of it then checked by `measured(choice, home)`: the per-device
     bytes of its compiled micro-step beside the home's state, by XLA's memory analysis, as
     the trainer checks them (`hotjax.planning.wall.xla_bytes`). Where a bucket exceeds the
     budget the memory model is corrected for it (`Search.correct`) and the plan made again,
-    so that what is planned is what trains."""
+    so that what is planned is what trains. Where the model finds no plan at all, the
+    micro-steps at the context it puts just over the budget (`Search.near_budget`) are
+    measured and the model corrected by them, either way, before the plan is made again.
+    `progress` gets a line per micro-step measured."""
+    def check(choice: Choice, home: Strategy, home_bytes: int) -> int:
+        used = measured(choice, home)
+        progress(f"checking the plan by XLA: {choice.strategy} at {choice.max_len} tokens, "
+                 f"{choice.micro_rows} rows, remat {choice.remat}: {used / 2**20:,.1f} MiB "
+                 f"(model {choice.peak_bytes / 2**20:,.1f}, budget "
+                 f"{search.budget / 2**20:,.1f})")
+        return used
+
     for _ in range(CHECK_ROUNDS):
-        found = plan(search, lengths, context, max_buckets)
+        try:
+            found = plan(search, lengths, context, max_buckets)
+        except NothingFits:
+            near = search.near_budget(context)
+            if not near:
+                raise
+            for choice in near:
+                home_bytes = search.resident[choice.strategy]
+                search.correct(choice, home_bytes, check(choice, choice.strategy, home_bytes))
+            continue
         home_bytes = resident_bytes(search.config, found.home, search.optimizer)
         over = [(b, used) for b in found.buckets if b.rows
-                and (used := measured(b, found.home)) > search.budget]
+                and (used := check(b, found.home, home_bytes)) > search.budget]
         for choice, used in over:  # a choice's peak holds its plan's home state
             search.correct(choice, home_bytes, used)
         if not over:
@@ -520,7 +581,7 @@ def fastest(search: Search, lengths: np.ndarray, context: int, max_buckets: int,
         if found is not None and (best is None or found.seconds < best.seconds):
             best = found
     if best is None and required:
-        raise UserError(f"no strategy over {search.devices} devices fits "
+        raise NothingFits(f"no strategy over {search.devices} devices fits "
                         f"{search.budget / 2**30:.1f} GiB per device for rows of {context} "
                         f"tokens: raise the memory budget, or plan for more devices")
     return best

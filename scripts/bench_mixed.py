@@ -215,7 +215,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     from hotjax.data import MiniBatches, load_tokenizer, open_corpus
     from hotjax.models.llama import as_trained
     from hotjax.optim import OptimConfig
-    from hotjax.planning.measure import profile_toml
+    from hotjax.planning.profile import profile_toml
     from hotjax.run import named_model
     from hotjax.sharding.strategy import Strategy
     from hotjax.sharding.table import Bucket, load_table

@@ -110,7 +110,8 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     import jax
 
     from hotjax.models.llama import as_trained, preset
-    from hotjax.planning.measure import measure_profile, profile_toml
+    from hotjax.planning.measure import measure_profile
+    from hotjax.planning.profile import profile_toml
     from hotjax.run import named_model
     from hotjax.sharding.strategy import Strategy
 

@@ -13,10 +13,9 @@ from hotjax.planning.measure import (
     FIT_ROWS,
     fitted_step,
     measure_profile,
-    profile_toml,
     reference_model,
 )
-from hotjax.planning.profile import COLLECTIVES, load_profile, parse_profile
+from hotjax.planning.profile import COLLECTIVES, load_profile, parse_profile, profile_toml
 from hotjax.sharding.strategy import Strategy
 
 

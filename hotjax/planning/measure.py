@@ -76,7 +76,15 @@ from hotjax.planning.cost import (
     visible_pairs,
 )
 from hotjax.planning.memory import HELD_BYTES
-from hotjax.planning.profile import COLLECTIVES, GIGA, TERA, GiB, Profile, parse_profile
+from hotjax.planning.profile import (
+    COLLECTIVES,
+    GIGA,
+    TERA,
+    GiB,
+    Profile,
+    parse_profile,
+    profile_toml,
+)
 from hotjax.sharding.strategy import Strategy, canonical_devices
 from hotjax.step import bucket_step, micro_step_inputs
 
@@ -464,47 +472,6 @@ def device_memory_bytes(devices: Sequence[jax.Device]) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(local)
 
 
-def profile_toml(profile: Profile) -> str:
-    """`profile` in the TOML form `hotjax.planning.profile.parse_profile` reads, every number
-    written so that it reads back to the same value."""
-    def table(entries: tuple[tuple[int, float], ...], unit: float = GIGA) -> str:
-        return "{ " + ", ".join(f"{size} = {_in_units(x, unit)}" for size, x in entries) + " }"
-
-    device_bytes = profile.device_bytes or profile.memory_bytes
-    lines = [f"# {profile.source}",
-             "# Units: TFLOP/s, GiB, GB/s (1e9 bytes/s) per device and direction.",
-             f"name = {_string(profile.name)}", f"platform = {_string(profile.platform)}",
-             f"nodes = {profile.nodes}", f"devices_per_node = {profile.devices_per_node}", "",
-             "[device]", f"peak_tflops = {_in_units(profile.peak_flops, TERA)}",
-             f"memory_gib = {_in_units(device_bytes, GiB)}",
-             f"allocator_fraction = {_in_units(profile.memory_bytes / device_bytes, 1)}"
-             "  # of memory_gib, what the allocator hands a process",
-             *([f"step_overhead_ms = {_in_units(profile.step_overhead, 1e-3)}"]
-               if profile.step_overhead else []),
-             *([f"elementwise_gbps = {_in_units(profile.elementwise_bandwidth, GIGA)}"]
-               if profile.elementwise_bandwidth else []),
-             *([f"compute_capability = {profile.compute_capability}"]
-               if profile.compute_capability is not None else []), "",
-             "[efficiency]", f"matmul = {_in_units(profile.matmul_efficiency, 1)}",
-             f"attention = {_in_units(profile.attention_efficiency, 1)}",
-             *(f"attention_{kernel.replace('-', '_')} = {_in_units(share, 1)}"
-               for kernel, share in profile.attention_by_kernel),
-             *([f"matmul_by_size = {table(profile.matmul_by_size, 1)}"] if profile.matmul_by_size
-               else []), "",
-             "[links]", f"intra_node_gbps = {_in_units(profile.intra_node_bandwidth, GIGA)}",
-             f"inter_node_gbps = {_in_units(profile.inter_node_bandwidth, GIGA)}",
-             *([f"latency_us = {_in_units(profile.collective_latency, 1e-6)}"]
-               if profile.collective_latency else []), "",
-             "# Bus bandwidth of each collective (nccl-tests' busbw) by group size, for groups "
-             "inside one node", "# (intra) and groups spanning nodes (inter)."]
-    if profile.nodes == 1 and all(b.intra == b.inter for _, b in profile.collectives):
-        lines.append("# One node: no group spans nodes, so inter repeats intra.")
-    for name, bandwidths in profile.collectives:
-        lines += [f"[collectives.{name}]", f"intra = {table(bandwidths.intra)}",
-                  f"inter = {table(bandwidths.inter)}", ""]
-    return "\n".join(lines)
-
-
 def _filled(shapes: tuple[tuple[int, ...], ...], dtype: jnp.dtype, sharding: NamedSharding
             ) -> tuple[jax.Array, ...]:
     """Random arrays, each shard drawn on the host of the process that holds it: nothing to
@@ -543,21 +510,6 @@ def _rounded(x: float) -> float:
 def _if_positive(key: str, value: float) -> dict[str, float]:
     """{key: value} rounded, or nothing where it rounds to 0 (the profile's default)."""
     return {key: _rounded(value)} if _rounded(value) > 0 else {}
-
-
-def _in_units(value: float | int, unit: float) -> str:
-    """The shortest decimal that, times `unit`, reads back as `value` (TOML float syntax)."""
-    for digits in range(1, 18):
-        text = f"{value / unit:.{digits}g}"
-        if type(value)(float(text) * unit) == value:  # as parse_profile reads it
-            break
-    else:
-        text = repr(value / unit)
-    return f"{text}.0" if text.lstrip("-").isdecimal() else text
-
-
-def _string(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def profile_path() -> Path:

@@ -6,8 +6,9 @@ bandwidth of each collective by group size, inside one node and across nodes; op
 micro-step costs whatever its size (`[device] step_overhead_ms`) and each collective besides its
 bytes (`[links] latency_us`), which show where steps are short; and the bandwidth of the
 memory-bound elementwise work (`[device] elementwise_gbps`: norms, residual adds, the loss).
-Measured values are written into the same format, so a calibrated profile is a file like the
-shipped ones (`hotjax/planning/profiles/*.toml`).
+Measured values are written into the same format (`profile_toml`, beside its reader
+`parse_profile`), so a calibrated profile is a file like the shipped ones
+(`hotjax/planning/profiles/*.toml`).
 
 On GPU a plan fills what JAX's allocator hands out, not the device's memory: JAX preallocates
 75 % of it unless told otherwise, and hotjax tells it `ALLOCATOR_FRACTION`
@@ -184,6 +185,47 @@ def load_profile(name_or_path: str | Path) -> Profile:
     return parse_profile(data, str(path))
 
 
+def profile_toml(profile: Profile) -> str:
+    """`profile` in the TOML form `hotjax.planning.profile.parse_profile` reads, every number
+    written so that it reads back to the same value."""
+    def table(entries: tuple[tuple[int, float], ...], unit: float = GIGA) -> str:
+        return "{ " + ", ".join(f"{size} = {_in_units(x, unit)}" for size, x in entries) + " }"
+
+    device_bytes = profile.device_bytes or profile.memory_bytes
+    lines = [f"# {profile.source}",
+             "# Units: TFLOP/s, GiB, GB/s (1e9 bytes/s) per device and direction.",
+             f"name = {_string(profile.name)}", f"platform = {_string(profile.platform)}",
+             f"nodes = {profile.nodes}", f"devices_per_node = {profile.devices_per_node}", "",
+             "[device]", f"peak_tflops = {_in_units(profile.peak_flops, TERA)}",
+             f"memory_gib = {_in_units(device_bytes, GiB)}",
+             f"allocator_fraction = {_in_units(profile.memory_bytes / device_bytes, 1)}"
+             "  # of memory_gib, what the allocator hands a process",
+             *([f"step_overhead_ms = {_in_units(profile.step_overhead, 1e-3)}"]
+               if profile.step_overhead else []),
+             *([f"elementwise_gbps = {_in_units(profile.elementwise_bandwidth, GIGA)}"]
+               if profile.elementwise_bandwidth else []),
+             *([f"compute_capability = {profile.compute_capability}"]
+               if profile.compute_capability is not None else []), "",
+             "[efficiency]", f"matmul = {_in_units(profile.matmul_efficiency, 1)}",
+             f"attention = {_in_units(profile.attention_efficiency, 1)}",
+             *(f"attention_{kernel.replace('-', '_')} = {_in_units(share, 1)}"
+               for kernel, share in profile.attention_by_kernel),
+             *([f"matmul_by_size = {table(profile.matmul_by_size, 1)}"] if profile.matmul_by_size
+               else []), "",
+             "[links]", f"intra_node_gbps = {_in_units(profile.intra_node_bandwidth, GIGA)}",
+             f"inter_node_gbps = {_in_units(profile.inter_node_bandwidth, GIGA)}",
+             *([f"latency_us = {_in_units(profile.collective_latency, 1e-6)}"]
+               if profile.collective_latency else []), "",
+             "# Bus bandwidth of each collective (nccl-tests' busbw) by group size, for groups "
+             "inside one node", "# (intra) and groups spanning nodes (inter)."]
+    if profile.nodes == 1 and all(b.intra == b.inter for _, b in profile.collectives):
+        lines.append("# One node: no group spans nodes, so inter repeats intra.")
+    for name, bandwidths in profile.collectives:
+        lines += [f"[collectives.{name}]", f"intra = {table(bandwidths.intra)}",
+                  f"inter = {table(bandwidths.inter)}", ""]
+    return "\n".join(lines)
+
+
 def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
     """A profile from its TOML form, validated: every field present, every number positive."""
     _known(data, _TOP_KEYS, source)
@@ -301,3 +343,18 @@ def _known(table: Mapping[str, Any], keys: tuple[str, ...], where: str) -> None:
     unknown = sorted(set(table) - set(keys))
     if unknown:
         raise UserError(f"{where}: unknown key {unknown[0]!r}: use {', '.join(keys)}")
+
+
+def _in_units(value: float | int, unit: float) -> str:
+    """The shortest decimal that, times `unit`, reads back as `value` (TOML float syntax)."""
+    for digits in range(1, 18):
+        text = f"{value / unit:.{digits}g}"
+        if type(value)(float(text) * unit) == value:  # as parse_profile reads it
+            break
+    else:
+        text = repr(value / unit)
+    return f"{text}.0" if text.lstrip("-").isdecimal() else text
+
+
+def _string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -113,6 +113,13 @@ WORKING_LOGITS = {"gpu": {"none": 3, "dots": 2, "full": 2}}
 # 3 % under tensor + sequence parallelism (remat "full") and data parallelism ("dots")
 # (tests/test_cost.py).
 HEAD_PHASE = {"cpu": (1, 4)}  # platform: (fp32 logits-sized arrays per chunk, residual arrays)
+# From this many tokens a device in a loss chunk, with the vocabulary whole on each device,
+# XLA:CPU holds one fp32 logits-sized array more there: the logits' product with the one-hot
+# before its reduction, beside the logits and their gradient. Measured on 2 devices (2 layers
+# of `small`'s widths, fp32, remat full): under data parallelism none at 3,584 tokens and one at
+# 4,096 (8K vocabulary), one at 7,168 (4K), none at 2,048 (16K); the same from 4,096 under
+# ZeRO-1 and the FSDP rings, none under megatron-sp (vocabulary split) at 8,192.
+HEAD_PHASE_LONG = {"cpu": 4096}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +203,9 @@ def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int,
         gradients, layers_phase = 0, UNROLLED_WORKING * layers_phase
     chunk_arrays, head_residual = HEAD_PHASE.get(platform, (1, 0))
     chunks = loss_chunks(max(shape[0] // (M if S > 1 and not gpipe else 1), 1), shape[1], V)
-    head_phase = ((chunk_arrays / chunks + compute / FP32) * logits
+    long_chunk = s.vocab_ways == 1 and s.inner_tokens / head_rows / chunks >= HEAD_PHASE_LONG.get(
+        platform, float("inf"))
+    head_phase = ((chunk_arrays / chunks + long_chunk / chunks + compute / FP32) * logits
                   + head_residual * s.inner_tokens / head_rows * D * held)
     working = max(layers_phase, head_phase)
     return MicroStepMemory(

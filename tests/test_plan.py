@@ -411,3 +411,24 @@ def test_a_checked_plan_finds_the_one_strategy_xla_fits_where_the_model_errs_bot
     assert corrected and all(r == pytest.approx(0.9, rel=1e-4) for r in corrected)
     assert len(lines) == len(checked) - len(found.buckets)
     assert lines[0].startswith(f"checking the plan by XLA: {wrong} at ")
+
+
+def test_a_strategys_measured_under_count_carries_to_its_longer_rows_not_its_shorter():
+    """XLA's bytes over the model's for one micro-step scale the strategy's others not measured
+    yet at that length (any remat policy) and longer, never shorter ones."""
+    search = plan.Search(MODEL, load_profile("a800-4x8"), 2, 80 * GiB)
+    strategy = search.strategies[0]
+    shards, home = strategy.batch_shards, search.resident[strategy]
+
+    def peak(length: int, remat: str) -> int:
+        run = plan.RunAs(shards, remat, "local")
+        return search.micro_step_as_run(strategy, length, run, shards).peak_bytes
+
+    cases = [(length, remat) for length in (512, 1024, 2048) for remat in ("dots", "full")]
+    before = {case: peak(*case) for case in cases}
+    measured = plan.Choice(0, 1024, strategy, shards, "dots", 1, shards, 0, 0, 0.0,
+                           before[1024, "dots"] + home)
+    search.correct(measured, home, 2 * before[1024, "dots"] + home)
+    for (length, remat), bytes_before in before.items():
+        assert peak(length, remat) == pytest.approx(bytes_before * (2 if length >= 1024 else 1),
+                                                    abs=2)

@@ -288,12 +288,13 @@ class Search:
         self.resident = {s: resident_bytes(config, s, optimizer) for s in self.strategies}
         self._lines: dict[tuple[Strategy, int, str], tuple[int, int, int] | None] = {}
         # XLA's measured over the model's predicted micro-step bytes, where a plan was checked
-        # (`plan_checked`), by (strategy, bucket length, remat policy); and by strategy the
-        # largest of them above 1, for its micro-steps not measured yet: where the model
-        # under-counts a strategy it does so at every length and policy (its arrays are the
-        # strategy's), and one measurement then spares a check of each.
+        # (`plan_checked`), by (strategy, bucket length, remat policy); and those above 1 by
+        # (strategy, bucket length), carried to the strategy's micro-steps not measured yet at
+        # that length and longer: where the model under-counts a strategy's arrays it does so
+        # under every remat policy, and more as rows grow (XLA:CPU's extra logits-sized array
+        # appears from a length on), so one measurement spares a check of each.
         self.corrections: dict[tuple[Strategy, int, str], float] = {}
-        self.under_counted: dict[Strategy, float] = {}
+        self.under_counted: dict[tuple[Strategy, int], float] = {}
         self._time: dict[tuple[Strategy, int, str, int], MicroStepTime] = {}
         self._reductions: dict[tuple[Strategy, str], float] = {}
         self._pairs: dict[tuple, np.ndarray] = {}
@@ -390,14 +391,16 @@ class Search:
         ratio = (measured_bytes - home_bytes) / max(choice.peak_bytes - home_bytes, 1)
         margin = CORRECTION_MARGIN if measured_bytes > self.budget else 1.0
         self.corrections[key] = self._scale(*key) * ratio * margin
-        if self.corrections[key] > self.under_counted.get(choice.strategy, 1.0):
-            self.under_counted[choice.strategy] = self.corrections[key]
+        at = (choice.strategy, choice.max_len)
+        self.under_counted[at] = max(self.under_counted.get(at, 1.0), self.corrections[key])
         self._lines.clear()
 
     def _scale(self, strategy: Strategy, max_len: int, remat: str) -> float:
         """What the memory model's micro-step bytes are scaled by (`correct`)."""
-        return self.corrections.get((strategy, max_len, remat),
-                                    self.under_counted.get(strategy, 1.0))
+        if (strategy, max_len, remat) in self.corrections:
+            return self.corrections[strategy, max_len, remat]
+        return max((scale for (s, length), scale in self.under_counted.items()
+                    if s == strategy and length <= max_len), default=1.0)
 
     def near_budget(self, max_len: int) -> list[Choice]:
         """Micro-steps of one row per batch shard at `max_len`, each strategy beside its own

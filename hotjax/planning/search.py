@@ -500,7 +500,7 @@ def plan_checked(search: Search, lengths: np.ndarray, context: int,
     micro-steps at the context it puts just over the budget (`Search.near_budget`) are
     measured and the model corrected by them, either way, before the plan is made again.
     `progress` gets a line per micro-step measured."""
-    def check(choice: Choice, home: Strategy, home_bytes: int) -> int:
+    def check(choice: Choice, home: Strategy) -> int:
         used = measured(choice, home)
         progress(f"checking the plan by XLA: {choice.strategy} at {choice.max_len} tokens, "
                  f"{choice.micro_rows} rows, remat {choice.remat}: {used / 2**20:,.1f} MiB "
@@ -517,11 +517,11 @@ def plan_checked(search: Search, lengths: np.ndarray, context: int,
                 raise
             for choice in near:
                 home_bytes = search.resident[choice.strategy]
-                search.correct(choice, home_bytes, check(choice, choice.strategy, home_bytes))
+                search.correct(choice, home_bytes, check(choice, choice.strategy))
             continue
         home_bytes = resident_bytes(search.config, found.home, search.optimizer)
         over = [(b, used) for b in found.buckets if b.rows
-                and (used := check(b, found.home, home_bytes)) > search.budget]
+                and (used := check(b, found.home)) > search.budget]
         for choice, used in over:  # a choice's peak holds its plan's home state
             search.correct(choice, home_bytes, used)
         if not over:

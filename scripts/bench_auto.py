@@ -13,10 +13,10 @@ run's first step is left out; each method's step time is the median over the oth
 round. Reported per method: its buckets as the cost model prices them (strategy, micro-batch
 rows, predicted seconds) on the typical step `--strategies auto` plans for, the measured median
 step time, real tokens/s, padding and losses; and auto/default of the measured and of the
-predicted step time (<= 1: auto is no worse). `--quick`: one round of 3 steps on 2,048-token
-mini-batches of byte tokens in float32 (a smoke test), planned, where this machine has no profile
-cached, on a quick one measured for the run alone. On simulated CPU devices the timings compare
-the two on this machine only: its 8 fake devices share its cores.
+predicted step time (<= 1: auto is no worse). `--quick`: one round of 2 steps (one timed) on
+2,048-token mini-batches of byte tokens in float32 (a smoke test), planned, where this machine has
+no profile cached, on a quick one measured for the run alone. On simulated CPU devices the
+timings compare the two on this machine only: its 8 fake devices share its cores.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     from hotjax.planning.search import Plan
 
-QUICK = {"steps": 3, "rounds": 1, "batch_tokens": 2048, "compute_dtype": "float32",
+QUICK = {"steps": 2, "rounds": 1, "batch_tokens": 2048, "compute_dtype": "float32",
          "tokenizer": "bytes"}
 METHODS = ("default", "auto")
 

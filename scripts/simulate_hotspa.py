@@ -15,7 +15,7 @@ the Python standard library under the default 8k BPE, saved by `hotjax data stat
 each document one sequence truncated to the context, as in the paper. The paper trains its 32B
 on 32 GPUs only, and so does this (`MIN_DEVICES`). Plans fill what JAX's allocator hands a
 process (`hotjax.planning.profile.ALLOCATOR_FRACTION` of each GPU). `--quick`: 7B on 8 devices at
-16K (a smoke test).
+16K, a step of 128 sequences (a smoke test; the search takes longer the more a step holds).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from quick_option import console, parse_args  # beside this script
 
 LENGTHS = Path(__file__).resolve().parents[1] / "docs" / "stdlib-lengths.json"
-QUICK = {"models": "llama2-7b", "devices": "8", "contexts": "16384"}
+QUICK = {"models": "llama2-7b", "devices": "8", "contexts": "16384", "batch_sequences": 128}
 K = 1024
 # The paper's hand-picked tables: <DP, TP, PP> per bucket from the shortest bucket up, by
 # (model, devices, context) and bucket combination (c1: 4K and 16K boundaries at 32K context,

@@ -39,36 +39,36 @@ def test_two_processes_train_a_hot_table_as_one_process_does_and_one_resumes_it(
     """2 processes x 4 devices train the hot table with the losses of one process on 8
     devices; the checkpoint the two wrote resumes in one process under another strategy, and
     the one process's in two under fsdp. A step of the hot table across 2 processes is slow
-    (its layout switches are device_puts between the processes): 3 steps, saving at step 2,
+    (its layout switches are device_puts between the processes): 2 steps, saving at step 1,
     are the fewest that leave a checkpoint to resume and a step after it."""
-    flags = ["--steps", "3", "--strategies", str(table("hot"))]
+    flags = ["--steps", "2", "--strategies", str(table("hot"))]
     ck = tmp_path / "ck"
-    saves = ["--save-every", "2", "--keep-every", "2"]
+    saves = ["--save-every", "1"]
     done = hotjax(*_launch(*flags, "--metrics-jsonl", str(tmp_path / "two.jsonl"),
                            "--ckpt-dir", str(ck), *saves), cwd=tmp_path)
     assert (ck / ".hotjax.lock").is_file()  # taken by process 0 alone: a second would fail
     # Process 0 speaks for the run: its lines alone carry the progress and the summary.
-    assert "[0] step     3" in done.stdout and "[1] step" not in done.stdout
+    assert "[0] step     2" in done.stdout and "[1] step" not in done.stdout
     assert "jax.device_put: the run spans 2 processes" in done.stdout
     two = records(tmp_path / "two.jsonl")
     one = _one_process(tmp_path, *flags, "--ckpt-dir", str(tmp_path / "ck1"), *saves)
     assert [r["tokens"] for r in two] == [r["tokens"] for r in one]
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one],
                                rtol=0, atol=1e-5)
-    # The checkpoint both processes wrote at step 2 resumes in one process, on 4 devices,
-    # under one strategy: step 3 as the two processes took it.
-    resumed = _one_process(tmp_path, "--steps", "3", "--devices", "4", "--strategy",
-                           "data=2,fsdp=2", "--resume-from", str(ck / "2"))
-    assert [r["step"] for r in resumed] == [3]
-    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in two[2:]],
+    # The checkpoint both processes wrote at step 1 resumes in one process, on 4 devices,
+    # under one strategy: step 2 as the two processes took it.
+    resumed = _one_process(tmp_path, "--steps", "2", "--devices", "4", "--strategy",
+                           "data=2,fsdp=2", "--resume-from", str(ck / "1"))
+    assert [r["step"] for r in resumed] == [2]
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in two[1:]],
                                rtol=0, atol=1e-5)
     # And the other way round: one process's checkpoint resumes in two, under fsdp.
-    hotjax(*_launch("--steps", "3", "--strategy", "fsdp=8", "--resume-from",
-                    str(tmp_path / "ck1" / "2"), "--metrics-jsonl",
+    hotjax(*_launch("--steps", "2", "--strategy", "fsdp=8", "--resume-from",
+                    str(tmp_path / "ck1" / "1"), "--metrics-jsonl",
                     str(tmp_path / "two-resumed.jsonl")), cwd=tmp_path)
     resumed = records(tmp_path / "two-resumed.jsonl")
-    assert [r["step"] for r in resumed] == [3]
-    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in one[2:]],
+    assert [r["step"] for r in resumed] == [2]
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in one[1:]],
                                rtol=0, atol=1e-5)
 
 
@@ -107,7 +107,10 @@ def test_two_pinned_processes_of_one_device_train_balanced_data_parallel_as_one_
     assert all(r["imbalance"] == r["imbalance_before"] == 1 for r in one)
 
 
-FAULTS = ["--steps", "14", "--strategy", "fsdp=8"]
+# Saving every 2 steps, 10 steps leave the rerun that is killed mid-save three saves to catch
+# (steps 6, 8, 10) after the two steps it waits for.
+FAULT_STEPS = 10
+FAULTS = ["--steps", str(FAULT_STEPS), "--strategy", "fsdp=8"]
 
 
 def _process_1(launcher: subprocess.Popen) -> int:
@@ -188,7 +191,7 @@ def test_a_lost_process_ends_the_launch_and_a_rerun_resumes_as_if_never_stopped(
     assert after_step and len(partial) == 1  # the kill hit a save
     saving = int(partial[0].name.split(".")[0])
     assert saving not in after_save and saving > max(after_save)  # the partial one never used
-    assert last[-1]["step"] == 14 and final[-1] == 14
+    assert last[-1]["step"] == FAULT_STEPS and final[-1] == FAULT_STEPS
 
 
 # Two processes of one CPU device each, pinned to its own core: data parallel over both.

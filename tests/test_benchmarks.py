@@ -209,9 +209,25 @@ def test_lognormal_corpus(tmp_path, capsys) -> None:
     assert 300 * 0.8 < np.median(lengths) < 300 * 1.25  # about 400 draws of median 300
     corpus = open_corpus(str(out))
     assert [corpus.read(i) for i in range(corpus.num_documents)] == docs
+    # Bimodal: a quarter of the documents from a second log-normal 8x longer, the rest as
+    # before; the text is still the source's, in order.
+    mixed = tmp_path / "mixed.jsonl"
+    assert script.main([str(mixed), "--data", str(source), "--median", "100", "--sigma", "0.3",
+                        "--mix", "0.25:800:0.3", "--seed", "1"]) == 0
+    docs = [json.loads(line)["text"] for line in mixed.read_text().splitlines()]
+    assert joined.startswith("".join(docs))
+    lengths = np.asarray([len(d) for d in docs])
+    long = lengths > 283  # the geometric mean of the two medians, 3.5 sigmas from either
+    assert 0.25 * 0.75 < long.mean() < 0.25 * 1.25  # of about 400 draws
+    assert 100 * 0.9 < np.median(lengths[~long]) < 100 * 1.1
+    assert 800 * 0.85 < np.median(lengths[long]) < 800 * 1.15
     capsys.readouterr()
-    assert script.main([str(tmp_path / "docs.txt"), "--data", str(source)]) == 2
-    assert capsys.readouterr().err.count("\n") == 1
+    for name, bad, problem in (("docs.txt", [], "name the output .jsonl"),
+                               ("docs.jsonl", ["--mix", "1.5:800"], "--mix 1.5:800: give"),
+                               ("docs.jsonl", ["--mix", "0.2"], "--mix 0.2: give")):
+        assert script.main([str(tmp_path / name), "--data", str(source), *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and problem in err
 
 
 def test_bench_gpu_refuses_an_unknown_kernel_name() -> None:

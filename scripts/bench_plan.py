@@ -71,7 +71,9 @@ DEFAULTS = {
         "strategies": "; ".join((
             "data=2,rules=dp", "fsdp=2,rules=fsdp", "tensor=2,rules=megatron",
             "tensor=2,rules=megatron-sp", "context=2,rules=context,balanced=true",
-            "stage=2,microbatches=2"))}}
+            "context=2,rules=context-zero1,balanced=true",
+            "context=2,rules=context-fsdp,balanced=true", "context=2,rules=ulysses",
+            "context=2,rules=ulysses-fsdp", "stage=2,microbatches=2"))}}
 # A quick run times the strategies of the hot table (TABLES), whose step then reuses the
 # micro-steps already compiled where the shapes agree.
 QUICK_STRATEGIES = {8: "data=8,rules=dp; data=2,tensor=4,rules=megatron-sp",

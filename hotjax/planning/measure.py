@@ -156,6 +156,9 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     # each given 8,192 tokens of `small` held 16 GiB of logits in one process).
     step_rows = max(1, work.step[0] // per_node)
     shapes = [(rows * step_rows * len(devices), work.step[1]) for rows in (1, FIT_ROWS)]
+    # The processes arrive from work of their own (a memory wall's compiles, a plan) and may
+    # have drifted apart by more than gloo waits for the first collective.
+    distributed.together("measuring the profile")
     references = [MicroStepRun(model, strategy, tuple(devices), shape) for shape in shapes]
     # Attention is timed on its own: interleaved with the larger step (8,192 tokens per device
     # on CPU) the kernel ran 2.3 times slower on two pinned processes than it runs in training

@@ -45,8 +45,9 @@ def _deepspeed():
     import deepspeed.comm.torch
 
     # Its CPU accelerator compiles a shared-memory collective with g++ at start (~30 s); gloo's
-    # own collectives serve these tiny tensors.
-    deepspeed.comm.torch.build_shm_op = lambda: None
+    # own collectives serve these tiny tensors. (The module from sys.modules: the attribute
+    # `deepspeed.comm.torch` is the torch package, which deepspeed.comm imports over it.)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     return deepspeed
 
 

@@ -122,17 +122,21 @@ def _without_lost_peers(record: logging.LogRecord) -> bool:
     return not (record.exc_info and _is_lost_peer(record.exc_info[1]))
 
 
-def lost_peer(error: Exception, process_index: int, process_count: int) -> str | None:
+RESUME = "rerun the command to resume from the last complete checkpoint"
+
+
+def lost_peer(error: Exception, process_index: int, process_count: int,
+              then: str = RESUME) -> str | None:
     """A one-line account of `error` if it is a collective failing because another process of
-    the run is gone (None otherwise). With two processes the lost one is the other."""
+    the run is gone (None otherwise), ending in what to do `then`. With two processes the lost
+    one is the other."""
     text = str(error).strip()
     if process_count < 2 or not _is_lost_peer(error):
         return None
     others = [p for p in range(process_count) if p != process_index]
     who = f"process {others[0]}" if len(others) == 1 else "another process"
     first = text.splitlines()[0] if text else type(error).__name__
-    return (f"{who} of the run is gone ({first}): process {process_index} stops too; rerun "
-            f"the command to resume from the last complete checkpoint")
+    return f"{who} of the run is gone ({first}): process {process_index} stops too; {then}"
 
 
 def is_main() -> bool:

@@ -138,7 +138,7 @@ def report(name: str, args: argparse.Namespace, run, print_table, devices: int |
                 from rich.console import Console
 
                 progress = Console(file=io.StringIO())
-            found = run(args, progress)
+            found = _run_launched(run, args, progress, processes)
             if processes[2] is not None:
                 if processes[2] == 0 and args.report_file:
                     Path(args.report_file).write_text(json.dumps(found))
@@ -150,6 +150,25 @@ def report(name: str, args: argparse.Namespace, run, print_table, devices: int |
     if args.json:
         print(json.dumps(found, indent=1))
     return exit_code(found)
+
+
+def _run_launched(run, args: argparse.Namespace, progress: Console, processes) -> dict:
+    """`run(args, progress)`; in a launched process, a collective failing because another
+    process is gone is one line (a `UserError`), not a traceback."""
+    import jax
+
+    from hotjax import distributed
+    from hotjax.errors import UserError
+
+    try:
+        return run(args, progress)
+    except jax.errors.JaxRuntimeError as e:
+        _, count, index, _ = processes
+        lost = None if index is None else distributed.lost_peer(
+            e, index, count, then="rerun the benchmark")
+        if lost is None:
+            raise
+        raise UserError(lost) from None
 
 
 def machine(devices: Sequence[Any]) -> dict:

@@ -339,6 +339,39 @@ def test_a_collective_failing_for_a_lost_peer_is_one_line_naming_it():
     assert lost_peer(gloo, 0, 1) is None  # one process has no peers to lose
 
 
+def test_a_launched_benchmark_losing_a_peer_is_one_line_naming_it():
+    import importlib.util
+
+    import jax
+
+    from hotjax.errors import UserError
+
+    spec = importlib.util.spec_from_file_location("quick_option",
+                                                  ROOT / "scripts" / "quick_option.py")
+    quick_option = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quick_option)
+
+    def run(error):
+        def raising(args, progress):
+            raise error
+        return raising
+
+    gloo = jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllReduce failed: Connection closed by peer")
+    with pytest.raises(UserError) as raised:
+        quick_option._run_launched(run(gloo), None, None, ("127.0.0.1:1234", 2, 1, 30))
+    assert str(raised.value) == (
+        "process 0 of the run is gone (UNKNOWN: Gloo AllReduce failed: Connection closed by "
+        "peer): process 1 stops too; rerun the benchmark")
+    # Anything else, or in a process not launched, is the error it was.
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        quick_option._run_launched(run(oom), None, None, ("127.0.0.1:1234", 2, 1, 30))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Gloo"):
+        quick_option._run_launched(run(gloo), None, None, (None, None, None, 30))
+    assert quick_option._run_launched(lambda args, progress: {"ok": 1}, None, None,
+                                      (None, None, None, 30)) == {"ok": 1}
+
+
 def test_background_logs_of_a_lost_peer_leave_the_report_to_the_one_line(caplog):
     """Orbax's save threads log a failed collective with its traceback; in a run of several
     processes those records are dropped (the main thread's one line reports the lost peer),

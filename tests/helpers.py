@@ -5,6 +5,7 @@ process or a new one) and read its metrics and one-line errors."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -177,6 +178,15 @@ def environment(devices: int = 8, **extra: str) -> dict[str, str]:
     lines (rich would wrap long paths) and `extra` added."""
     return {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu",
             "COLUMNS": "400", **extra}
+
+
+def load_file(relative: str):
+    """The project's file `relative` (a script or an example) imported as a module."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def python(*args: str | Path, cwd: Path | None = None, devices: int = 8,

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import LOSS_TOLERANCE, ROOT, positive, python, run_quick
+from helpers import LOSS_TOLERANCE, ROOT, load_file, positive, python, run_quick
 
 
 def test_bench_strategies() -> None:
@@ -185,14 +185,9 @@ def test_lognormal_corpus(tmp_path, capsys) -> None:
     """`scripts/lognormal_corpus.py` cuts a corpus's joined text, in order and losing nothing
     but the tail, into documents of log-normal lengths within the bounds, and --data reads
     them back."""
-    import importlib.util
-
     from hotjax.data import open_corpus
 
-    spec = importlib.util.spec_from_file_location("lognormal_corpus",
-                                                  ROOT / "scripts" / "lognormal_corpus.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_file("scripts/lognormal_corpus.py")
     source = tmp_path / "src"
     source.mkdir()
     texts = [f"{i:03d} " + "".join(chr(97 + (i * j) % 26) for j in range(4000)) for i in range(30)]

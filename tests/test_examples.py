@@ -4,14 +4,13 @@ the same parts as files; and a checkpoint written on 8 devices resumes on 4 unde
 strategy with the uninterrupted run's losses."""
 
 import concurrent.futures
-import importlib.util
 import json
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from helpers import ROOT, SUBPROCESS_TIMEOUT_S, environment, python, records
+from helpers import ROOT, SUBPROCESS_TIMEOUT_S, environment, load_file, python, records
 
 from hotjax.cli import main
 
@@ -22,11 +21,7 @@ FLAGS = ["--tokenizer", "bytes", "--batch-tokens", "2048", "--compute-dtype", "f
 
 def _example():
     """examples/train_llama.py as a module: its model, table and optimizer."""
-    spec = importlib.util.spec_from_file_location("train_llama",
-                                                  ROOT / "examples" / "train_llama.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("examples/train_llama.py")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, TINY_RUN, hotjax, records, start_hotjax, table, write_table
+from helpers import ROOT, TINY_RUN, hotjax, load_file, records, start_hotjax, table, write_table
 
 from hotjax.checkpoint import dirs
 from hotjax.cli import main
@@ -340,16 +340,11 @@ def test_a_collective_failing_for_a_lost_peer_is_one_line_naming_it():
 
 
 def test_a_launched_benchmark_losing_a_peer_is_one_line_naming_it():
-    import importlib.util
-
     import jax
 
     from hotjax.errors import UserError
 
-    spec = importlib.util.spec_from_file_location("quick_option",
-                                                  ROOT / "scripts" / "quick_option.py")
-    quick_option = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quick_option)
+    quick_option = load_file("scripts/quick_option.py")
 
     def run(error):
         def raising(args, progress):

@@ -252,9 +252,9 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     data = {"hot": draw(max_lens), "a": draw([args.context]), "b": draw([args.context], "none")}
     data["c"], data["a0"] = data["hot"], data["a"]  # c: auto's buckets where it is planned
     search, lengths = None, [document_lengths(m) for m in data["a"]]
-    auto = None
+    auto, why = None, None
     if args.auto:
-        search, auto = planned(config, devices, args, np.concatenate(lengths), console)
+        search, auto, why = planned(config, devices, args, np.concatenate(lengths), console)
         data["auto"] = draw([b.max_len for b in auto.buckets])
         data["c"] = data["auto"]
     methods = [m for m in METHODS if m in data and m in args.methods]
@@ -286,7 +286,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                 for f in wall.fits]},
         "profile": search.profile.name if search else None,
         "profile_toml": profile_toml(search.profile) if search else None,
-        "auto_plan": None if auto is None else auto.toml(),
+        "auto_plan": None if auto is None else auto.toml(), "auto_why": why,
         **summarize(records, trainers, predicted, args.warmup),
     }
 
@@ -374,12 +374,14 @@ def document_lengths(minibatch: MiniBatch) -> np.ndarray:
 
 
 def planned(config: LlamaConfig, devices: list, args: argparse.Namespace, lengths: np.ndarray,
-            console: Console) -> tuple[Any, StrategyTable]:
+            console: Console) -> tuple[Any, StrategyTable, str]:
     """The cost model's search on this machine's profile, measured here on the benchmark's own
     model and dtype (`--strategies auto` measures a reference model once per machine: on CPU
     attention's rate depends on the head width), and the table it plans for a typical step of
     these documents, as `hotjax train --strategies auto` plans it (`hotjax.run.plan_search`:
-    the same typical step, and buckets of no more rows than the mini-batches fill)."""
+    the same typical step, and buckets of no more rows than the mini-batches fill), and why
+    it is that table (`Plan.why`: one strategy where no table gains more than the model's
+    error)."""
 
     from hotjax.config import RunConfig
     from hotjax.planning import search as plan_lib
@@ -395,8 +397,8 @@ def planned(config: LlamaConfig, devices: list, args: argparse.Namespace, length
     found = plan_lib.plan_checked(search, typical, args.context, xla_bytes(config, devices),
                                   progress=lambda line: console.print(line, markup=False))
     console.print(f"auto: planned on profile {profile.name}, predicted "
-                  f"{found.seconds * 1e3:,.1f} ms per typical step", markup=False)
-    return search, found.table(METHODS["auto"])
+                  f"{found.seconds * 1e3:,.1f} ms per typical step; {found.why}", markup=False)
+    return search, found.table(METHODS["auto"]), found.why
 
 
 def predict(search: Any, trainer: Trainer, method: str, lengths: list[np.ndarray]

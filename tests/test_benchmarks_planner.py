@@ -45,6 +45,10 @@ def test_bench_mixed() -> None:
                 sum(b["predicted_s"] for b in s["buckets"]) + s["predicted_switch_s"])
             assert all(positive(b["compute_s"]) and b["switch_s"] >= 0
                        and positive(b["predicted_s"]) for b in s["buckets"])
+    # auto says why its table: one strategy unless a table gains past the model's error.
+    planned = len(methods["auto"]["buckets"])
+    assert report["auto_why"].startswith("one strategy" if planned == 1
+                                         else f"a table of {planned} buckets"), report["auto_why"]
     assert all(s["imbalance"] == s["imbalance_before"] for s in methods["a0"]["steps"])
     np.testing.assert_allclose(methods["a0"]["losses"], methods["a"]["losses"], rtol=0,
                                atol=1e-5)

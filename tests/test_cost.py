@@ -522,6 +522,11 @@ def _profile(path: tuple[str, ...] = (), value: object = DELETE) -> dict:
     (("efficiency", "matmul"), 1.5, "test.toml: efficiency.matmul = 1.5 is a share of peak"),
     (("efficiency", "matmul_by_size"), {"4k": 0.5},
      "test.toml: efficiency.matmul_by_size: size '4k' must be a positive integer"),
+    (("efficiency", "attention_by_heads"), {"8": 1.5},
+     "test.toml: efficiency.attention_by_heads.8 = 1.5 is a share of peak"),
+    (("efficiency", "attention_by_heads"), 0.3,
+     "test.toml: efficiency.attention_by_heads: give a table of size = share of peak, like "
+     "{ 8 = 0.3, 4 = 0.35 }"),
     (("device", "allocator_fraction"), 1.2,
      "test.toml: device.allocator_fraction = 1.2 is a share of the memory"),
     (("nodes",), 0, "test.toml: nodes = 0: give a positive integer"),
@@ -561,8 +566,10 @@ def _bus_bytes(compiled_text: str, layers: int) -> dict[str, float]:
     """Bytes each kind of collective of a compiled micro-step moves per device, by the cost
     model's convention (`BUS_FACTOR` of the whole tensor, before a reduce-scatter and after an
     all-gather), with its element types. Collectives outside the entry computation are counted
-    once per layer (the layer loop; a ring of 2 turns once inside it); groups of one are free."""
-    moved: dict[str, float] = {}
+    once per layer (the layer loop; a ring of 2 turns once inside it); groups of one are free.
+    Under "issued", the collectives of each kind the layer loop issues per layer (a tuple of
+    tensors is one)."""
+    moved: dict[str, float] = {"issued": collections.Counter()}
     entry = False
     for line in compiled_text.splitlines():
         if line and not line[0].isspace():
@@ -575,6 +582,7 @@ def _bus_bytes(compiled_text: str, layers: int) -> dict[str, float]:
         sizes = [_ELEMENT_BYTES[dtype] * math.prod(int(n) for n in dims.split(",") if n)
                  for dtype, dims in re.findall(r"\b(f32|bf16|s32)\[([\d,]*)\]", result)]
         name = {"collective-permute": "send"}.get(op, op)
+        moved["issued"][name] += not entry
         if start and op != "all-reduce":  # async: (operands, results)
             whole = max(sum(sizes[:len(sizes) // 2]), sum(sizes[len(sizes) // 2:]))
         else:  # the result (a reduce-scatter's: half the tensor, in a group of 2)
@@ -618,6 +626,9 @@ def test_collectives_are_priced_as_the_compiler_emits_them(devices, platform, ru
         return
     priced = sum(v for k, v in hlo.items() if k in ("all-gather", "all-reduce", "reduce-scatter"))
     assert time.tensor * bandwidth == pytest.approx(priced, rel=0.1)
+    if rules == "megatron":  # one latency per collective: XLA:CPU's tuples carry 7 tensors in 4
+        assert _latencies_per_layer(config, strategy, shape, platform) == hlo["issued"][
+            "all-reduce"] == 4 + (remat == "full")
     assert hlo["dtypes"] == ({"f32"} if platform == "cpu" else {"bf16", "f32"})
     assert ("reduce-scatter" in hlo) == (platform == "gpu" and rules == "megatron-sp")
 
@@ -640,6 +651,26 @@ def test_ulysses_all_to_alls_are_priced_as_the_compiler_emits_them(devices, rema
     time = micro_step_time(config, strategy, shape, profile)
     assert time.tensor * 100e9 == pytest.approx(hlo["all-to-all"])
     assert time.ring == 0.0  # no ring: attention runs on whole rows, a quarter of the heads
+    # One latency per tensor exchanged: XLA:CPU exchanges the saved q, k, v after the layer
+    # loop (all layers' at once), XLA:GPU inside it; the model counts them per layer.
+    saved = 3 * (remat == "none")
+    assert _latencies_per_layer(config, strategy, shape, "cpu") == hlo["issued"][
+        "all-to-all"] + saved == {"none": 11, "full": 12}[remat]
+
+
+def _latencies_per_layer(config, strategy: Strategy, shape: tuple[int, int],
+                         platform: str) -> float:
+    """The collective latencies the cost model's tensor term pays per layer."""
+    def tensor(layers: int, latency_us: float) -> float:
+        data = _profile(("platform",), platform)
+        if latency_us:
+            data["links"]["latency_us"] = latency_us
+        layered = dataclasses.replace(config, n_layers=layers)
+        return micro_step_time(layered, strategy, shape, parse_profile(data, "t.toml")).tensor
+
+    def paid(layers: int) -> float:
+        return (tensor(layers, 1000.0) - tensor(layers, 0.0)) / 1e-3
+    return round((paid(4) - paid(2)) / 2, 6)
 
 
 def test_ulysses_gathers_kv_heads_fewer_than_its_ranks_and_splits_the_attention_by_heads():

@@ -39,6 +39,22 @@ def test_measured_profile_has_positive_figures_for_every_collective_and_group(me
         assert bandwidths.inter == bandwidths.intra  # one process: one node
 
 
+def test_attention_is_measured_and_priced_at_the_heads_each_device_runs(measured):
+    """The kernel's rate with all of `tiny`'s 8 heads and with those each split of 8 devices
+    leaves; a tensor split and Ulysses are priced at their heads' rate, data parallelism at
+    all heads' (the same pairs and heads per device otherwise)."""
+    by_heads = dict(measured.attention_by_heads)
+    assert sorted(by_heads) == [1, 2, 4, 8] and by_heads[8] == measured.attention_efficiency
+    assert all(0 < share <= 1 for share in by_heads.values())
+    model, shape = reference_model("tiny"), (2, 256)
+    data = micro_step_time(model, Strategy.parse("data=2,rules=dp"), shape, measured).attention
+    # (strategy, query heads per device, its work per device over data=2's)
+    for split, heads, work in (("tensor=2,rules=megatron", 4, 1.0),
+                               ("context=4,rules=ulysses", 2, 0.5)):
+        priced = micro_step_time(model, Strategy.parse(split), shape, measured).attention
+        assert priced == pytest.approx(data * work * by_heads[8] / by_heads[heads])
+
+
 def test_profile_toml_reads_back_to_the_same_profile(measured, tmp_path):
     text = profile_toml(measured)
     assert parse_profile(tomllib.loads(text), measured.source) == measured

@@ -23,10 +23,11 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   the trainer does. A context ring waits for its busiest rank (rank c-1 in row order; every
   rank alike with `balanced` chunks on causal rows, not on packed ones).
 - Matmuls at the profile's peak x its matmul efficiency, by each GEMM's smallest dimension per
-  device where the profile measured sizes (`hotjax.planning.profile.MatmulEfficiency`); attention at
+  device where the profile measured sizes (`hotjax.planning.profile.Efficiency`); attention at
   the peak x the efficiency of the kernel that runs (`hotjax.models.work.attention_backend`: cuDNN's
   packed layout, the packed or the ring's Pallas kernel, the blockwise kernel), the profile's
-  own for that kernel where it has one (`Profile.attention_at`).
+  own for that kernel where it has one, else at the query heads per device a tensor split or
+  Ulysses leaves where the profile measured them (`Profile.attention_at`).
 - A collective moving a tensor of `bytes` over a group of n devices takes the profile's latency
   plus factor·bytes / bus bandwidth, with factor 2(n-1)/n for all-reduce, (n-1)/n for
   all-gather and reduce-scatter, 1 for a send (nccl-tests' bus-bandwidth convention); the
@@ -48,7 +49,8 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   arXiv:2205.05198, §4.2.2) each all-reduce becomes a reduce-scatter, and the activations are
   all-gathered twice forward and four times backward. Counted as XLA compiles them
   (`_tensor_collectives`): remat "full" repeats one reduction, and XLA:CPU reduces each
-  projection's input gradient apart.
+  projection's input gradient apart (three more tensors, in the same two collectives: one
+  latency per collective XLA issues).
 - Context parallelism (ring attention): per layer, the forward sends the local K/V chunk c-1
   times round the ring; the backward sends K/V c-1 times and their fp32 gradients c times; a
   recomputed forward sends nothing again (each checked against the HLO's collective bytes in
@@ -59,7 +61,9 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   with the other collectives of a head split: per layer q, k and v all-to-all'd from the
   sequence split to the head split and the output back, in each forward and transposed in the
   backward, and without remat the saved q, k, v once more (`_exchange`, checked against the
-  HLO in tests/test_cost.py); K/V heads fewer than the ranks are all-gathered whole instead
+  HLO in tests/test_cost.py), each tensor its own all-to-all (XLA:CPU exchanges the saved
+  ones of all layers at once, after the layer loop; priced per layer, as XLA:GPU issues
+  them); K/V heads fewer than the ranks are all-gathered whole instead
   and their gradients reduced. An all-to-all moves (n-1)/n of each device's tensor, at the
   profile's all-gather bandwidth. Attention then runs on whole rows, 1/n of the heads each.
 - FSDP (ZeRO-3): the weights are all-gathered over the fsdp axes layer by layer in the forward
@@ -115,8 +119,9 @@ from hotjax.sharding.transfers import TransferSchedule, boxes_from_strategy
 # measured again (`hotjax.planning.measure.profile_path`). 2: one gradient reduction per bucket,
 # pipelines without whole-stage recompute, the LM head shared by stage groups. 3: 1F1B's one
 # schedule per bucket, the embedding inside it. 4: the matmul rate fitted on micro-steps of
-# trained size. 5: the elementwise passes priced apart from the matmul rate.
-COST_MODEL_VERSION = 5
+# trained size. 5: the elementwise passes priced apart from the matmul rate. 6: attention by
+# query heads per device; one latency per collective XLA issues.
+COST_MODEL_VERSION = 6
 # Of each collective's tensor, the bytes moved per device over a group of n (the bus-bandwidth
 # convention of nccl-tests): time = latency + factor · bytes / bus bandwidth.
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
@@ -332,9 +337,9 @@ def _attention(p: _Pricing) -> float:
     block, _ = attention_kernel(c, profile.platform, seq_len, context)
     pairs = s.rows * visible_pairs(seq_len, context, p.strategy.balanced, block)
     kernel = attention_backend(c, profile.platform, seq_len, context, profile.compute_capability)
-    return ((p.attention_forwards + 2.5) * 4 * c.head_dim * c.n_heads
-            / (s.head_ways * exchange) * pairs * s.layers
-            / (profile.peak_flops * profile.attention_at(kernel)))
+    heads = c.n_heads / (s.head_ways * exchange)  # per device
+    return ((p.attention_forwards + 2.5) * 4 * c.head_dim * heads * pairs * s.layers
+            / (profile.peak_flops * profile.attention_at(kernel, heads)))
 
 
 def _tensor(p: _Pricing) -> tuple[float, float]:
@@ -343,12 +348,13 @@ def _tensor(p: _Pricing) -> tuple[float, float]:
     c, s = p.config, p.s
     activation = s.inner_tokens * c.dim * p.wire
     # Each layer's all-reduces (under sequence parallelism, reduce-scatters) and all-gathers.
-    reductions, all_gathers = _tensor_collectives(p.profile.platform, c.remat, p.staged)
+    reductions, issued, all_gathers = _tensor_collectives(p.profile.platform, c.remat, p.staged)
     reduce = "all-reduce" if p.wide or not s.sequence_parallel else "reduce-scatter"
     reduction = p.collective(reduce, activation, s.tensor_axes)
     gather = (p.collective("all-gather", activation, s.tensor_axes) if s.sequence_parallel
               else 0.0)
-    layers = s.layers * (reductions * reduction + all_gathers * gather)
+    layers = s.layers * (p.collective(reduce, reductions * activation, s.tensor_axes, issued)
+                         + all_gathers * gather)
     # The embedding's reduction, the LM head's input gradient (fp32, from the fp32 logits), and
     # under sequence parallelism three gathers about them.
     return layers, layers + reduction + p.collective(
@@ -444,16 +450,17 @@ def bucket_reduction_seconds(config: LlamaConfig, strategy: Strategy, profile: P
         "all-reduce", n, crosses)
 
 
-def _tensor_collectives(platform: str, remat: str, staged: bool) -> tuple[int, int]:
-    """Per layer, the activation all-reduces (reduce-scatters under sequence parallelism) and
-    the all-gathers sequence parallelism adds, as XLA compiles a Megatron step (read off the HLO
-    for H100s and for CPUs): two reductions forward and two backward, one more where remat
-    "full" (or a pipeline stage's recompute) repeats the forward; the sequence-parallel backward
-    gathers its activations four times (XLA gathers them again rather than keep them gathered).
-    XLA:CPU (`WIDE_WIRE`) reduces each projection's input gradient apart: q, k and v, gate and
-    up, five reductions where XLA:GPU sums first and reduces two."""
-    reductions = 4 + (remat == "full") + staged + 3 * (platform in WIDE_WIRE)
-    return reductions, 6 + 2 * staged
+def _tensor_collectives(platform: str, remat: str, staged: bool) -> tuple[int, int, int]:
+    """Per layer, the activations all-reduced (reduce-scattered under sequence parallelism), in
+    how many collectives, and the all-gathers sequence parallelism adds, as XLA compiles a
+    Megatron step (read off the HLO for H100s and for CPUs): two reductions forward and two
+    backward, one more where remat "full" (or a pipeline stage's recompute) repeats the
+    forward; the sequence-parallel backward gathers its activations four times (XLA gathers
+    them again rather than keep them gathered). XLA:CPU (`WIDE_WIRE`) reduces each projection's
+    input gradient apart: q, k and v, gate and up, five tensors where XLA:GPU sums first and
+    reduces two, in the same two collectives (tuples)."""
+    issued = 4 + (remat == "full") + staged
+    return issued + 3 * (platform in WIDE_WIRE), issued, 6 + 2 * staged
 
 
 def _exchange(p: _Pricing) -> float:
@@ -467,7 +474,9 @@ def _exchange(p: _Pricing) -> float:
     q = s.inner_tokens * config.n_heads * config.head_dim / s.head_ways * wire
     kv = 2 * s.inner_tokens * config.n_kv_heads * config.head_dim / s.kv_ways * wire
     exchanged = q + kv * s.kv_exchanged
-    seconds = ((forwards + 1 + (config.remat == "none")) * collective("all-to-all", exchanged, axes)
+    tensors = 3 if s.kv_exchanged else 1  # q, k, v: one all-to-all each
+    seconds = ((forwards + 1 + (config.remat == "none"))
+               * collective("all-to-all", exchanged, axes, tensors)
                + (forwards + 1) * collective("all-to-all", q, axes))
     if s.kv_exchanged:
         return seconds

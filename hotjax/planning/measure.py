@@ -21,7 +21,10 @@ node and across nodes (a node is one process: its devices share a host, or an NV
 - Attention efficiency: the model's attention kernel, forward and backward, on causal rows of
   its heads (on CPU the rate per pair hardly depends on the head width: with the `tiny` model's
   8-wide heads, rows timed with 32-wide ones made attention look 3 times faster than it runs),
-  counting its work as the cost model does, over the peak.
+  counting its work as the cost model does, over the peak; again with the heads each split of
+  the devices leaves (1/2, 1/4, ... of them: tensor parallelism, Ulysses), whose rate differs
+  (XLA:CPU's blockwise kernel ran `tiny`'s rows 20-25 % faster per head with 4 of its 8 heads
+  than with all, at 1,024 to 8,192 tokens).
 - Elementwise bandwidth: the model's own elementwise work of one layer (its two norms, two
   residual adds, the rotary embedding of q and k, SwiGLU's activation), forward and backward,
   each op a kernel of its own as the matmuls between them make it in a step, over a micro-step's
@@ -151,7 +154,9 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     announce(f"compute: {dtype.name} matmul, attention, a micro-step of {model.n_layers} layers x "
          f"{model.dim} on {len(devices)} devices")
     strategy = Strategy.parse(f"data={len(devices)},rules=dp")
-    attention_shape = (*work.attention, model.n_heads, model.n_kv_heads, model.head_dim)
+    heads = _head_splits(model, len(devices))
+    attention_shapes = [(*work.attention, h, max(1, model.n_kv_heads * h // model.n_heads),
+                         model.head_dim) for h in heads]
     # The step's rows are per process: its devices share the host's caches (8 simulated devices
     # each given 8,192 tokens of `small` held 16 GiB of logits in one process).
     step_rows = max(1, work.step[0] // per_node)
@@ -164,14 +169,15 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     # on CPU) the kernel ran 2.3 times slower on two pinned processes than it runs in training
     # steps, and the fit below prices the steps' attention at its rate.
     elementwise_tokens = step_rows * work.step[1]
-    matmul_s, attention_s, elementwise_s = timed_in_rounds(
+    matmul_s, elementwise_s, *attention_s = timed_in_rounds(
         [matmul_runner(devices, dtype, work.matmul),
-         attention_runner(devices, dtype, attention_shape),
-         elementwise_runner(devices, model, elementwise_tokens)], work.repeats)
+         elementwise_runner(devices, model, elementwise_tokens),
+         *(attention_runner(devices, dtype, shape) for shape in attention_shapes)], work.repeats)
     steps_s = timed_in_rounds([r.run for r in references], work.repeats)
     tokens, width, out = work.matmul
     figures = {"matmul": 2 * tokens * width * out / matmul_s,
-               "attention": attention_flops(attention_shape, platform) / attention_s,
+               **{f"attention {h} heads": attention_flops(shape, platform) / seconds
+                  for h, shape, seconds in zip(heads, attention_shapes, attention_s, strict=True)},
                "elementwise": elementwise_bytes(model, elementwise_tokens, platform)
                / elementwise_s,
                "memory": device_memory_bytes(devices)}
@@ -233,7 +239,9 @@ def _profile(figures: dict[str, float], bandwidths: dict[str, dict[str, dict[str
     """The profile measured, with the model's matmuls at `matmul_flops` and each micro-step's
     `overhead` seconds: the fastest rate measured is the peak, each efficiency a share of it."""
     platform, nodes, per_node = layout
-    peak = max(figures["matmul"], figures["attention"], matmul_flops)
+    by_heads = {int(key.split()[1]): value for key, value in figures.items()
+                if key.startswith("attention ")}
+    peak = max(figures["matmul"], *by_heads.values(), matmul_flops)
     send = bandwidths["send"]
     return parse_profile({
         "name": f"measured-{platform}-{nodes}x{per_node}", "platform": platform,
@@ -244,7 +252,10 @@ def _profile(figures: dict[str, float], bandwidths: dict[str, dict[str, dict[str
                    "elementwise_gbps": _rounded(figures["elementwise"] / GIGA),
                    **_if_positive("step_overhead_ms", overhead * 1e3)},
         "efficiency": {"matmul": _rounded(matmul_flops / peak),
-                       "attention": _rounded(figures["attention"] / peak)},
+                       "attention": _rounded(by_heads[max(by_heads)] / peak),
+                       **({"attention_by_heads": {str(h): _rounded(rate / peak)
+                                                  for h, rate in sorted(by_heads.items())}}
+                          if len(by_heads) > 1 else {})},
         # The links as the transfer scheduler sees them: what a device sends while every
         # device of the largest group sends too.
         "links": {"intra_node_gbps": send["intra"][max(send["intra"], key=int)],
@@ -498,6 +509,12 @@ def _agreed(figures: dict[str, float]) -> dict[str, float]:
 
     values = multihost_utils.broadcast_one_to_all(np.asarray(list(figures.values()), np.float32))
     return dict(zip(figures, map(float, values), strict=True))
+
+
+def _head_splits(model: LlamaConfig, devices: int) -> tuple[int, ...]:
+    """The query heads per device the splits of `devices` devices leave the model (all of them
+    first), where the split divides the heads."""
+    return tuple(model.n_heads // g for g in (1, *_group_sizes(devices)) if model.n_heads % g == 0)
 
 
 def _group_sizes(count: int) -> tuple[int, ...]:

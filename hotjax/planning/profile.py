@@ -1,7 +1,8 @@
 """Hardware profiles: what a cluster offers a cost model, read from small TOML files.
 
 A profile gives each device's peak matmul rate and memory, how devices group into nodes, the
-share of peak the kernels reach (`efficiency`, the matmuls' optionally by GEMM size), and the bus
+share of peak the kernels reach (`efficiency`, the matmuls' optionally by GEMM size, attention's
+by query heads per device), and the bus
 bandwidth of each collective by group size, inside one node and across nodes; optionally what a
 micro-step costs whatever its size (`[device] step_overhead_ms`) and each collective besides its
 bytes (`[links] latency_us`), which show where steps are short; and the bandwidth of the
@@ -78,11 +79,11 @@ def allocator_fraction(platform: str, environ: dict[str, str] | None = None) -> 
 
 
 @dataclasses.dataclass(frozen=True)
-class MatmulEfficiency:
-    """The share of peak a GEMM reaches, by its smallest dimension per device (tokens, or a
-    weight's rows or columns after tensor parallelism splits it): `flat` where no size was
-    measured, else interpolated linearly in log size between the measured ones (clamped at
-    the ends)."""
+class Efficiency:
+    """The share of peak a kernel reaches by a size: a GEMM's by its smallest dimension per
+    device (tokens, or a weight's rows or columns after tensor parallelism splits it),
+    attention's by its query heads per device. `flat` where no size was measured, else
+    interpolated linearly in log size between the measured ones (clamped at the ends)."""
 
     flat: float
     by_size: tuple[tuple[int, float], ...] = ()
@@ -142,15 +143,24 @@ class Profile:
     # cuDNN's packed attention runs.
     attention_by_kernel: tuple[tuple[str, float], ...] = ()
     compute_capability: int | None = None
+    # (query heads per device, share of peak) of the kernel `attention_efficiency` prices,
+    # measured at the head splits the devices allow (`hotjax.planning.measure`): on XLA:CPU
+    # the blockwise kernel runs 20-25 % faster per head with half of `tiny`'s heads (its
+    # score blocks stay in cache), which priced tensor parallelism and Ulysses 12-20 % high.
+    attention_by_heads: tuple[tuple[int, float], ...] = ()
 
     @property
-    def matmul(self) -> MatmulEfficiency:
-        return MatmulEfficiency(self.matmul_efficiency, self.matmul_by_size)
+    def matmul(self) -> Efficiency:
+        return Efficiency(self.matmul_efficiency, self.matmul_by_size)
 
-    def attention_at(self, kernel: str) -> float:
+    def attention_at(self, kernel: str, heads: float | None = None) -> float:
         """The share of peak attention kernel `kernel` reaches (`hotjax.models.attention`'s
-        names)."""
-        return dict(self.attention_by_kernel).get(kernel, self.attention_efficiency)
+        names), running `heads` query heads per device (None: the model's all)."""
+        if kernel in dict(self.attention_by_kernel):
+            return dict(self.attention_by_kernel)[kernel]
+        if heads is None:
+            return self.attention_efficiency
+        return Efficiency(self.attention_efficiency, self.attention_by_heads).at(heads)
 
     @property
     def num_devices(self) -> int:
@@ -211,7 +221,9 @@ def profile_toml(profile: Profile) -> str:
              *(f"attention_{kernel.replace('-', '_')} = {_in_units(share, 1)}"
                for kernel, share in profile.attention_by_kernel),
              *([f"matmul_by_size = {table(profile.matmul_by_size, 1)}"] if profile.matmul_by_size
-               else []), "",
+               else []),
+             *([f"attention_by_heads = {table(profile.attention_by_heads, 1)}"]
+               if profile.attention_by_heads else []), "",
              "[links]", f"intra_node_gbps = {_in_units(profile.intra_node_bandwidth, GIGA)}",
              f"inter_node_gbps = {_in_units(profile.inter_node_bandwidth, GIGA)}",
              *([f"latency_us = {_in_units(profile.collective_latency, 1e-6)}"]
@@ -234,11 +246,13 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
                      "compute_capability"))
     kernels = {f"attention_{k.replace('-', '_')}": k for k in ATTENTION_KERNELS}
     efficiency = _table(data, "efficiency", source, ("matmul", "attention"),
-                        ("matmul_by_size", *kernels))
+                        ("matmul_by_size", "attention_by_heads", *kernels))
     links = _table(data, "links", source, ("intra_node_gbps", "inter_node_gbps"),
                    ("latency_us",))
-    by_size = _efficiencies(data["efficiency"].get("matmul_by_size", {}),
-                            f"{source}: efficiency.matmul_by_size")
+    by_size, by_heads = (_efficiencies(data["efficiency"].get(f"{of}_by_{size}", {}),
+                                       f"{source}: efficiency.{of}_by_{size}", example)
+                         for of, size, example in (("matmul", "size", "{ 256 = 0.3, 4096 = 0.6 }"),
+                                                   ("attention", "heads", "{ 8 = 0.3, 4 = 0.35 }")))
     for key, table, field, of in (("efficiency", efficiency, "matmul", "peak"),
                                   ("efficiency", efficiency, "attention", "peak"),
                                   *(("efficiency", efficiency, k, "peak") for k in kernels),
@@ -272,6 +286,7 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
         elementwise_bandwidth=device.get("elementwise_gbps", 0.0) * GIGA,
         attention_by_kernel=tuple((kernel, efficiency[key]) for key, kernel in kernels.items()
                                   if key in efficiency),
+        attention_by_heads=by_heads,
         compute_capability=int(device["compute_capability"]) if "compute_capability" in device
         else None)
 
@@ -298,10 +313,9 @@ def _by_size(table: Any, where: str) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(entries))
 
 
-def _efficiencies(table: Any, where: str) -> tuple[tuple[int, float], ...]:
+def _efficiencies(table: Any, where: str, example: str) -> tuple[tuple[int, float], ...]:
     if not isinstance(table, Mapping):
-        raise UserError(f"{where}: give a table of GEMM size = share of peak, like "
-                        f"{{ 256 = 0.3, 4096 = 0.6 }}")
+        raise UserError(f"{where}: give a table of size = share of peak, like {example}")
     entries = []
     for size, share in table.items():
         if not size.isdecimal() or int(size) < 1:

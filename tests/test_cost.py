@@ -519,6 +519,8 @@ def _profile(path: tuple[str, ...] = (), value: object = DELETE) -> dict:
 @pytest.mark.parametrize(("path", "value", "message"), [
     (("device", "peak_tflops"), -1, "test.toml: device.peak_tflops = -1: give a positive number"),
     (("device", "memory_gib"), DELETE, "test.toml: device.memory_gib = None: give a positive"),
+    (("links", "intra_node_gbps"), math.inf,
+     "test.toml: links.intra_node_gbps = inf: give a positive number"),
     (("efficiency", "matmul"), 1.5, "test.toml: efficiency.matmul = 1.5 is a share of peak"),
     (("efficiency", "matmul_by_size"), {"4k": 0.5},
      "test.toml: efficiency.matmul_by_size: size '4k' must be a positive integer"),

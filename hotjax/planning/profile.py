@@ -156,8 +156,9 @@ class Profile:
     def attention_at(self, kernel: str, heads: float | None = None) -> float:
         """The share of peak attention kernel `kernel` reaches (`hotjax.models.attention`'s
         names), running `heads` query heads per device (None: the model's all)."""
-        if kernel in dict(self.attention_by_kernel):
-            return dict(self.attention_by_kernel)[kernel]
+        measured = dict(self.attention_by_kernel)
+        if kernel in measured:
+            return measured[kernel]
         if heads is None:
             return self.attention_efficiency
         return Efficiency(self.attention_efficiency, self.attention_by_heads).at(heads)
@@ -341,7 +342,8 @@ def _table(data: Mapping[str, Any], key: str, source: str, fields: tuple[str, ..
 
 
 def _positive(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+            or not math.isfinite(value)):  # TOML reads inf and nan
         raise UserError(f"{where} = {value!r}: give a positive number")
     return float(value)
 

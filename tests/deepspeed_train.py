@@ -23,8 +23,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
 from torch_llama import (  # noqa: E402
     BETAS,
     CONFIG,

@@ -6,7 +6,6 @@ update; exported back with `hotjax ckpt export-dcp`, torch loads it into the sam
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -15,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
+import torch_llama
+from helpers import python
 
 from hotjax.checkpoint import meta as meta_lib
 from hotjax.checkpoint import store
@@ -29,10 +30,6 @@ from hotjax.optim import OptimConfig, make_optimizer
 from hotjax.sharding.strategy import Strategy
 from hotjax.sharding.table import StrategyTable
 from hotjax.train import Trainer
-
-sys.path.insert(0, str(Path(__file__).parent))
-import torch_llama  # noqa: E402
-from helpers import python  # noqa: E402
 
 CONFIG = config_from_hf({**torch_llama.CONFIG, "model_type": "llama"})
 # torch's AdamW as the torch run has it: constant learning rate, no clipping, norms not decayed.

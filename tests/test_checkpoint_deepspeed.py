@@ -9,22 +9,15 @@ import dataclasses
 import hashlib
 import json
 import shutil
-import sys
 from pathlib import Path
 
+import deepspeed_train
 import numpy as np
 import pytest
 import torch
-
-from hotjax.checkpoint import dirs, store
-from hotjax.checkpoint import meta as meta_lib
-from hotjax.cli import main
-
-sys.path.insert(0, str(Path(__file__).parent))
-import deepspeed_train  # noqa: E402
-import torch_llama  # noqa: E402
-from helpers import python  # noqa: E402
-from test_checkpoint_dcp import (  # noqa: E402
+import torch_llama
+from helpers import python
+from test_checkpoint_dcp import (
     CONFIG,
     _hf,
     _minibatch,
@@ -32,7 +25,11 @@ from test_checkpoint_dcp import (  # noqa: E402
     optax_adam,
     resumed_runs,
 )
-from test_checkpoint_dcp import OPTIM as TORCH_OPTIM  # noqa: E402
+from test_checkpoint_dcp import OPTIM as TORCH_OPTIM
+
+from hotjax.checkpoint import dirs, store
+from hotjax.checkpoint import meta as meta_lib
+from hotjax.cli import main
 
 pytest.importorskip("deepspeed")
 

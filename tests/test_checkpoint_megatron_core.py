@@ -7,13 +7,14 @@ nothing."""
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import megatron.core  # noqa: F401 - the runs need it: missing, this file fails, never skips
+import megatron_core_save as run
 import numpy as np
 import pytest
 import torch
+from helpers import python
 
 from hotjax.checkpoint import dirs
 from hotjax.checkpoint import meta as meta_lib
@@ -21,10 +22,6 @@ from hotjax.checkpoint.formats import dcp, pivot
 from hotjax.cli import main
 from hotjax.models.hf import config_to_hf
 from hotjax.models.llama import LlamaConfig
-
-sys.path.insert(0, str(Path(__file__).parent))
-import megatron_core_save as run  # noqa: E402
-from helpers import python  # noqa: E402
 
 N, K, H, F, D = run.HEADS, run.GROUPS, run.D // run.HEADS, run.FFN, run.D
 RUNS = {"tp2": ("2", "1", "untied"), "dp2": ("1", "2", "tied", "20000")}

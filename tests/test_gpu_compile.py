@@ -5,7 +5,6 @@ fit; XLA:GPU's own memory plan checked against the model's and the device's byte
 import dataclasses
 import functools
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -136,9 +135,6 @@ def test_a_hot_switch_compiles_one_program_per_sender_and_receiver(h100):
 def _planned() -> dict[tuple[int, int], tuple[search.Choice, str, int]]:
     """The paper's hand tables for LLaMA2-7B on 8 GPUs, as hotjax plans their buckets on the
     H100 profile: (context, max_len) -> (bucket, its gradient accumulation, home bytes)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from simulate_hotspa import LENGTHS, PAPER, paper_strategy
 
     documents = np.asarray(json.loads(LENGTHS.read_text())["quantiles"], np.int64)

@@ -529,6 +529,10 @@ def _profile(path: tuple[str, ...] = (), value: object = DELETE) -> dict:
     (("efficiency", "attention_by_heads"), 0.3,
      "test.toml: efficiency.attention_by_heads: give a table of size = share of peak, like "
      "{ 8 = 0.3, 4 = 0.35 }"),
+    (("efficiency", "attention_by_length"), {"128": -0.1},
+     "test.toml: efficiency.attention_by_length.128 = -0.1: give a positive number"),
+    (("efficiency", "attention_by_length"), {"0": 0.05},
+     "test.toml: efficiency.attention_by_length: size '0' must be a positive integer"),
     (("device", "allocator_fraction"), 1.2,
      "test.toml: device.allocator_fraction = 1.2 is a share of the memory"),
     (("nodes",), 0, "test.toml: nodes = 0: give a positive integer"),

@@ -55,6 +55,26 @@ def test_attention_is_measured_and_priced_at_the_heads_each_device_runs(measured
         assert priced == pytest.approx(data * work * by_heads[8] / by_heads[heads])
 
 
+def test_attention_is_measured_and_priced_at_the_row_length_each_kernel_call_runs(measured):
+    """The kernel's rate with all heads on the workload's 256-token rows and on 128-token rows
+    (the rows the matmul rate is fitted on); a micro-step is priced at its rows' rate, a
+    context ring at the reference rate."""
+    by_length = dict(measured.attention_by_length)
+    assert sorted(by_length) == [128, 256] and by_length[256] == measured.attention_efficiency
+    assert all(0 < share <= 1 for share in by_length.values())
+    flat = dataclasses.replace(measured, attention_by_length=())
+    model = reference_model("tiny")
+    for split, length, rate in (("data=2,rules=dp", 128, by_length[128]),
+                                ("tensor=2,rules=megatron", 128, by_length[128]),
+                                ("data=2,rules=dp", 256, by_length[256]),
+                                ("context=2,rules=context", 128, measured.attention_efficiency)):
+        strategy = Strategy.parse(split)
+        priced = micro_step_time(model, strategy, (2, length), measured).attention
+        at_reference = micro_step_time(model, strategy, (2, length), flat).attention
+        assert priced == pytest.approx(at_reference * measured.attention_efficiency / rate)
+    assert by_length[128] != measured.attention_efficiency  # the case above tells them apart
+
+
 def test_profile_toml_reads_back_to_the_same_profile(measured, tmp_path):
     text = profile_toml(measured)
     assert parse_profile(tomllib.loads(text), measured.source) == measured

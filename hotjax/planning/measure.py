@@ -24,7 +24,12 @@ node and across nodes (a node is one process: its devices share a host, or an NV
   counting its work as the cost model does, over the peak; again with the heads each split of
   the devices leaves (1/2, 1/4, ... of them: tensor parallelism, Ulysses), whose rate differs
   (XLA:CPU's blockwise kernel ran `tiny`'s rows 20-25 % faster per head with 4 of its 8 heads
-  than with all, at 1,024 to 8,192 tokens).
+  than with all, at 1,024 to 8,192 tokens); and with all heads on the shorter rows trained and
+  fitted on (`Workload.attention_lengths`), as many tokens a run: on one pinned core the
+  blockwise kernel ran `tiny`'s rows of 128 and 256 tokens (one block each) at 8.5-9.0
+  GFLOP/s and those of 512 to 8,192 at 13.1-13.3. Priced at the longer rows' rate, the fit
+  steps' attention left a third of its time to the matmul rate, which then priced every
+  512-token row 10-25 % high.
 - Elementwise bandwidth: the model's own elementwise work of one layer (its two norms, two
   residual adds, the rotary embedding of q and k, SwiGLU's activation), forward and backward,
   each op a kernel of its own as the matmuls between them make it in a step, over a micro-step's
@@ -100,7 +105,8 @@ LATENCY_BYTES = 4096  # each one's tensor
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """What is timed, per device: a matmul [tokens, width] x [width, out]; attention forward
-    and backward over causal rows of (rows, tokens) of the model's heads; a
+    and backward over causal rows of (rows, tokens) of the model's heads, and with all heads
+    over rows of each of `attention_lengths` tokens (as many tokens in all); a
     data-parallel micro-step on (rows, tokens) of the model per process (its devices split the
     rows) and on `FIT_ROWS` times the rows;
     each collective on a tensor of `message_bytes`; `repeats` timed runs of each."""
@@ -110,13 +116,15 @@ class Workload:
     step: tuple[int, int]
     message_bytes: int
     repeats: int
+    attention_lengths: tuple[int, ...] = ()
 
 
 # Sizes of the models each platform trains: the `small` preset's on CPU, LLaMA2-7B's on
 # accelerators; under `quick` (a smoke test of seconds) smaller ones.
 WORKLOADS = {
-    ("cpu", False): Workload((4096, 256, 688), (1, 1024), (16, 128), 4 * 2**20, 5),
-    ("cpu", True): Workload((1024, 256, 688), (1, 256), (1, 128), 2**20, 2),
+    ("cpu", False): Workload((4096, 256, 688), (1, 1024), (16, 128), 4 * 2**20, 5,
+                             (128, 256, 512)),
+    ("cpu", True): Workload((1024, 256, 688), (1, 256), (1, 128), 2**20, 2, (128,)),
     ("accelerator", False): Workload((8192, 4096, 11008), (1, 4096), (1, 4096), 64 * 2**20, 10),
     ("accelerator", True): Workload((2048, 4096, 4096), (1, 2048), (1, 1024), 16 * 2**20, 3),
 }
@@ -154,9 +162,8 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     announce(f"compute: {dtype.name} matmul, attention, a micro-step of {model.n_layers} layers x "
          f"{model.dim} on {len(devices)} devices")
     strategy = Strategy.parse(f"data={len(devices)},rules=dp")
-    heads = _head_splits(model, len(devices))
-    attention_shapes = [(*work.attention, h, max(1, model.n_kv_heads * h // model.n_heads),
-                         model.head_dim) for h in heads]
+    attention_cases = _attention_cases(model, work, len(devices))
+    attention_shapes = list(dict.fromkeys(attention_cases.values()))
     # The step's rows are per process: its devices share the host's caches (8 simulated devices
     # each given 8,192 tokens of `small` held 16 GiB of logits in one process).
     step_rows = max(1, work.step[0] // per_node)
@@ -174,10 +181,11 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
          elementwise_runner(devices, model, elementwise_tokens),
          *(attention_runner(devices, dtype, shape) for shape in attention_shapes)], work.repeats)
     steps_s = timed_in_rounds([r.run for r in references], work.repeats)
+    attention_s = dict(zip(attention_shapes, attention_s, strict=True))
     tokens, width, out = work.matmul
     figures = {"matmul": 2 * tokens * width * out / matmul_s,
-               **{f"attention {h} heads": attention_flops(shape, platform) / seconds
-                  for h, shape, seconds in zip(heads, attention_shapes, attention_s, strict=True)},
+               **{name: attention_flops(shape, platform) / attention_s[shape]
+                  for name, shape in attention_cases.items()},
                "elementwise": elementwise_bytes(model, elementwise_tokens, platform)
                / elementwise_s,
                "memory": device_memory_bytes(devices)}
@@ -239,9 +247,10 @@ def _profile(figures: dict[str, float], bandwidths: dict[str, dict[str, dict[str
     """The profile measured, with the model's matmuls at `matmul_flops` and each micro-step's
     `overhead` seconds: the fastest rate measured is the peak, each efficiency a share of it."""
     platform, nodes, per_node = layout
-    by_heads = {int(key.split()[1]): value for key, value in figures.items()
-                if key.startswith("attention ")}
-    peak = max(figures["matmul"], *by_heads.values(), matmul_flops)
+    by_heads, by_length = ({int(key.split()[1]): value for key, value in figures.items()
+                            if key.startswith("attention ") and key.endswith(unit)}
+                           for unit in (" heads", " tokens"))
+    peak = max(figures["matmul"], *by_heads.values(), *by_length.values(), matmul_flops)
     send = bandwidths["send"]
     return parse_profile({
         "name": f"measured-{platform}-{nodes}x{per_node}", "platform": platform,
@@ -255,7 +264,10 @@ def _profile(figures: dict[str, float], bandwidths: dict[str, dict[str, dict[str
                        "attention": _rounded(by_heads[max(by_heads)] / peak),
                        **({"attention_by_heads": {str(h): _rounded(rate / peak)
                                                   for h, rate in sorted(by_heads.items())}}
-                          if len(by_heads) > 1 else {})},
+                          if len(by_heads) > 1 else {}),
+                       **({"attention_by_length": {str(n): _rounded(rate / peak)
+                                                   for n, rate in sorted(by_length.items())}}
+                          if by_length else {})},
         # The links as the transfer scheduler sees them: what a device sends while every
         # device of the largest group sends too.
         "links": {"intra_node_gbps": send["intra"][max(send["intra"], key=int)],
@@ -509,6 +521,21 @@ def _agreed(figures: dict[str, float]) -> dict[str, float]:
 
     values = multihost_utils.broadcast_one_to_all(np.asarray(list(figures.values()), np.float32))
     return dict(zip(figures, map(float, values), strict=True))
+
+
+def _attention_cases(model: LlamaConfig, work: Workload, devices: int
+                     ) -> dict[str, tuple[int, int, int, int, int]]:
+    """The attention runs a profile times, by figure: on the workload's rows with all query
+    heads and with each split's ("attention 4 heads"); with all heads on rows of each of its
+    lengths, as many tokens ("attention 128 tokens"; the reference rows among them)."""
+    rows, tokens = work.attention
+    H, KV, D = model.n_heads, model.n_kv_heads, model.head_dim
+    cases = {f"attention {h} heads": (rows, tokens, h, max(1, KV * h // H), D)
+             for h in _head_splits(model, devices)}
+    if work.attention_lengths:
+        cases |= {f"attention {n} tokens": (max(1, rows * tokens // n), n, H, KV, D)
+                  for n in (tokens, *work.attention_lengths)}
+    return cases
 
 
 def _head_splits(model: LlamaConfig, devices: int) -> tuple[int, ...]:

@@ -148,20 +148,33 @@ class Profile:
     # the blockwise kernel runs 20-25 % faster per head with half of `tiny`'s heads (its
     # score blocks stay in cache), which priced tensor parallelism and Ulysses 12-20 % high.
     attention_by_heads: tuple[tuple[int, float], ...] = ()
+    # (tokens in a row of one kernel call, share of peak) of the same kernel with all heads,
+    # measured at the row lengths trained: on XLA:CPU the blockwise kernel ran rows of 128 and
+    # 256 tokens (a block each) 1.5 times slower per pair than rows of 512 and more, which the
+    # matmul rate fitted on 128-token rows took for slow matmuls (and priced 512-token rows
+    # 10-25 % high).
+    attention_by_length: tuple[tuple[int, float], ...] = ()
 
     @property
     def matmul(self) -> Efficiency:
         return Efficiency(self.matmul_efficiency, self.matmul_by_size)
 
-    def attention_at(self, kernel: str, heads: float | None = None) -> float:
+    def attention_at(self, kernel: str, heads: float | None = None,
+                     length: int | None = None) -> float:
         """The share of peak attention kernel `kernel` reaches (`hotjax.models.attention`'s
-        names), running `heads` query heads per device (None: the model's all)."""
+        names), running `heads` query heads per device (None: the model's all) on rows of
+        `length` tokens (None: those it was measured on). The heads' and the length's effects
+        multiply: each was measured with the other at the reference."""
         measured = dict(self.attention_by_kernel)
         if kernel in measured:
             return measured[kernel]
-        if heads is None:
-            return self.attention_efficiency
-        return Efficiency(self.attention_efficiency, self.attention_by_heads).at(heads)
+        share = self.attention_efficiency
+        if heads is not None:
+            share = Efficiency(share, self.attention_by_heads).at(heads)
+        if length is not None and self.attention_by_length:
+            share *= (Efficiency(self.attention_efficiency, self.attention_by_length).at(length)
+                      / self.attention_efficiency)
+        return share
 
     @property
     def num_devices(self) -> int:
@@ -224,7 +237,9 @@ def profile_toml(profile: Profile) -> str:
              *([f"matmul_by_size = {table(profile.matmul_by_size, 1)}"] if profile.matmul_by_size
                else []),
              *([f"attention_by_heads = {table(profile.attention_by_heads, 1)}"]
-               if profile.attention_by_heads else []), "",
+               if profile.attention_by_heads else []),
+             *([f"attention_by_length = {table(profile.attention_by_length, 1)}"]
+               if profile.attention_by_length else []), "",
              "[links]", f"intra_node_gbps = {_in_units(profile.intra_node_bandwidth, GIGA)}",
              f"inter_node_gbps = {_in_units(profile.inter_node_bandwidth, GIGA)}",
              *([f"latency_us = {_in_units(profile.collective_latency, 1e-6)}"]
@@ -247,13 +262,16 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
                      "compute_capability"))
     kernels = {f"attention_{k.replace('-', '_')}": k for k in ATTENTION_KERNELS}
     efficiency = _table(data, "efficiency", source, ("matmul", "attention"),
-                        ("matmul_by_size", "attention_by_heads", *kernels))
+                        ("matmul_by_size", "attention_by_heads", "attention_by_length",
+                         *kernels))
     links = _table(data, "links", source, ("intra_node_gbps", "inter_node_gbps"),
                    ("latency_us",))
-    by_size, by_heads = (_efficiencies(data["efficiency"].get(f"{of}_by_{size}", {}),
-                                       f"{source}: efficiency.{of}_by_{size}", example)
-                         for of, size, example in (("matmul", "size", "{ 256 = 0.3, 4096 = 0.6 }"),
-                                                   ("attention", "heads", "{ 8 = 0.3, 4 = 0.35 }")))
+    by_size, by_heads, by_length = (
+        _efficiencies(data["efficiency"].get(f"{of}_by_{size}", {}),
+                      f"{source}: efficiency.{of}_by_{size}", example)
+        for of, size, example in (("matmul", "size", "{ 256 = 0.3, 4096 = 0.6 }"),
+                                  ("attention", "heads", "{ 8 = 0.3, 4 = 0.35 }"),
+                                  ("attention", "length", "{ 128 = 0.05, 1024 = 0.07 }")))
     for key, table, field, of in (("efficiency", efficiency, "matmul", "peak"),
                                   ("efficiency", efficiency, "attention", "peak"),
                                   *(("efficiency", efficiency, k, "peak") for k in kernels),
@@ -287,7 +305,7 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
         elementwise_bandwidth=device.get("elementwise_gbps", 0.0) * GIGA,
         attention_by_kernel=tuple((kernel, efficiency[key]) for key, kernel in kernels.items()
                                   if key in efficiency),
-        attention_by_heads=by_heads,
+        attention_by_heads=by_heads, attention_by_length=by_length,
         compute_capability=int(device["compute_capability"]) if "compute_capability" in device
         else None)
 

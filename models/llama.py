@@ -303,7 +303,13 @@ def compute_embedding(cfg: LlamaConfig, embed_VxD: Array,
 
 def embedded(embed_VxD: Array, tokens_BxT: Array, constrain: Constrain = _no_constraint
              ) -> Array:
-    return constrain(jnp.take(embed_VxD, tokens_BxT, axis=0), ("batch", "seq", "embed"))
+    """The tokens' embeddings in the residual stream's layout. Looked up where the tokens lie
+    (as attention reads the rows) before the stream's split: a vocabulary split over tensor
+    then sums the ranks' partial lookups once, where a lookup straight into a sequence split
+    gathers the token ids first (Megatron's vocabulary-parallel embedding, reduce-scattered
+    under sequence parallelism)."""
+    looked_up = constrain(jnp.take(embed_VxD, tokens_BxT, axis=0), ("batch", "inner_seq", "embed"))
+    return constrain(looked_up, ("batch", "seq", "embed"))
 
 
 def head_weights(cfg: LlamaConfig, weights: Array, constrain: Constrain = _no_constraint

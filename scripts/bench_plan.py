@@ -220,7 +220,9 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
     standard library (byte tokens), packed as the trainer packs it, from the first seed whose
     mini-batch has rows in every bucket (else seed 0). The cost model plans the table's
     micro-batches for those documents (`hotjax.plan.fixed_table`, switches included) and the
-    trainer runs that plan: a warm-up step, then the median of `--repeats`."""
+    trainer runs that plan: a warm-up step, then the median of `--repeats`. Then as many steps
+    again, waiting for each bucket (`Run`'s bucket timings): each bucket's compute and switch
+    seconds beside its price, and what the step spends outside its buckets (the update)."""
 
     from bench_mixed import document_lengths
 
@@ -253,24 +255,39 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
     table = found.table("hot table")
     name = " | ".join(f"<={n} {s}" for n, s in zip(max_lens, strategies, strict=True))
     progress.print(f"hot table {name}: compiling...", markup=False, highlight=False)
-    run = Run(config, table, OptimConfig(warmup_steps=1, total_steps=args.repeats + 2),
-              itertools.repeat(minibatch), devices=devices)
-    run.compile()
-    state = run.init(0)
-    seconds = []
-    for _ in range(1 + args.repeats):  # the first warms up
-        started = time.perf_counter()
-        state, metrics = run.step(state)
-        metrics = metrics.fetch()  # waits for the step
-        seconds.append(time.perf_counter() - started)
-    measured = statistics.median(seconds[1:])
-    return {"name": name, "table": [{"max_len": b.max_len, "strategy": str(b.strategy),
-                       "micro_rows": b.micro_rows, "micro_steps": b.micro_steps,
-                       "rows": b.rows, "predicted_s": b.seconds} for b in found.buckets],
+    optim = OptimConfig(warmup_steps=1, total_steps=2 * args.repeats + 2)
+    untimed, timed = (Run(config, table, optim, itertools.repeat(minibatch), devices=devices,
+                          bucket_timings=timings) for timings in (False, True))
+    untimed.compile()
+    state = untimed.init(0)
+    seconds: tuple[list[float], list[float]] = ([], [])
+    buckets: list[list[dict]] = []
+    for run, took in zip((untimed, timed), seconds, strict=True):
+        for _ in range(1 + args.repeats):  # the first warms up
+            started = time.perf_counter()
+            state, metrics = run.step(state)
+            metrics = metrics.fetch()  # waits for the step
+            took.append(time.perf_counter() - started)
+            if run is timed:
+                buckets.append(metrics["buckets"])
+    measured = statistics.median(seconds[0][1:])
+    # The median timed step after the warm-up, bucket by bucket (empty buckets do not run).
+    middle = sorted(range(1, len(buckets)), key=seconds[1].__getitem__)[(len(buckets) - 2) // 2]
+    ran = {b["max_len"]: b for b in buckets[middle]}
+    in_buckets = sum(b["compute_s"] + b["switch_s"] for b in ran.values())
+    idle = {"compute_s": 0.0, "switch_s": 0.0}
+    return {"name": name, "table": [{
+                "max_len": b.max_len, "strategy": str(b.strategy), "micro_rows": b.micro_rows,
+                "micro_steps": b.micro_steps, "rows": b.rows, "predicted_s": b.seconds,
+                "compute_s": ran.get(b.max_len, idle)["compute_s"],
+                "switch_s": ran.get(b.max_len, idle)["switch_s"]}
+                for b in found.buckets],
             "home": str(found.home), "tokens": minibatch.real_tokens,
             "switch_predicted_s": found.switch_seconds,
             "switched_bytes": metrics["switched_bytes"], "predicted_s": found.seconds,
-            "measured_s": measured, "relative_error": abs(found.seconds - measured) / measured}
+            "measured_s": measured, "relative_error": abs(found.seconds - measured) / measured,
+            "timed_step_s": seconds[1][middle], "outside_buckets_s":
+                seconds[1][middle] - in_buckets}
 
 
 def memory_section(config: LlamaConfig, strategies: list[Strategy], shape: tuple[int, int],
@@ -354,6 +371,24 @@ def print_table(report: dict, console: Console) -> None:
                 f"{r['measured_s']:.3f}",
                 f"{100 * (r['predicted_s'] / r['measured_s'] - 1):+.0f} %")
         console.print(table)
+        buckets = Table(title="the same tables' buckets, waiting for each (the median of as "
+                              "many steps again): measured compute + switch against predicted",
+                        title_justify="left")
+        for column in ("table", "bucket", "strategy", "predicted s", "compute s", "switch s",
+                       "error"):
+            buckets.add_column(column, justify="left" if column in ("table", "strategy")
+                               else "right")
+        for r in report["tables"]["results"]:
+            for b in r["table"]:
+                measured = b["compute_s"] + b["switch_s"]
+                buckets.add_row(escape(r["name"]), f"<={b['max_len']}", escape(b["strategy"]),
+                                f"{b['predicted_s']:.3f}", f"{b['compute_s']:.3f}",
+                                f"{b['switch_s']:.3f}",
+                                f"{100 * (b['predicted_s'] / measured - 1):+.0f} %"
+                                if measured else "-")
+            buckets.add_row(escape(r["name"]), "outside", "the update, the host", "-",
+                            f"{r['outside_buckets_s']:.3f}", "-", "-")
+        console.print(buckets)
 
     unit, scale = ("GiB", GiB) if max(r["xla_bytes"] for r in mem["results"]) >= GiB else (
         "MiB", MiB)

@@ -106,6 +106,11 @@ def test_bench_plan() -> None:
     assert positive(hot["predicted_s"]) and positive(hot["measured_s"]), hot
     assert hot["predicted_s"] == pytest.approx(
         sum(b["predicted_s"] for b in hot["table"]) + hot["switch_predicted_s"])
+    # Timed bucket by bucket: each ran, and the step is its buckets and what lies outside.
+    assert all(positive(b["compute_s"]) for b in hot["table"]), hot
+    assert hot["timed_step_s"] == pytest.approx(hot["outside_buckets_s"] + sum(
+        b["compute_s"] + b["switch_s"] for b in hot["table"]))
+    assert hot["outside_buckets_s"] >= 0
     memory = report["memory"]
     assert memory["model"]["layers"] == 4 and len(memory["results"]) == 2
     for r in memory["results"]:

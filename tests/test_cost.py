@@ -203,12 +203,13 @@ def test_doubling_tensor_ways_halves_compute_and_adds_the_megatron_all_reduces()
     assert four.matmuls == pytest.approx(two.matmuls / 2)
     assert four.attention == pytest.approx(two.attention / 2)
     # Per layer two all-reduces forward and two backward, plus the embedding's, each of the
-    # [4 rows, 4096, D] bf16 activations, and the head's of its fp32 input gradient (twice the
-    # bytes), each moving 2(t-1)/t of its tensor at 450 GB/s.
-    activation = 4 * 4096 * 4096 * 2
+    # [4 rows, 4096, D] bf16 activations, the head's of its fp32 input gradient (twice the
+    # bytes) and the loss's three fp32 row statistics over the split vocabulary, each moving
+    # 2(t-1)/t of its tensor at 450 GB/s.
+    activation, statistics = 4 * 4096 * 4096 * 2, 3 * 4 * 4096 * 4
     for t, time in ((2, two), (4, four)):
-        assert time.tensor == pytest.approx((4 * 32 + 1 + 2) * 2 * (t - 1) / t * activation
-                                            / (450 * GB))
+        assert time.tensor == pytest.approx(((4 * 32 + 1 + 2) * activation + statistics)
+                                            * 2 * (t - 1) / t / (450 * GB))
 
 
 def test_sequence_parallelism_reduce_scatters_and_gathers_its_activations_again_backward():
@@ -220,11 +221,14 @@ def test_sequence_parallelism_reduce_scatters_and_gathers_its_activations_again_
     # Per layer Megatron's four reductions as reduce-scatters, and six all-gathers (two forward,
     # four backward: XLA gathers again what it did not keep); about the embedding and the head
     # a reduce-scatter each (the head's fp32) and three all-gathers: each moving (t-1)/t of the
-    # [4 rows, 4096, D] activations at 450 GB/s, equal for all three collectives here.
+    # [4 rows, 4096, D] activations at 450 GB/s, equal for all three collectives here; the
+    # loss's fp32 row statistics all-reduced as without sequence parallelism.
     activation = 4 * 4096 * 4096 * 2
+    statistics = 2 * 3 / 4 * 3 * 4 * 4096 * 4 / (450 * GB)
     assert sp.tensor == pytest.approx((32 * (4 + 6) + 1 + 2 + 3) * 3 / 4 * activation
-                                      / (450 * GB))
-    assert sp.tensor == pytest.approx(plain.tensor * (32 * 10 + 6) / (2 * (32 * 4 + 3)))
+                                      / (450 * GB) + statistics)
+    assert sp.tensor - statistics == pytest.approx(
+        (plain.tensor - statistics) * (32 * 10 + 6) / (2 * (32 * 4 + 3)))
     assert sp.matmuls == pytest.approx(plain.matmuls)
 
 
@@ -374,7 +378,11 @@ def test_fsdp_gathers_weights_and_reduce_scatters_gradients():
     assert none.gradients == pytest.approx(7 / 8 * weights / (450 * GB))
     full = micro_step_time(dataclasses.replace(LLAMA2_7B, remat="full"),
                            Strategy.parse("fsdp=8,rules=fsdp"), shape, H100)
-    assert full.fsdp == pytest.approx(2 * none.fsdp)  # and again in the backward pass
+    # The layers again in the backward pass; the embedding and the head once.
+    s = shares(LLAMA2_7B, Strategy.parse("fsdp=8,rules=fsdp"), shape)
+    assert full.fsdp == pytest.approx(7 / 8 * (2 * s.layer_weights + s.other_weights) * 2
+                                      / (450 * GB))
+    assert none.fsdp < full.fsdp < 2 * none.fsdp
     # One all-gather per weight array, each paying the collective latency: the seven matrices
     # of each of the 32 layers, the embedding and the head (norm weights are not split; so
     # XLA compiles `tiny`'s fsdp=2 step: seven all-gathers in the layer loop, two outside).
@@ -386,8 +394,9 @@ def test_fsdp_gathers_weights_and_reduce_scatters_gradients():
 def test_groups_spanning_nodes_take_the_inter_node_bandwidth():
     strategy = Strategy.parse("data=4,tensor=8")
     time = micro_step_time(LLAMA2_7B, strategy, (8, 2048), A800)
-    activation = 2 * 2048 * 4096 * 2
-    assert time.tensor == pytest.approx((4 * 32 + 1 + 2) * 2 * 7 / 8 * activation / (200 * GB))
+    activation, statistics = 2 * 2048 * 4096 * 2, 3 * 2 * 2048 * 4
+    assert time.tensor == pytest.approx(((4 * 32 + 1 + 2) * activation + statistics) * 2 * 7 / 8
+                                        / (200 * GB))
     s = shares(LLAMA2_7B, strategy, (8, 2048))
     # The data shards' fp32 partial sums, all-reduced across nodes once per bucket.
     assert time.gradients == 0
@@ -404,7 +413,8 @@ def test_the_pipeline_bubble_is_the_gpipe_share_of_the_stage_work():
     # The bubble's share of all iterations is hotjax.models.pipeline.bubble's.
     time = times[4]
     head = 6 * 8 * 4096 * 4096 * 32000 / 4 / 2 / (989e12 * 0.52)  # rows split over stages
-    head_tensor = (1 + 2) * 2 * 3 / 4 * 8 * 4096 * 4096 * 2 / (450 * GB)  # the head's fp32
+    # The embedding's and the head's (fp32) reductions, and the loss's row statistics.
+    head_tensor = ((1 + 2) * 8 * 4096 * 4096 * 2 + 3 * 8 * 4096 * 4) * 2 * 3 / 4 / (450 * GB)
     useful = time.matmuls - head + time.attention + time.tensor - head_tensor + time.stages
     share = bubble(2, 4)
     assert time.bubble == pytest.approx(share / (1 - share) * useful)
@@ -637,6 +647,59 @@ def test_collectives_are_priced_as_the_compiler_emits_them(devices, platform, ru
             "all-reduce"] == 4 + (remat == "full")
     assert hlo["dtypes"] == ({"f32"} if platform == "cpu" else {"bf16", "f32"})
     assert ("reduce-scatter" in hlo) == (platform == "gpu" and rules == "megatron-sp")
+
+
+def _issued(compiled_text: str, layers: int) -> tuple[int, list[str]]:
+    """Collectives a compiled micro-step issues between devices (the entry computation's once,
+    the layer loop's once per layer), and the results of those over int32 arrays."""
+    issued, integers, entry = 0, [], False
+    for line in compiled_text.splitlines():
+        if line and not line[0].isspace():
+            entry = line.startswith("ENTRY")
+        found = re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter|collective-permute|"
+                          r"all-to-all)(-start)?\(", line)
+        if found and "replica_groups={{0},{1}}" not in line:
+            issued += 1 if entry else layers
+            integers += re.findall(r"s32\[[\d,]*\]", found.group(1))
+    return issued, integers
+
+
+@pytest.mark.parametrize(("platform", "rules", "remat"), [
+    ("cpu", "megatron", "none"), ("cpu", "megatron-sp", "none"), ("cpu", "megatron-sp", "full"),
+    ("cpu", "fsdp", "none"), ("cpu", "fsdp", "full"), ("cpu", "zero2", "none"),
+    ("gpu", "megatron", "full")])
+def test_every_collective_the_compiler_issues_pays_one_latency(devices, platform, rules, remat):
+    """A 2-layer `small` micro-step on two devices: the latencies its price pays equal the
+    collectives the compiled step issues, those outside the layer loop included (the loss's
+    row statistics under a split vocabulary; on XLA:CPU each layer's gradients, the other
+    weights' and the target count reduced apart, and a sequence-parallel layer's norm
+    gradients). Rows lie as attention reads them, so sequence parallelism gathers no int32
+    arrays: `tiny`'s 2-layer megatron-sp step issued 49 collectives, 15 of them gathers of
+    token ids, segment ids, positions and rotary tables, and the model paid 25; FSDP's 20, 17
+    paid, on a testbed whose collectives cost 3.5 ms each. XLA:GPU's combiners merge
+    collectives the model counts apart (its sequence-parallel and FSDP steps issue fewer than
+    priced); Megatron's match."""
+    config = as_trained(preset("small"), compute_dtype="bfloat16", remat=remat, n_layers=2,
+                        scan_unroll=1)
+    axis = "fsdp" if rules in ("fsdp", "zero2") else "tensor"
+    strategy = Strategy.parse(f"{axis}=2,rules={rules}")
+    shape = (4, 256)
+    chosen = (tuple(devices[:2]) if platform == "cpu"
+              else tuple(targets.devices(targets.prepare("h100"), 2)))
+    issued, integers = _issued(bucket_step(config, strategy, chosen).compiled(shape).as_text(),
+                               config.n_layers)
+    data = _profile(("platform",), platform)
+    priced = []
+    for latency_us in (1000.0, 2000.0):
+        data["links"]["latency_us"] = latency_us
+        priced.append(micro_step_time(config, strategy, shape,
+                                      parse_profile(data, "t.toml")).seconds)
+    assert (priced[1] - priced[0]) / 1e-3 == pytest.approx(issued)
+    full = remat == "full"
+    assert issued == {"megatron": 12 + 2 * full + (platform == "gpu"),
+                      "megatron-sp": 30 + 2 * full, "fsdp": 20 + 14 * full, "zero2": 4}[rules]
+    # The target count (a scalar) alone crosses devices as integers.
+    assert integers == (["s32[]"] if rules in ("fsdp", "zero2") else [])
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])

@@ -347,11 +347,13 @@ def test_batch_rows_split_over_every_data_like_axis_of_size_above_1(text, spec, 
     ("data=2,context=4", P("data", "context"), 2, 4),
     ("fsdp=2,context=4,rules=context", P("fsdp", "context"), 2, 4),
     ("data=2,tensor=4", P("data"), 2, 1),
-    ("data=2,tensor=4,rules=megatron-sp", P("data", "tensor"), 2, 4),
-    ("context=2,tensor=4,rules=megatron-sp", P(None, ("context", "tensor")), 1, 8),
+    ("data=2,tensor=4,rules=megatron-sp", P("data"), 2, 4),
+    ("context=2,tensor=4,rules=megatron-sp", P(None, "context"), 1, 8),
 ])
-def test_rows_split_along_the_sequence_over_context_and_under_sp_tensor(
+def test_rows_lie_as_attention_reads_them_and_the_stream_splits_them_under_sp_over_tensor(
         text, spec, batch_shards, seq_shards, devices):
+    """A micro-step's rows lie split over context as attention reads them; the residual
+    stream splits them further over tensor under sequence parallelism (`seq_shards`)."""
     lay = layout(text, devices)
 
     assert lay.batch_sharding.spec == spec

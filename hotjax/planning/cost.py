@@ -51,7 +51,12 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   all-gathered twice forward and four times backward. Counted as XLA compiles them
   (`_tensor_collectives`): remat "full" repeats one reduction, and XLA:CPU reduces each
   projection's input gradient apart (three more tensors, in the same two collectives: one
-  latency per collective XLA issues).
+  latency per collective XLA issues). A vocabulary split over tensor reduces the loss's row
+  statistics (`ROW_STATISTICS`); where nothing combines collectives (`UNCOMBINED`), sequence
+  parallelism reduces the norms' weight gradients apart. A micro-step's rows lie as attention
+  reads them (`hotjax.sharding.strategy.Layout.batch_sharding`), so no split of the residual
+  stream gathers token ids, segment ids, positions or rotary tables; tests/test_cost.py checks
+  on XLA:CPU that the latencies priced are the collectives the compiled step issues.
 - Context parallelism (ring attention): per layer, the forward sends the local K/V chunk c-1
   times round the ring; the backward sends K/V c-1 times and their fp32 gradients c times; a
   recomputed forward sends nothing again (each checked against the HLO's collective bytes in
@@ -69,7 +74,8 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   profile's all-gather bandwidth. Attention then runs on whole rows, 1/n of the heads each.
 - FSDP (ZeRO-3): the weights are all-gathered over the fsdp axes layer by layer in the forward
   pass, and again in the backward under remat (with remat "none" XLA keeps the gathered layers),
-  one all-gather per weight array, each paying the profile's latency.
+  one all-gather per weight array, each paying the profile's latency; the embedding and the
+  head are gathered once (nothing recomputes them).
 - Gradient reduction (`hotjax.step.ACCUMULATE`): under `local` accumulation each data shard
   keeps its own fp32 partial sum over the leading data axes no gradient is split on
   (`hotjax.sharding.strategy.partial_axes`), and the bucket reduces them once at its end
@@ -77,8 +83,9 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   data parallelism reduce once per optimizer step). Every micro-step still reduces its
   compute-dtype gradients over the other axes that split its tokens (fsdp under ZeRO-2/3,
   context): a reduce-scatter over those the accumulator is split on, an all-reduce over the
-  rest. Under `sharded` accumulation the data axes are reduce-scattered every micro-step too,
-  into an accumulator split over them.
+  rest (XLA:CPU: one collective per layer, one for the other weights, one for the target count;
+  `UNCOMBINED`). Under `sharded` accumulation the data axes are reduce-scattered every
+  micro-step too, into an accumulator split over them.
 - Pipeline (`hotjax.models.pipeline`, 1F1B or GPipe by `config.pipeline_schedule`): M + S - 1 ticks
   of each stage's forward and as many of its backward, each sending a micro-batch's activations to
   the next stage forward (again in a stage recomputed under remat "full"), and their gradient
@@ -100,6 +107,7 @@ import numpy as np
 
 from hotjax.errors import UserError
 from hotjax.models.attention import block_edge
+from hotjax.models.head_loss import loss_chunks
 from hotjax.models.llama import LlamaConfig, param_leaves
 from hotjax.models.work import attention_backend, attention_kernel
 from hotjax.planning.memory import HELD_BYTES, SAVED
@@ -122,8 +130,9 @@ from hotjax.sharding.transfers import TransferSchedule, boxes_from_strategy
 # schedule per bucket, the embedding inside it. 4: the matmul rate fitted on micro-steps of
 # trained size. 5: the elementwise passes priced apart from the matmul rate. 6: attention by
 # query heads per device; one latency per collective XLA issues. 7: attention by row length
-# (the matmul rate fitted with the fit's short rows' attention at their own rate).
-COST_MODEL_VERSION = 7
+# (the matmul rate fitted with the fit's short rows' attention at their own rate). 8: the
+# collectives outside the layer loop and those XLA:CPU does not combine, each a latency.
+COST_MODEL_VERSION = 8
 # Of each collective's tensor, the bytes moved per device over a group of n (the bus-bandwidth
 # convention of nccl-tests): time = latency + factor · bytes / bus bandwidth.
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
@@ -145,6 +154,15 @@ WIDE_WIRE = frozenset({"cpu"})
 # XLA:CPU runs a collective-permute to completion before the next op. On two processes over a
 # 20 MB/s link the ring's measured cost was the whole of its sends whatever the attention.
 SERIAL_RING = frozenset({"cpu"})
+# Platforms whose compiler combines no collectives: XLA:CPU reduces each layer's gradients
+# inside the backward's layer loop as they are ready, the other weights' after it and the
+# target count beside them, and a sequence-parallel layer's norm weights' gradients apart
+# (read off the HLO of `tiny`'s steps); XLA:GPU's combiners merge them into few.
+UNCOMBINED = frozenset({"cpu"})
+# The loss over a vocabulary split over tensor reduces three fp32 row statistics (the logits'
+# maximum, the sum of their exponentials, the target's logit), an all-reduce each; XLA:CPU
+# sends the third in one tuple with the head's input gradient. All-reduces issued, by platform.
+ROW_STATISTICS = {"cpu": 2}  # 3 elsewhere
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,12 +376,24 @@ def _tensor(p: _Pricing) -> tuple[float, float]:
     reduction = p.collective(reduce, activation, s.tensor_axes)
     gather = (p.collective("all-gather", activation, s.tensor_axes) if s.sequence_parallel
               else 0.0)
+    # Where nothing combines them, sequence parallelism reduces the norms' weight gradients on
+    # their own: a layer's two together, the final norm's apart (`UNCOMBINED`).
+    apart = s.sequence_parallel and p.profile.platform in UNCOMBINED
+    norms = p.collective("all-reduce", 2 * c.dim * FP32, s.tensor_axes) if apart else 0.0
+    final_norm = p.collective("all-reduce", c.dim * FP32, s.tensor_axes) if apart else 0.0
     layers = s.layers * (p.collective(reduce, reductions * activation, s.tensor_axes, issued)
-                         + all_gathers * gather)
-    # The embedding's reduction, the LM head's input gradient (fp32, from the fp32 logits), and
-    # under sequence parallelism three gathers about them.
-    return layers, layers + reduction + p.collective(
-        reduce, s.inner_tokens * c.dim * FP32, s.tensor_axes) + 3 * gather + s.layers * _exchange(p)
+                         + all_gathers * gather + norms)
+    # The embedding's reduction, the LM head's input gradient (fp32, from the fp32 logits; all
+    # chunks' at once) and, with the vocabulary split, the loss's row statistics in each of its
+    # chunks (`ROW_STATISTICS`, `hotjax.models.head_loss.loss_chunks`); under sequence
+    # parallelism three gathers about them.
+    chunks = loss_chunks(*p.shape, c.vocab_size)
+    head = p.collective(reduce, s.inner_tokens * c.dim * FP32, s.tensor_axes)
+    statistics = (p.collective("all-reduce", 3 * s.inner_tokens * FP32, s.tensor_axes,
+                               ROW_STATISTICS.get(p.profile.platform, 3) * chunks)
+                  if s.vocab_ways > 1 else 0.0)
+    return layers, (layers + reduction + head + statistics + final_norm + 3 * gather
+                    + s.layers * _exchange(p))
 
 
 def _ring(p: _Pricing) -> float:
@@ -375,26 +405,28 @@ def _ring(p: _Pricing) -> float:
                        + context * p.collective("send", chunk_kv * FP32, s.ring_axes))
 
 
-def _weight_bytes(p: _Pricing) -> float:
-    return (p.s.layer_weights + p.s.other_weights) * p.compute
-
-
 def _fsdp(p: _Pricing) -> float:
-    """Seconds of FSDP's weight all-gathers: once without remat, again in the backward with."""
-    gathers = 1 if p.config.remat == "none" else 2
-    return gathers * p.collective("all-gather", _weight_bytes(p), p.s.gather_axes,
-                                  p.s.gathered_arrays)
+    """Seconds of FSDP's weight all-gathers: the layers' once without remat, again in the
+    backward with; the embedding's and the head's once (no recompute gathers them again)."""
+    s, gather = p.s, functools.partial(p.collective, "all-gather", axes=p.s.gather_axes)
+    layers = gather(s.layer_weights * p.compute, count=s.gathered_layer_arrays)
+    others = (gather(s.other_weights * p.compute, count=s.gathered_other_arrays)
+              if s.gathered_other_arrays else 0.0)
+    return (1 if p.config.remat == "none" else 2) * layers + others
 
 
 def _gradients(p: _Pricing) -> float:
     """Seconds of a micro-step's gradient reduction over the axes that split its tokens."""
-    s, weights = p.s, _weight_bytes(p)
+    s, weights = p.s, (p.s.layer_weights + p.s.other_weights) * p.compute
+    # Where nothing combines collectives, one reduction per layer, one for the other weights
+    # and one for the target count (`UNCOMBINED`).
+    issued = s.layers + 2 if p.profile.platform in UNCOMBINED else 1
     kept_apart = s.partial_axes if p.accumulate == "local" else ()
     scatter = s.scatter_axes + (s.partial_axes if p.accumulate == "sharded" else ())
     rest = tuple(a for a in s.token_axes if a not in scatter and a not in kept_apart)
     scattered = weights / axes_size(p.strategy, scatter)
-    return (p.collective("reduce-scatter", weights, scatter)
-            + p.collective("all-reduce", scattered, rest))
+    return (p.collective("reduce-scatter", weights, scatter, issued)
+            + p.collective("all-reduce", scattered, rest, issued))
 
 
 def _stages(p: _Pricing) -> float:

@@ -210,5 +210,5 @@ def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int,
     working = max(layers_phase, head_phase)
     return MicroStepMemory(
         weights=s.weights * compute, grad_sum=round(grad_sum * FP32) + 2 * FP32,
-        batch=round(s.tokens * BATCH_ARRAYS * INT32) + FP32, read_weights=round(read_bytes),
+        batch=round(s.inner_tokens * BATCH_ARRAYS * INT32) + FP32, read_weights=round(read_bytes),
         gradients=round(gradients), activations=round(activations), working=round(working))

@@ -46,7 +46,8 @@ class Shares:
     scatter_axes: tuple[str, ...]  # those the gradient layout is split on (reduce-scattered)
     partial_axes: tuple[str, ...]  # data axes a `local` bucket keeps its partial sums apart on
     gather_axes: tuple[str, ...]  # mesh axes the weights are gathered over (FSDP)
-    gathered_arrays: int  # weight arrays gathered apart, one all-gather each (a layer's per layer)
+    gathered_layer_arrays: int  # this stage's layers' weight arrays gathered, one all-gather each
+    gathered_other_arrays: int  # the embedding's, head's and final norm's
     tensor_axes: tuple[str, ...]  # mesh axes splitting heads or the MLP (tensor parallelism)
     ring_axes: tuple[str, ...]  # mesh axes splitting attention's sequence (a context ring)
     exchange_axes: tuple[str, ...]  # those an all-to-all trades for the heads (Ulysses)
@@ -94,7 +95,7 @@ def _layout(config: LlamaConfig, strategy: Strategy) -> tuple[Strategy, dict[str
     count = dict.fromkeys(("weights", "grad_sum", "moments", "layer_weights", "layer_shards",
                            "layer_grad_sum", "other_weights", "other_shards"), 0)
     param_mesh_axes, compute_mesh_axes, grad_mesh_axes = set(), set(), set()
-    gathered_arrays = 0
+    gathered = {"layer": 0, "other": 0}
     for axes, leaf in param_leaves(config):
         n = math.prod(leaf.shape)
         layer = axes[0] == "layers"
@@ -110,7 +111,7 @@ def _layout(config: LlamaConfig, strategy: Strategy) -> tuple[Strategy, dict[str
         if layer:
             count["layer_grad_sum"] += n // math.prod(ways(placed["grad_sum"], sizes))
         if _mesh_axes(placed["weights"]) - _mesh_axes(compute) - {"stage"}:
-            gathered_arrays += config.n_layers // strategy.stages if layer else 1
+            gathered[prefix] += config.n_layers // strategy.stages if layer else 1
         param_mesh_axes |= _mesh_axes(placed["weights"])
         grad_mesh_axes |= _mesh_axes(placed["grad_sum"])
         compute_mesh_axes |= _mesh_axes(compute)
@@ -121,7 +122,8 @@ def _layout(config: LlamaConfig, strategy: Strategy) -> tuple[Strategy, dict[str
         "token_axes": _ordered(token_axes),
         "scatter_axes": _ordered(token_axes & grad_mesh_axes),
         "gather_axes": _ordered(param_mesh_axes - compute_mesh_axes - {"stage"}),
-        "gathered_arrays": gathered_arrays,
+        "gathered_layer_arrays": gathered["layer"],
+        "gathered_other_arrays": gathered["other"],
         "tensor_axes": _ordered(tensor_axes),
         "ring_axes": _ordered(_mesh_axes(PartitionSpec(*q[1:2]))),
         "exchange_axes": strategy.exchange_axes,

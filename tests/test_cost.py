@@ -219,16 +219,17 @@ def test_sequence_parallelism_reduce_scatters_and_gathers_its_activations_again_
     sp = micro_step_time(LLAMA2_7B, Strategy.parse("data=2,tensor=4,rules=megatron-sp"), shape,
                          H100)
     # Per layer Megatron's four reductions as reduce-scatters, and six all-gathers (two forward,
-    # four backward: XLA gathers again what it did not keep); about the embedding and the head
-    # a reduce-scatter each (the head's fp32) and three all-gathers: each moving (t-1)/t of the
-    # [4 rows, 4096, D] activations at 450 GB/s, equal for all three collectives here; the
-    # loss's fp32 row statistics all-reduced as without sequence parallelism.
+    # four backward: XLA gathers again what it did not keep); about the head a reduce-scatter
+    # (fp32) and three all-gathers: each moving (t-1)/t of the [4 rows, 4096, D] activations
+    # at 450 GB/s, equal for all three collectives here. The embedding's lookup is all-reduced
+    # whole and then split, and the loss's fp32 row statistics all-reduced, as without
+    # sequence parallelism.
     activation = 4 * 4096 * 4096 * 2
-    statistics = 2 * 3 / 4 * 3 * 4 * 4096 * 4 / (450 * GB)
-    assert sp.tensor == pytest.approx((32 * (4 + 6) + 1 + 2 + 3) * 3 / 4 * activation
-                                      / (450 * GB) + statistics)
-    assert sp.tensor - statistics == pytest.approx(
-        (plain.tensor - statistics) * (32 * 10 + 6) / (2 * (32 * 4 + 3)))
+    as_plain = 2 * 3 / 4 * (activation + 3 * 4 * 4096 * 4) / (450 * GB)
+    assert sp.tensor == pytest.approx((32 * (4 + 6) + 2 + 3) * 3 / 4 * activation
+                                      / (450 * GB) + as_plain)
+    assert sp.tensor - as_plain == pytest.approx(
+        (plain.tensor - as_plain) * (32 * 10 + 5) / (2 * (32 * 4 + 2)))
     assert sp.matmuls == pytest.approx(plain.matmuls)
 
 

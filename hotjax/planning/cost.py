@@ -47,8 +47,9 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
 - Tensor parallelism (Megatron-LM: Shoeybi et al. 2019, arXiv:1909.08053, §3): per layer two
   all-reduces of the [rows, T, D] activations forward and two backward, plus one at the
   embedding and one (fp32) at the LM head; with sequence parallelism (Korthikanti et al. 2022,
-  arXiv:2205.05198, §4.2.2) each all-reduce becomes a reduce-scatter, and the activations are
-  all-gathered twice forward and four times backward. Counted as XLA compiles them
+  arXiv:2205.05198, §4.2.2) each all-reduce but the embedding's (its lookup is summed whole,
+  then split) becomes a reduce-scatter, and the activations are all-gathered twice forward and
+  four times backward. Counted as XLA compiles them
   (`_tensor_collectives`): remat "full" repeats one reduction, and XLA:CPU reduces each
   projection's input gradient apart (three more tensors, in the same two collectives: one
   latency per collective XLA issues). A vocabulary split over tensor reduces the loss's row
@@ -373,7 +374,8 @@ def _tensor(p: _Pricing) -> tuple[float, float]:
     # Each layer's all-reduces (under sequence parallelism, reduce-scatters) and all-gathers.
     reductions, issued, all_gathers = _tensor_collectives(p.profile.platform, c.remat, p.staged)
     reduce = "all-reduce" if p.wide or not s.sequence_parallel else "reduce-scatter"
-    reduction = p.collective(reduce, activation, s.tensor_axes)
+    # The embedding's partial lookups are summed whole, then split (`hotjax.models.llama.embedded`).
+    embedding = p.collective("all-reduce", activation, s.tensor_axes)
     gather = (p.collective("all-gather", activation, s.tensor_axes) if s.sequence_parallel
               else 0.0)
     # Where nothing combines them, sequence parallelism reduces the norms' weight gradients on
@@ -392,7 +394,7 @@ def _tensor(p: _Pricing) -> tuple[float, float]:
     statistics = (p.collective("all-reduce", 3 * s.inner_tokens * FP32, s.tensor_axes,
                                ROW_STATISTICS.get(p.profile.platform, 3) * chunks)
                   if s.vocab_ways > 1 else 0.0)
-    return layers, (layers + reduction + head + statistics + final_norm + 3 * gather
+    return layers, (layers + embedding + head + statistics + final_norm + 3 * gather
                     + s.layers * _exchange(p))
 
 

@@ -312,6 +312,7 @@ class Trainer:
                 computed - switched if timed else None,
                 (switched - started) + (timed - computed) if timed else None))
         state, metrics = self.home.apply(state, total)
+        self._wait(state)  # timed: the update inside its own step, not the next's first bucket
         return state, metrics, report
 
     def evaluate(self, state: TrainState, minibatch: MiniBatch) -> dict:

@@ -305,9 +305,9 @@ def embedded(embed_VxD: Array, tokens_BxT: Array, constrain: Constrain = _no_con
              ) -> Array:
     """The tokens' embeddings in the residual stream's layout. Looked up where the tokens lie
     (as attention reads the rows) before the stream's split: a vocabulary split over tensor
-    then sums the ranks' partial lookups once, where a lookup straight into a sequence split
-    gathers the token ids first (Megatron's vocabulary-parallel embedding, reduce-scattered
-    under sequence parallelism)."""
+    then sums the ranks' partial lookups once (Megatron's vocabulary-parallel embedding; under
+    sequence parallelism an all-reduce, then each rank keeps its part), where a lookup straight
+    into a sequence split gathers the token ids first."""
     looked_up = constrain(jnp.take(embed_VxD, tokens_BxT, axis=0), ("batch", "inner_seq", "embed"))
     return constrain(looked_up, ("batch", "seq", "embed"))
 

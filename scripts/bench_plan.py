@@ -271,8 +271,9 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
             if run is timed:
                 buckets.append(metrics["buckets"])
     measured = statistics.median(seconds[0][1:])
-    # The median timed step after the warm-up, bucket by bucket (empty buckets do not run).
-    middle = sorted(range(1, len(buckets)), key=seconds[1].__getitem__)[(len(buckets) - 2) // 2]
+    # The median timed step after the warm-up (the lower of two), bucket by bucket (empty
+    # buckets do not run).
+    middle = seconds[1].index(statistics.median_low(seconds[1][1:]), 1)
     ran = {b["max_len"]: b for b in buckets[middle]}
     in_buckets = sum(b["compute_s"] + b["switch_s"] for b in ran.values())
     idle = {"compute_s": 0.0, "switch_s": 0.0}

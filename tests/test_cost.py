@@ -577,6 +577,9 @@ def test_a_profile_file_is_found_by_name_or_path(tmp_path):
 
 
 _ELEMENT_BYTES = {"f32": 4, "bf16": 2, "s32": 4}
+# A collective in compiled HLO text: its result, its kind, and "-start" where asynchronous.
+_COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-reduce|reduce-scatter|collective-permute|"
+                         r"all-to-all)(-start)?\(")
 
 
 def _bus_bytes(compiled_text: str, layers: int) -> dict[str, float]:
@@ -591,8 +594,7 @@ def _bus_bytes(compiled_text: str, layers: int) -> dict[str, float]:
     for line in compiled_text.splitlines():
         if line and not line[0].isspace():
             entry = line.startswith("ENTRY")
-        found = re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter|collective-permute|"
-                          r"all-to-all)(-start)?\(", line)
+        found = _COLLECTIVE.search(line)
         if not found or "replica_groups={{0},{1}}" in line:
             continue
         result, op, start = found.groups()
@@ -657,8 +659,7 @@ def _issued(compiled_text: str, layers: int) -> tuple[int, list[str]]:
     for line in compiled_text.splitlines():
         if line and not line[0].isspace():
             entry = line.startswith("ENTRY")
-        found = re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter|collective-permute|"
-                          r"all-to-all)(-start)?\(", line)
+        found = _COLLECTIVE.search(line)
         if found and "replica_groups={{0},{1}}" not in line:
             issued += 1 if entry else layers
             integers += re.findall(r"s32\[[\d,]*\]", found.group(1))

@@ -134,11 +134,12 @@ def default_table(num_devices: int) -> StrategyTable:
 
 
 def planned_table(run: RunConfig, config: LlamaConfig, devices: Sequence[jax.Device],
-                  lengths: np.ndarray, console: Console) -> tuple[StrategyTable, float]:
+                  lengths: np.ndarray, console: Console
+                  ) -> tuple[StrategyTable, float, plan_lib.Search]:
     """`--strategies auto`: the table `hotjax plan` chooses for this machine's devices (its
     profile measured once and cached), the corpus's estimated lengths and the batch size,
-    each bucket checked by XLA's memory analysis on `devices` as the trainer checks it; and
-    its predicted seconds a step."""
+    each bucket checked by XLA's memory analysis on `devices` as the trainer checks it; its
+    predicted seconds a step; and the search that priced it (`priced_steps`)."""
     from hotjax.planning.wall import xla_bytes
 
     if run.strategy:
@@ -149,7 +150,21 @@ def planned_table(run: RunConfig, config: LlamaConfig, devices: Sequence[jax.Dev
                                   progress=lambda line: console.print(line, markup=False))
     console.print(f"--strategies auto: planned on profile {search.profile.name}, predicted "
                   f"{found.seconds * 1e3:,.1f} ms per step; {found.why}", markup=False)
-    return found.table("--strategies auto"), found.seconds
+    return found.table("--strategies auto"), found.seconds, search
+
+
+def priced_steps(search: plan_lib.Search, trainer: Trainer, lengths: Sequence[np.ndarray],
+                 padded: bool = False) -> list[plan_lib.Plan] | None:
+    """The cost model's step of `trainer`'s table on each mini-batch's document lengths
+    (`MiniBatch.document_lengths`), its micro-steps as the trainer runs them (with `padded`,
+    one document a row); None where a bucket does not fit the memory model."""
+    table = [(b.max_len, s.layout.strategy) for b, s in zip(trainer.table.buckets,
+                                                           trainer.buckets, strict=True)]
+    run = [plan_lib.RunAs(rows, s.config.remat, s.accumulate)
+           for s, rows in zip(trainer.buckets, trainer.micro_rows, strict=True)]
+    plans = [plan_lib.fixed_table(search, docs, table, padded=padded, run=run)
+             for docs in lengths]
+    return None if any(p is None for p in plans) else plans
 
 
 def plan_search(run: RunConfig, config: LlamaConfig, num_devices: int, lengths: np.ndarray,
@@ -318,9 +333,9 @@ class Run:
             if run.evaluates and held_out is None:  # documents the training never sees
                 corpus, held_out = split(corpus, tokenizer, run.eval_tokens)
             lengths = estimated_lengths(corpus, tokenizer)
-            predicted = None
+            predicted = search = None
             if table is None:
-                table, predicted = planned_table(run, model, devices, lengths, console)
+                table, predicted, search = planned_table(run, model, devices, lengths, console)
             # Each process reads its share of the documents; all then hold the same batches.
             share = (Share(jax.process_index(), jax.process_count(), distributed.gather)
                      if jax.process_count() > 1 else None)
@@ -347,7 +362,7 @@ class Run:
         made.lengths, made.held_out = lengths, held_out
         made.weights_only, made.new_schedule, made.config = (run.weights_only,
                                                              run.new_schedule, run)
-        made.predicted_seconds = predicted
+        made.predicted_seconds, made.search = predicted, search
         return made
 
     @functools.cached_property
@@ -381,6 +396,7 @@ class Run:
     new_schedule = False  # and onto a learning-rate schedule other than the checkpoint's
     config: RunConfig | None = None  # the options it was built from (`from_config`)
     predicted_seconds: float | None = None  # a planned table's step (`--strategies auto`)
+    search: plan_lib.Search | None = None  # and what priced it (`priced_steps`)
 
     def restore(self, path: str | Path, weights_only: bool = False,
                 new_schedule: bool = False) -> tuple[TrainState, int]:

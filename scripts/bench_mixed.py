@@ -251,7 +251,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
 
     data = {"hot": draw(max_lens), "a": draw([args.context]), "b": draw([args.context], "none")}
     data["c"], data["a0"] = data["hot"], data["a"]  # c: auto's buckets where it is planned
-    search, lengths = None, [document_lengths(m) for m in data["a"]]
+    search, lengths = None, [m.document_lengths() for m in data["a"]]
     auto, why = None, None
     if args.auto:
         search, auto, why = planned(config, devices, args, np.concatenate(lengths), console)
@@ -363,16 +363,6 @@ def train(trainers: dict, data: dict[str, list[MiniBatch]], total: int, warmup: 
     return records
 
 
-def document_lengths(minibatch: MiniBatch) -> np.ndarray:
-    """The tokens of each document (or piece of one) in a mini-batch's rows."""
-    counts = []
-    for batch in minibatch.buckets:
-        for row in batch.segment_ids:
-            _, per_segment = np.unique(row[row > 0], return_counts=True)
-            counts.extend(per_segment)
-    return np.asarray(counts, dtype=np.int64)
-
-
 def planned(config: LlamaConfig, devices: list, args: argparse.Namespace, lengths: np.ndarray,
             console: Console) -> tuple[Any, StrategyTable, str]:
     """The cost model's search on this machine's profile, measured here on the benchmark's own
@@ -406,15 +396,10 @@ def predict(search: Any, trainer: Trainer, method: str, lengths: list[np.ndarray
     """The cost model's step of `trainer`'s table on each mini-batch's documents, its micro-steps
     as the trainer runs them: seconds, of which switching, and each bucket's (None where a
     bucket does not fit its memory model)."""
-    from hotjax.planning import search as plan_lib
+    from hotjax.run import priced_steps
 
-    table = [(b.max_len, s.layout.strategy) for b, s in zip(trainer.table.buckets,
-                                                           trainer.buckets, strict=True)]
-    run = [plan_lib.RunAs(rows, s.config.remat, s.accumulate)
-           for s, rows in zip(trainer.buckets, trainer.micro_rows, strict=True)]
-    plans = [plan_lib.fixed_table(search, docs, table, padded=method == "b", run=run)
-             for docs in lengths]
-    if any(p is None for p in plans):
+    plans = priced_steps(search, trainer, lengths, padded=method == "b")
+    if plans is None:
         return None
     return [{"seconds": p.seconds, "switch_s": p.switch_seconds,
              "buckets": {b.max_len: b.seconds for b in p.buckets}} for p in plans]

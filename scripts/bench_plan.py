@@ -224,8 +224,6 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
     again, waiting for each bucket (`Run`'s bucket timings): each bucket's compute and switch
     seconds beside its price, and what the step spends outside its buckets (the update)."""
 
-    from bench_mixed import document_lengths
-
     from hotjax.data import MiniBatches, load_tokenizer, open_corpus
     from hotjax.optim import OptimConfig
     from hotjax.planning import search as plan_lib
@@ -246,7 +244,7 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
                               seed=seed)) for seed in range(SEEDS))
     first = next(drawn)
     minibatch = first if fills(first) else next(filter(fills, drawn), first)
-    lengths = document_lengths(minibatch)
+    lengths = minibatch.document_lengths()
     search = plan_lib.Search(config, profile, len(devices), profile.memory_bytes, strategies)
     found = plan_lib.fixed_table(search, lengths, list(zip(max_lens, strategies, strict=True)))
     if found is None:

@@ -68,6 +68,7 @@ def contents(minibatch: MiniBatch, max_lens: tuple[int, ...], packing: str = "ff
         found.update(sequences)
     assert minibatch.sequences == found.total()
     assert minibatch.real_tokens == sum(len(s) * k for s, k in found.items())
+    assert sorted(minibatch.document_lengths()) == sorted(len(s) for s in found.elements())
     return found
 
 

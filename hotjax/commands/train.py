@@ -185,6 +185,7 @@ def _loop(assembled: Run, run: RunConfig, state, start: int, save, stop,
     from hotjax.data.held_out import take
     from hotjax.optim import OptimConfig
     from hotjax.planning.search import PREDICTION_STEPS, prediction_check
+    from hotjax.run import priced_steps
     from hotjax.tracking import Trace
     from hotjax.train import check_finite
 
@@ -195,6 +196,7 @@ def _loop(assembled: Run, run: RunConfig, state, start: int, save, stop,
     held_out = (take(assembled.minibatches(assembled.held_out), run.eval_tokens)
                 if run.evaluates else [])
     trace, tokens_seen = Trace(run.traced, run.tensorboard), 0
+    documents: list[np.ndarray] = []  # of the steps that check a plan's prediction
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
                         console=assembled.console)
@@ -206,6 +208,8 @@ def _loop(assembled: Run, run: RunConfig, state, start: int, save, stop,
                 return history, state, step - 1
             trace.before(step)
             batch = assembled.next_batch()
+            if assembled.search is not None and len(history) < 1 + PREDICTION_STEPS:
+                documents.append(batch.document_lengths())
             started = time.perf_counter()
             state, metrics = assembled.step(state, batch)
             metrics = metrics.fetch()  # printed every step: wait for it
@@ -225,9 +229,13 @@ def _loop(assembled: Run, run: RunConfig, state, start: int, save, stop,
             history.append(record)
             for sink in sinks:
                 sink.write(record)
-            if assembled.predicted_seconds and len(history) == 1 + PREDICTION_STEPS:
-                # The first step (its documents' shapes compile) left out.
-                off = prediction_check(assembled.predicted_seconds,
+            if assembled.search is not None and len(history) == 1 + PREDICTION_STEPS:
+                # The first step (its documents' shapes compile) left out; each other step
+                # priced on its own documents, else (a bucket past the memory model) the
+                # typical step's price.
+                plans = priced_steps(assembled.search, assembled.trainer, documents[1:])
+                off = prediction_check([p.seconds for p in plans] if plans else
+                                       [assembled.predicted_seconds] * PREDICTION_STEPS,
                                        [r["seconds"] for r in history[1:]])
                 if off:
                     progress.console.print(off, markup=False, highlight=False)

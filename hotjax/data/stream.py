@@ -79,6 +79,12 @@ class MiniBatch:
     def sequences(self) -> int:
         return sum(b.sequences for b in self.buckets)
 
+    def document_lengths(self) -> np.ndarray:
+        """The tokens of each document (or piece of one) in its rows, bucket by bucket."""
+        counts = [np.unique(row[row > 0], return_counts=True)[1]
+                  for batch in self.buckets for row in batch.segment_ids]
+        return np.concatenate([np.zeros(0, np.int64), *counts]).astype(np.int64)
+
 
 _Piece = tuple[int, int, int, np.ndarray]  # (read index, document, piece of it, sequence)
 

@@ -5,6 +5,7 @@ one line."""
 import dataclasses
 import itertools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -250,6 +251,9 @@ def test_strategies_auto_plans_for_this_machine_and_trains_like_one_device(tmp_p
     same = ["--model", "tiny", "--tokenizer", "bytes", "--compute-dtype", "float32",
             "--context", "512", "--batch-tokens", "2048"]
     monkeypatch.setattr(plan, "PREDICTION_STEPS", 1)  # checked after one warm-up step and one
+    checked, check = [], plan.prediction_check  # what each check held the steps to
+    monkeypatch.setattr(plan, "prediction_check", lambda predicted, measured: checked.append(
+        (list(predicted), list(measured))) or check(predicted, measured))
     run = ["train", *same, "--steps", "2"]
     losses = {}
     for name, flags in (("auto", ["--strategies", "auto", "--ckpt-dir", str(tmp_path / "ck")]),
@@ -260,6 +264,12 @@ def test_strategies_auto_plans_for_this_machine_and_trains_like_one_device(tmp_p
     err = capsys.readouterr().err
     assert "--strategies auto: planned on profile a800-4x8" in err
     assert err.count("--strategies auto: steps took") == 1
+    # The step after the warm-up, held to the price of its own documents, not the typical
+    # step's that the plan printed.
+    typical = float(re.search(r"planned on profile a800-4x8, predicted ([\d,.]+) ms per step",
+                              err)[1].replace(",", "")) / 1e3
+    ((predicted, measured),) = checked
+    assert len(predicted) == len(measured) == 1 and 0 < predicted[0] != typical
     np.testing.assert_allclose(losses["auto"], losses["one device"], rtol=0, atol=1e-5)
     # The table trained (as its checkpoint records it) is the one `hotjax plan` writes for the
     # same flags, home included.

@@ -582,6 +582,18 @@ _COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-reduce|reduce-scatter|collect
                          r"all-to-all)(-start)?\(")
 
 
+def _collectives(compiled_text: str):
+    """(whether in the entry computation, result, kind, "-start" or None) of each collective
+    between devices in compiled HLO text (groups of one left out)."""
+    entry = False
+    for line in compiled_text.splitlines():
+        if line and not line[0].isspace():
+            entry = line.startswith("ENTRY")
+        found = _COLLECTIVE.search(line)
+        if found and "replica_groups={{0},{1}}" not in line:
+            yield entry, *found.groups()
+
+
 def _bus_bytes(compiled_text: str, layers: int) -> dict[str, float]:
     """Bytes each kind of collective of a compiled micro-step moves per device, by the cost
     model's convention (`BUS_FACTOR` of the whole tensor, before a reduce-scatter and after an
@@ -590,14 +602,7 @@ def _bus_bytes(compiled_text: str, layers: int) -> dict[str, float]:
     Under "issued", the collectives of each kind the layer loop issues per layer (a tuple of
     tensors is one)."""
     moved: dict[str, float] = {"issued": collections.Counter()}
-    entry = False
-    for line in compiled_text.splitlines():
-        if line and not line[0].isspace():
-            entry = line.startswith("ENTRY")
-        found = _COLLECTIVE.search(line)
-        if not found or "replica_groups={{0},{1}}" in line:
-            continue
-        result, op, start = found.groups()
+    for entry, result, op, start in _collectives(compiled_text):
         sizes = [_ELEMENT_BYTES[dtype] * math.prod(int(n) for n in dims.split(",") if n)
                  for dtype, dims in re.findall(r"\b(f32|bf16|s32)\[([\d,]*)\]", result)]
         name = {"collective-permute": "send"}.get(op, op)
@@ -655,14 +660,10 @@ def test_collectives_are_priced_as_the_compiler_emits_them(devices, platform, ru
 def _issued(compiled_text: str, layers: int) -> tuple[int, list[str]]:
     """Collectives a compiled micro-step issues between devices (the entry computation's once,
     the layer loop's once per layer), and the results of those over int32 arrays."""
-    issued, integers, entry = 0, [], False
-    for line in compiled_text.splitlines():
-        if line and not line[0].isspace():
-            entry = line.startswith("ENTRY")
-        found = _COLLECTIVE.search(line)
-        if found and "replica_groups={{0},{1}}" not in line:
-            issued += 1 if entry else layers
-            integers += re.findall(r"s32\[[\d,]*\]", found.group(1))
+    issued, integers = 0, []
+    for entry, result, _, _ in _collectives(compiled_text):
+        issued += 1 if entry else layers
+        integers += re.findall(r"s32\[[\d,]*\]", result)
     return issued, integers
 
 

@@ -84,11 +84,6 @@ class AttentionSharding:
     q: PartitionSpec
     kv: PartitionSpec
     balanced: bool = False
-    # False: each rank makes the chunk its ring would send it on the spot (its own K/V values,
-    # the sender's columns as positions) and sends nothing: the ring's kernels over the ring's
-    # visible blocks, apart from its link, for rows of one causal document each. For timing
-    # the ring's kernel (`hotjax.planning.measure`); its results are not the ring's.
-    sends: bool = True
 
     @property
     def ring_axes(self) -> tuple[str, ...]:
@@ -200,8 +195,7 @@ def attention(q_BxTxNxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array, segment_ids_
     head_axes = _axes(sharding.q, 2)
     shard = _Shard(sharding.ring_axes, sharding.ring_size, sharding.balanced, head_axes,
                    math.prod(sharding.mesh.shape[a] for a in head_axes),
-                   kv_replicated=bool(head_axes) and _axes(sharding.kv, 2) != head_axes,
-                   sends=sharding.sends)
+                   kv_replicated=bool(head_axes) and _axes(sharding.kv, 2) != head_axes)
     tokens = PartitionSpec(*sharding.q[:2])
     # Without replication checks: the kernel's loop carries start as constants (the same on
     # every device) and become per-device, which the checker would have us annotate at every
@@ -250,7 +244,6 @@ class _Shard(NamedTuple):
     head_axes: tuple[str, ...] = ()
     head_ways: int = 1
     kv_replicated: bool = False  # query heads split over `head_axes`, K/V heads not
-    sends: bool = True  # `AttentionSharding.sends`
 
 
 def _local_attention(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
@@ -297,13 +290,13 @@ def _local_attention(q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array,
     return out_BxTxNxH.astype(dtype)
 
 
-def _columns(T: int, shard: _Shard, rank: Array | None = None) -> Array:
-    """The row columns of the T tokens of this device (or of ring rank `rank`): its chunk of
-    the ring, or with `balanced` its two chunks i and 2C-1-i."""
+def _columns(T: int, shard: _Shard) -> Array:
+    """The row columns of this device's T tokens: its chunk of the ring, or with `balanced`
+    its two chunks i and 2C-1-i."""
     local = jnp.arange(T, dtype=jnp.int32)
     if shard.ring_size == 1:
         return local
-    rank = lax.axis_index(shard.ring_axes) if rank is None else rank
+    rank = lax.axis_index(shard.ring_axes)
     if not shard.balanced:
         return rank * T + local
     half = T // 2
@@ -472,28 +465,10 @@ def _backward_chunk(grads: tuple[Array, Array, Array], q_BxTxKxGxH: Array, k_BxS
 
 
 def _rotate(tree, shard: _Shard):
-    """Every array of `tree` one step round the ring (rank r to r + 1); without `sends`, a
-    chunk's tokens as its sender would send them, the rest as they are."""
+    """Every array of `tree` one step round the ring (rank r to r + 1)."""
     n = shard.ring_size
-    if not shard.sends:
-        return _made_here(tree, shard)
     return jax.tree.map(lambda x: lax.ppermute(x, shard.ring_axes,
                                                [(r, (r + 1) % n) for r in range(n)]), tree)
-
-
-def _made_here(tree, shard: _Shard):
-    """What rank r would receive in `tree`, made without a send: a (K, V, tokens) chunk of
-    rank q's becomes rank q - 1's, its columns and positions (one causal document a row) those
-    of that rank; K/V values and gradients stay as they are."""
-    if not (isinstance(tree, tuple) and len(tree) == 3 and isinstance(tree[2], Tokens)):
-        return tree
-    k_BxSxKxH, v_BxSxKxH, tokens = tree
-    B, S = tokens.column.shape
-    # A rank's first (half-)chunk is its own index.
-    owner = tokens.column[0, 0] // (S // 2 if shard.balanced else S)
-    sender = (owner - 1) % shard.ring_size
-    columns_BxS = jnp.broadcast_to(_columns(S, shard, sender), (B, S))
-    return k_BxSxKxH, v_BxSxKxH, Tokens(tokens.segment, columns_BxS, columns_BxS)
 
 
 def _grouped(x_BxTxNxH: Array, K: int) -> Array:

@@ -174,33 +174,6 @@ def test_attention_under_every_layout_equals_dense(devices, text, kv_heads):
                  values_and_grads(dense, q, k, v, segment_ids_BxT))
 
 
-@pytest.mark.parametrize("text", ["data=2,context=4,rules=context",
-                                  "data=2,context=4,rules=context,balanced=true"])
-def test_a_ring_without_sends_computes_what_the_ring_computes(devices, text):
-    """Without sends (how `plan --measure` times the ring's kernel) each rank makes the chunk
-    it would receive from its own K/V and the sender's columns: where every rank holds the
-    same K/V values, on rows of one causal document, its outputs and query gradients are the
-    ring's, so it ran the ring's kernels over the ring's visible blocks."""
-    strategy, _ = fit_to_model(Strategy.parse(text), MODEL)
-    layout = Layout(strategy, devices).attention
-    rows, seq_len, ring = 4, 128, strategy.ring
-    order = balanced_order(seq_len, ring) if strategy.balanced else np.arange(seq_len)
-    q, k, v = qkv(rows, seq_len, MODEL.n_heads, MODEL.n_kv_heads)
-    k, v = (jnp.tile(x[:, :seq_len // ring], (1, ring, 1, 1)) for x in (k, v))
-    segment_ids_BxT = np.ones((rows, seq_len), np.int32)
-    positions_BxT = np.tile(order.astype(np.int32), (rows, 1))
-
-    def out_and_dq(sharding):
-        def loss(q):
-            out = attention(q, k, v, segment_ids_BxT, positions_BxT, backend="blockwise",
-                            block=8, sharding=sharding)
-            return jnp.sum(out * jnp.cos(out)), out
-        (_, out), dq = jax.value_and_grad(loss, has_aux=True)(q)
-        return out, dq
-
-    assert_close(out_and_dq(dataclasses.replace(layout, sends=False)), out_and_dq(layout))
-
-
 RING_KERNEL_CASES = {  # strategy, K/V heads, dtype, rows of padding only
     "ring of 4, GQA 8/2, a row of padding": ("data=2,context=4,rules=context", 2, "float32", 1),
     "ring of 4, GQA 8/2, a row of padding, FA2-split backward":

@@ -544,8 +544,6 @@ def _profile(path: tuple[str, ...] = (), value: object = DELETE) -> dict:
      "test.toml: efficiency.attention_by_length.128 = -0.1: give a positive number"),
     (("efficiency", "attention_by_length"), {"0": 0.05},
      "test.toml: efficiency.attention_by_length: size '0' must be a positive integer"),
-    (("efficiency", "attention_ring_by_chunk"), {"512": 2.0},
-     "test.toml: efficiency.attention_ring_by_chunk.512 = 2.0 is a share of peak"),
     (("device", "allocator_fraction"), 1.2,
      "test.toml: device.allocator_fraction = 1.2 is a share of the memory"),
     (("nodes",), 0, "test.toml: nodes = 0: give a positive integer"),

@@ -57,7 +57,8 @@ def test_attention_is_measured_and_priced_at_the_heads_each_device_runs(measured
 
 def test_attention_is_measured_and_priced_at_the_row_length_each_kernel_call_runs(measured):
     """The kernel's rate with all heads on the workload's 256-token rows and on 128-token rows
-    (the rows the matmul rate is fitted on); a micro-step is priced at its rows' rate."""
+    (the rows the matmul rate is fitted on); a micro-step is priced at its rows' rate, a
+    context ring at the reference rate."""
     by_length = dict(measured.attention_by_length)
     assert sorted(by_length) == [128, 256] and by_length[256] == measured.attention_efficiency
     assert all(0 < share <= 1 for share in by_length.values())
@@ -65,37 +66,13 @@ def test_attention_is_measured_and_priced_at_the_row_length_each_kernel_call_run
     model = reference_model("tiny")
     for split, length, rate in (("data=2,rules=dp", 128, by_length[128]),
                                 ("tensor=2,rules=megatron", 128, by_length[128]),
-                                ("data=2,rules=dp", 256, by_length[256])):
+                                ("data=2,rules=dp", 256, by_length[256]),
+                                ("context=2,rules=context", 128, measured.attention_efficiency)):
         strategy = Strategy.parse(split)
         priced = micro_step_time(model, strategy, (2, length), measured).attention
         at_reference = micro_step_time(model, strategy, (2, length), flat).attention
         assert priced == pytest.approx(at_reference * measured.attention_efficiency / rate)
     assert by_length[128] != measured.attention_efficiency  # the case above tells them apart
-
-
-def test_a_ring_is_measured_and_priced_at_the_chunk_its_kernel_calls_tile(measured):
-    """The ring's kernel without its sends, on kernel calls of the quick workload's 32 and 64
-    tokens (balanced rings of two over rows of 128 and 256); a ring is priced at the rate of
-    the tokens each call tiles (a rank's chunk, each half apart when balanced), its sends as
-    before; where the profile has no ring table, at the reference rate whatever its rows."""
-    by_chunk = dict(measured.attention_ring_by_chunk)
-    assert sorted(by_chunk) == [32, 64]
-    assert all(0 < share <= 1 for share in by_chunk.values())
-    model = reference_model("tiny")
-    flat = dataclasses.replace(measured, attention_ring_by_chunk=())
-    for split, length, chunk in (("context=2,rules=context,balanced=true", 128, 32),
-                                 ("context=2,rules=context", 128, 64),
-                                 ("context=2,rules=context,balanced=true", 256, 64)):
-        strategy = Strategy.parse(split)
-        priced = micro_step_time(model, strategy, (2, length), measured)
-        at_reference = micro_step_time(model, strategy, (2, length), flat)
-        assert priced.attention == pytest.approx(
-            at_reference.attention * measured.attention_efficiency / by_chunk[chunk])
-        assert priced.ring == at_reference.ring > 0
-        unmeasured = dataclasses.replace(flat, attention_by_length=())
-        assert at_reference.attention == pytest.approx(
-            micro_step_time(model, strategy, (2, length), unmeasured).attention)
-    assert by_chunk[32] != measured.attention_efficiency  # the cases above tell them apart
 
 
 def test_profile_toml_reads_back_to_the_same_profile(measured, tmp_path):

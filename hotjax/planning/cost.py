@@ -27,9 +27,8 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   the peak x the efficiency of the kernel that runs (`hotjax.models.work.attention_backend`: cuDNN's
   packed layout, the packed or the ring's Pallas kernel, the blockwise kernel), the profile's
   own for that kernel where it has one, else at the query heads per device a tensor split or
-  Ulysses leaves and at the length of its rows (outside a ring) or of the chunks a ring's
-  kernel calls tile (its chunk pairs and merges timed without its sends) where the profile
-  measured them (`Profile.attention_at`).
+  Ulysses leaves and at the length of its rows (outside a ring) where the profile measured
+  them (`Profile.attention_at`).
 - A collective moving a tensor of `bytes` over a group of n devices takes the profile's latency
   plus factor·bytes / bus bandwidth, with factor 2(n-1)/n for all-reduce, (n-1)/n for
   all-gather and reduce-scatter, 1 for a send (nccl-tests' bus-bandwidth convention); the
@@ -133,9 +132,8 @@ from hotjax.sharding.transfers import TransferSchedule, boxes_from_strategy
 # trained size. 5: the elementwise passes priced apart from the matmul rate. 6: attention by
 # query heads per device; one latency per collective XLA issues. 7: attention by row length
 # (the matmul rate fitted with the fit's short rows' attention at their own rate). 8: the
-# collectives outside the layer loop and those XLA:CPU does not combine, each a latency. 9: a
-# ring's attention at its own kernel's rate by chunk length.
-COST_MODEL_VERSION = 9
+# collectives outside the layer loop and those XLA:CPU does not combine, each a latency.
+COST_MODEL_VERSION = 8
 # Of each collective's tensor, the bytes moved per device over a group of n (the bus-bandwidth
 # convention of nccl-tests): time = latency + factor · bytes / bus bandwidth.
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
@@ -361,12 +359,11 @@ def _attention(p: _Pricing) -> float:
     pairs = s.rows * visible_pairs(seq_len, context, p.strategy.balanced, block)
     kernel = attention_backend(c, profile.platform, seq_len, context, profile.compute_capability)
     heads = c.n_heads / (s.head_ways * exchange)  # per device
-    # By the row's length where the kernel runs whole rows; round a ring by the tokens each of
-    # its kernel calls tiles (a rank's chunk, each half apart when balanced).
-    ring_chunk = (seq_len // (context * (1 + p.strategy.balanced)) if context > 1 else None)
-    share = profile.attention_at(kernel, heads, seq_len if context == 1 else None, ring_chunk)
+    # By the row's length where the kernel runs whole rows; a ring's steps ran 512-token rows
+    # at the rate of long ones (not at the 1.5 times slower one of 256-token rows alone).
+    length = seq_len if context == 1 else None
     return ((p.attention_forwards + 2.5) * 4 * c.head_dim * heads * pairs * s.layers
-            / (profile.peak_flops * share))
+            / (profile.peak_flops * profile.attention_at(kernel, heads, length)))
 
 
 def _tensor(p: _Pricing) -> tuple[float, float]:

@@ -30,13 +30,6 @@ node and across nodes (a node is one process: its devices share a host, or an NV
   GFLOP/s and those of 512 to 8,192 at 13.1-13.3. Priced at the longer rows' rate, the fit
   steps' attention left a third of its time to the matmul rate, which then priced every
   512-token row 10-25 % high.
-- A context ring's kernel: a balanced ring of two, forward and backward, with all heads on rows
-  whose kernel calls tile each of `Workload.ring_chunks` tokens (a rank's half-chunk), each
-  rank making the chunk it would receive instead of receiving it (`AttentionSharding.sends`):
-  the ring's chunk pairs and merges without its link, whose sends the cost model prices apart.
-  On two pinned processes a ring's kernel ran `tiny`'s rows of 512 tokens 1.3 times faster per
-  pair than the blockwise kernel's whole rows, those of 2,048 and 8,192 1.2 and 1.1 times
-  slower (docs/measurements/testbed-plan-2026-12-01), which priced the rings 7-17 % off.
 - Elementwise bandwidth: the model's own elementwise work of one layer (its two norms, two
   residual adds, the rotary embedding of q and k, SwiGLU's activation), forward and backward,
   each op a kernel of its own as the matmuls between them make it in a step, over a micro-step's
@@ -101,7 +94,7 @@ from hotjax.planning.profile import (
     profile_toml,
 )
 from hotjax.sharding.strategy import Strategy, canonical_devices
-from hotjax.step import balanced_order, bucket_step, micro_step_inputs
+from hotjax.step import bucket_step, micro_step_inputs
 
 SIGNIFICANT = 4  # digits kept of each measured figure: the repeats scatter more than that
 FIT_ROWS = 4  # the larger fitted micro-step's rows, per the smaller one's
@@ -124,15 +117,14 @@ class Workload:
     message_bytes: int
     repeats: int
     attention_lengths: tuple[int, ...] = ()
-    ring_chunks: tuple[int, ...] = ()  # a ring's kernel, each call tiling this many tokens
 
 
 # Sizes of the models each platform trains: the `small` preset's on CPU, LLaMA2-7B's on
 # accelerators; under `quick` (a smoke test of seconds) smaller ones.
 WORKLOADS = {
     ("cpu", False): Workload((4096, 256, 688), (1, 1024), (16, 128), 4 * 2**20, 5,
-                             (128, 256, 512), (128, 256, 512, 1024, 2048)),
-    ("cpu", True): Workload((1024, 256, 688), (1, 256), (1, 128), 2**20, 2, (128,), (32, 64)),
+                             (128, 256, 512)),
+    ("cpu", True): Workload((1024, 256, 688), (1, 256), (1, 128), 2**20, 2, (128,)),
     ("accelerator", False): Workload((8192, 4096, 11008), (1, 4096), (1, 4096), 64 * 2**20, 10),
     ("accelerator", True): Workload((2048, 4096, 4096), (1, 2048), (1, 1024), 16 * 2**20, 3),
 }
@@ -172,7 +164,6 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     strategy = Strategy.parse(f"data={len(devices)},rules=dp")
     attention_cases = _attention_cases(model, work, len(devices))
     attention_shapes = list(dict.fromkeys(attention_cases.values()))
-    ring_cases = _ring_cases(model, work, len(devices))
     # The step's rows are per process: its devices share the host's caches (8 simulated devices
     # each given 8,192 tokens of `small` held 16 GiB of logits in one process).
     step_rows = max(1, work.step[0] // per_node)
@@ -188,17 +179,13 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     matmul_s, elementwise_s, *attention_s = timed_in_rounds(
         [matmul_runner(devices, dtype, work.matmul),
          elementwise_runner(devices, model, elementwise_tokens),
-         *(attention_runner(devices, dtype, shape) for shape in attention_shapes),
-         *(ring_runner(devices, dtype, shape) for shape in ring_cases.values())], work.repeats)
+         *(attention_runner(devices, dtype, shape) for shape in attention_shapes)], work.repeats)
     steps_s = timed_in_rounds([r.run for r in references], work.repeats)
-    attention_s, ring_s = attention_s[:len(attention_shapes)], attention_s[len(attention_shapes):]
     attention_s = dict(zip(attention_shapes, attention_s, strict=True))
     tokens, width, out = work.matmul
     figures = {"matmul": 2 * tokens * width * out / matmul_s,
                **{name: attention_flops(shape, platform) / attention_s[shape]
                   for name, shape in attention_cases.items()},
-               **{name: ring_flops(shape, platform) / seconds
-                  for (name, shape), seconds in zip(ring_cases.items(), ring_s, strict=True)},
                "elementwise": elementwise_bytes(model, elementwise_tokens, platform)
                / elementwise_s,
                "memory": device_memory_bytes(devices)}
@@ -260,13 +247,10 @@ def _profile(figures: dict[str, float], bandwidths: dict[str, dict[str, dict[str
     """The profile measured, with the model's matmuls at `matmul_flops` and each micro-step's
     `overhead` seconds: the fastest rate measured is the peak, each efficiency a share of it."""
     platform, nodes, per_node = layout
-    by_heads, by_length, ring_by_chunk = (
-        {int(key.split()[1]): value for key, value in figures.items()
-         if key.startswith(kind) and key.endswith(unit)}
-        for kind, unit in (("attention ", " heads"), ("attention ", " tokens"),
-                           ("ring ", " tokens")))
-    peak = max(figures["matmul"], *by_heads.values(), *by_length.values(),
-               *ring_by_chunk.values(), matmul_flops)
+    by_heads, by_length = ({int(key.split()[1]): value for key, value in figures.items()
+                            if key.startswith("attention ") and key.endswith(unit)}
+                           for unit in (" heads", " tokens"))
+    peak = max(figures["matmul"], *by_heads.values(), *by_length.values(), matmul_flops)
     send = bandwidths["send"]
     return parse_profile({
         "name": f"measured-{platform}-{nodes}x{per_node}", "platform": platform,
@@ -283,10 +267,7 @@ def _profile(figures: dict[str, float], bandwidths: dict[str, dict[str, dict[str
                           if len(by_heads) > 1 else {}),
                        **({"attention_by_length": {str(n): _rounded(rate / peak)
                                                    for n, rate in sorted(by_length.items())}}
-                          if by_length else {}),
-                       **({"attention_ring_by_chunk": {
-                           str(n): _rounded(rate / peak) for n, rate in sorted(
-                               ring_by_chunk.items())}} if ring_by_chunk else {})},
+                          if by_length else {})},
         # The links as the transfer scheduler sees them: what a device sends while every
         # device of the largest group sends too.
         "links": {"intra_node_gbps": send["intra"][max(send["intra"], key=int)],
@@ -387,38 +368,20 @@ def attention_runner(devices: Sequence[jax.Device], dtype: jnp.dtype,
                      shape: tuple[int, int, int, int, int]) -> Callable[[], None]:
     """The model's attention kernel, forward and backward, on `shape`'s causal rows per device,
     every device at once."""
-    rows, tokens = shape[:2]
+    rows, tokens, heads, kv_heads, head_dim = shape
+    count = len(devices)
     mesh = Mesh(np.asarray(devices, dtype=object), ("devices",))
     by_row = PartitionSpec("devices")
-    return _attention_grads(AttentionSharding(mesh, by_row, by_row), len(devices) * rows, shape,
-                            dtype, np.arange(tokens, dtype=np.int32))
-
-
-def ring_runner(devices: Sequence[jax.Device], dtype: jnp.dtype,
-                shape: tuple[int, int, int, int, int]) -> Callable[[], None]:
-    """A balanced ring of two's attention kernel without its sends, forward and backward, on
-    `shape`'s causal rows per ring (pairs of consecutive devices), every device at once."""
-    rows, tokens = shape[:2]
-    rings = len(devices) // 2
-    mesh = Mesh(np.asarray(devices[:2 * rings], dtype=object).reshape(rings, 2),
-                ("rings", "context"))
-    spec = PartitionSpec("rings", "context")
-    return _attention_grads(AttentionSharding(mesh, spec, spec, balanced=True, sends=False),
-                            rings * rows, shape, dtype, balanced_order(tokens, 2).astype(np.int32))
-
-
-def _attention_grads(layout: AttentionSharding, rows: int, shape: tuple[int, int, int, int, int],
-                     dtype: jnp.dtype, columns: np.ndarray) -> Callable[[], None]:
-    """Attention's gradients under `layout` on `rows` causal rows of `shape`'s tokens and heads
-    laid out in `columns` order (their positions), ready to time."""
-    _, tokens, heads, kv_heads, head_dim = shape
-    split = NamedSharding(layout.mesh, layout.q)
-    q, k, v, cotangent = _filled(
-        ((rows, tokens, heads, head_dim), (rows, tokens, kv_heads, head_dim),
-         (rows, tokens, kv_heads, head_dim), (rows, tokens, heads, head_dim)), dtype, split)
+    split = NamedSharding(mesh, by_row)
+    layout = AttentionSharding(mesh, by_row, by_row)
+    B = count * rows
+    q, k, v, cotangent = _filled(((B, tokens, heads, head_dim), (B, tokens, kv_heads, head_dim),
+                                  (B, tokens, kv_heads, head_dim), (B, tokens, heads, head_dim)),
+                                 dtype, split)
     segment_ids, positions = jax.jit(lambda: (
-        jnp.ones((rows, tokens), jnp.int32),
-        jnp.broadcast_to(jnp.asarray(columns), (rows, tokens))), out_shardings=(split, split))()
+        jnp.ones((B, tokens), jnp.int32),
+        jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (B, tokens))),
+        out_shardings=(split, split))()
 
     def loss(q, k, v, cotangent, segment_ids, positions):
         out = attention(q, k, v, segment_ids, positions, sharding=layout)
@@ -426,14 +389,6 @@ def _attention_grads(layout: AttentionSharding, rows: int, shape: tuple[int, int
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     return lambda: jax.block_until_ready(grads(q, k, v, cotangent, segment_ids, positions))
-
-
-def ring_flops(shape: tuple[int, int, int, int, int], platform: str) -> float:
-    """The work of `ring_runner` per device as `hotjax.planning.cost` counts it: each rank's
-    pairs of the balanced ring of two, over the kernel's blocks."""
-    rows, tokens, heads, _, head_dim = shape
-    block = DEFAULT_BLOCK.get(platform, DEFAULT_BLOCK["gpu"])
-    return 3.5 * 4 * head_dim * heads * rows * visible_pairs(tokens, 2, True, block)
 
 
 def attention_flops(shape: tuple[int, int, int, int, int], platform: str) -> float:
@@ -581,18 +536,6 @@ def _attention_cases(model: LlamaConfig, work: Workload, devices: int
         cases |= {f"attention {n} tokens": (max(1, rows * tokens // n), n, H, KV, D)
                   for n in (tokens, *work.attention_lengths)}
     return cases
-
-
-def _ring_cases(model: LlamaConfig, work: Workload, devices: int
-                ) -> dict[str, tuple[int, int, int, int, int]]:
-    """The ring runs a profile times, by figure ("ring 128 tokens": kernel calls tiling 128
-    tokens, rows of 512 on a balanced ring of two), each device holding as many tokens as the
-    workload's attention rows or one row; none on an odd number of devices."""
-    if devices % 2:
-        return {}
-    rows, tokens = work.attention
-    return {f"ring {n} tokens": (max(1, rows * tokens // (2 * n)), 4 * n, model.n_heads,
-                                 model.n_kv_heads, model.head_dim) for n in work.ring_chunks}
 
 
 def _head_splits(model: LlamaConfig, devices: int) -> tuple[int, ...]:

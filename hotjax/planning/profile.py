@@ -154,36 +154,25 @@ class Profile:
     # matmul rate fitted on 128-token rows took for slow matmuls (and priced 512-token rows
     # 10-25 % high).
     attention_by_length: tuple[tuple[int, float], ...] = ()
-    # (tokens a kernel call of a context ring tiles: a rank's chunk, each half apart when
-    # balanced; share of peak) of the ring's kernel with all heads, its chunk pairs and their
-    # merges, without the ring's sends (`hotjax.planning.measure`): on XLA:CPU a balanced ring
-    # of two ran rows of 512 tokens 1.3 times faster per pair than the blockwise kernel's
-    # whole rows, and rows of 2,048 and 8,192 1.2 and 1.1 times slower.
-    attention_ring_by_chunk: tuple[tuple[int, float], ...] = ()
 
     @property
     def matmul(self) -> Efficiency:
         return Efficiency(self.matmul_efficiency, self.matmul_by_size)
 
     def attention_at(self, kernel: str, heads: float | None = None,
-                     length: int | None = None, ring_chunk: int | None = None) -> float:
+                     length: int | None = None) -> float:
         """The share of peak attention kernel `kernel` reaches (`hotjax.models.attention`'s
         names), running `heads` query heads per device (None: the model's all) on rows of
-        `length` tokens (None: those it was measured on), or round a context ring on chunks
-        of `ring_chunk` tokens a kernel call (None: not in a ring; `attention_ring_by_chunk`
-        where measured, else the kernel's rate on whole rows). The heads' and the length's or
-        chunk's effects multiply: each was measured with the other at the reference."""
+        `length` tokens (None: those it was measured on). The heads' and the length's effects
+        multiply: each was measured with the other at the reference."""
         measured = dict(self.attention_by_kernel)
         if kernel in measured:
             return measured[kernel]
         share = self.attention_efficiency
         if heads is not None:
             share = Efficiency(share, self.attention_by_heads).at(heads)
-        by_size, size = ((self.attention_ring_by_chunk, ring_chunk)
-                         if ring_chunk is not None and self.attention_ring_by_chunk
-                         else (self.attention_by_length, length))
-        if size is not None and by_size:
-            share *= (Efficiency(self.attention_efficiency, by_size).at(size)
+        if length is not None and self.attention_by_length:
+            share *= (Efficiency(self.attention_efficiency, self.attention_by_length).at(length)
                       / self.attention_efficiency)
         return share
 
@@ -250,9 +239,7 @@ def profile_toml(profile: Profile) -> str:
              *([f"attention_by_heads = {table(profile.attention_by_heads, 1)}"]
                if profile.attention_by_heads else []),
              *([f"attention_by_length = {table(profile.attention_by_length, 1)}"]
-               if profile.attention_by_length else []),
-             *([f"attention_ring_by_chunk = {table(profile.attention_ring_by_chunk, 1)}"]
-               if profile.attention_ring_by_chunk else []), "",
+               if profile.attention_by_length else []), "",
              "[links]", f"intra_node_gbps = {_in_units(profile.intra_node_bandwidth, GIGA)}",
              f"inter_node_gbps = {_in_units(profile.inter_node_bandwidth, GIGA)}",
              *([f"latency_us = {_in_units(profile.collective_latency, 1e-6)}"]
@@ -276,16 +263,15 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
     kernels = {f"attention_{k.replace('-', '_')}": k for k in ATTENTION_KERNELS}
     efficiency = _table(data, "efficiency", source, ("matmul", "attention"),
                         ("matmul_by_size", "attention_by_heads", "attention_by_length",
-                         "attention_ring_by_chunk", *kernels))
+                         *kernels))
     links = _table(data, "links", source, ("intra_node_gbps", "inter_node_gbps"),
                    ("latency_us",))
-    by_size, by_heads, by_length, ring_by_chunk = (
+    by_size, by_heads, by_length = (
         _efficiencies(data["efficiency"].get(f"{of}_by_{size}", {}),
                       f"{source}: efficiency.{of}_by_{size}", example)
         for of, size, example in (("matmul", "size", "{ 256 = 0.3, 4096 = 0.6 }"),
                                   ("attention", "heads", "{ 8 = 0.3, 4 = 0.35 }"),
-                                  ("attention", "length", "{ 128 = 0.05, 1024 = 0.07 }"),
-                                  ("attention_ring", "chunk", "{ 128 = 0.09, 512 = 0.06 }")))
+                                  ("attention", "length", "{ 128 = 0.05, 1024 = 0.07 }")))
     for key, table, field, of in (("efficiency", efficiency, "matmul", "peak"),
                                   ("efficiency", efficiency, "attention", "peak"),
                                   *(("efficiency", efficiency, k, "peak") for k in kernels),
@@ -320,7 +306,6 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
         attention_by_kernel=tuple((kernel, efficiency[key]) for key, kernel in kernels.items()
                                   if key in efficiency),
         attention_by_heads=by_heads, attention_by_length=by_length,
-        attention_ring_by_chunk=ring_by_chunk,
         compute_capability=int(device["compute_capability"]) if "compute_capability" in device
         else None)
 

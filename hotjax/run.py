@@ -149,8 +149,8 @@ def planned_table(run: RunConfig, config: LlamaConfig, devices: Sequence[jax.Dev
                                   xla_bytes(config, devices, search.optimizer),
                                   progress=lambda line: console.print(line, markup=False))
     console.print(f"--strategies auto: planned on profile {search.profile.name}, predicted "
-                  f"{found.seconds * 1e3:,.1f} ms per step; {found.why}", markup=False)
-    return found.table("--strategies auto"), found.seconds, search
+                  f"{found.expected_seconds * 1e3:,.1f} ms per step; {found.why}", markup=False)
+    return found.table("--strategies auto"), found.expected_seconds, search
 
 
 def priced_steps(search: plan_lib.Search, trainer: Trainer, lengths: Sequence[np.ndarray],

@@ -387,7 +387,9 @@ def planned(config: LlamaConfig, devices: list, args: argparse.Namespace, length
     found = plan_lib.plan_checked(search, typical, args.context, xla_bytes(config, devices),
                                   progress=lambda line: console.print(line, markup=False))
     console.print(f"auto: planned on profile {profile.name}, predicted "
-                  f"{found.seconds * 1e3:,.1f} ms per typical step; {found.why}", markup=False)
+                  f"{found.seconds * 1e3:,.1f} ms per typical step, "
+                  f"{found.expected_seconds * 1e3:,.1f} on {len(found.drawn_seconds)} drawn "
+                  f"mini-batches; {found.why}", markup=False)
     return search, found.table(METHODS["auto"]), found.why
 
 

@@ -84,27 +84,59 @@ def _long_tailed(batch_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     return sample, plan.typical_batch(sample, round(batch_tokens / sample.mean()))
 
 
+def _drawn_steps(search: plan.Search, found: plan.Plan) -> list[float]:
+    """`found`'s step on each of the search's drawn mini-batches, its micro-steps as planned."""
+    table = [(b.max_len, b.strategy) for b in found.buckets]
+    return [plan.fixed_table(search, batch, table, run=[b.run_as for b in found.buckets]).seconds
+            for batch in search.drawn]
+
+
 def test_a_table_is_planned_only_where_it_gains_more_than_the_cost_models_error(monkeypatch):
     """Short documents under ZeRO-1 and the rest under ZeRO-2 is the fastest table here; it is
-    planned when its predicted gain over the best single strategy exceeds MARGIN, and otherwise
-    that strategy alone is, and the plan says why."""
+    planned when its predicted gain over the best single strategy, both priced on the drawn
+    mini-batches as their micro-steps run, exceeds MARGIN, and otherwise that strategy alone
+    is, and the plan says why; each carries its drawn steps' prices."""
     sample, typical = _long_tailed(4 * CONTEXT)
     search = plan.Search(MODEL, load_profile("a800-4x8"), 2, 80 * GiB,
                          fill=plan.Fill(sample, batch_tokens=4 * CONTEXT))
     table = plan.fastest(search, typical, CONTEXT, 4)
     single = plan.fastest(search, typical, CONTEXT, 1)
-    gain = single.seconds / table.seconds
+    table_s, single_s = _drawn_steps(search, table), _drawn_steps(search, single)
+    gain = np.mean(single_s) / np.mean(table_s)
     assert len(table.buckets) > 1 and gain > 1
+    assert f"{gain:.3f}" != f"{single.seconds / table.seconds:.3f}"  # not the typical batch's
     monkeypatch.setattr(plan, "MARGIN", gain * 1.01)
     kept = plan.plan(search, typical, CONTEXT)
     assert kept.buckets == single.buckets and kept.seconds == single.seconds
+    assert kept.drawn_seconds == pytest.approx(single_s, rel=1e-12)
     assert kept.why.startswith(f"one strategy, {single.buckets[0].strategy}: the best table")
-    assert f"only {gain:.3f}x as fast, within the cost model's error" in kept.why
+    assert (f"only {gain:.3f}x as fast on {plan.DRAWN_BATCHES} drawn mini-batches, within the "
+            f"cost model's error") in kept.why
     monkeypatch.setattr(plan, "MARGIN", gain / 1.01)
     switched = plan.plan(search, typical, CONTEXT)
     assert switched.buckets == table.buckets
+    assert switched.expected_seconds == pytest.approx(np.mean(table_s), rel=1e-12)
     assert switched.why.startswith(f"a table of {len(table.buckets)} buckets: predicted "
                                    f"{gain:.3f}x the best single strategy")
+
+
+@pytest.mark.parametrize("size", [{"batch_tokens": 4 * CONTEXT}, {"batch_sequences": 48}])
+def test_drawn_mini_batches_are_what_a_shuffled_stream_takes(size):
+    """Each drawn mini-batch holds sequences of the sample, as many as the batch size takes: by
+    tokens, up to the sequence that would pass it; the same draw for the same sample, and the
+    batches differ from one another."""
+    sample, _ = _long_tailed(4 * CONTEXT)
+    fill = plan.Fill(sample, **size)
+    drawn = fill.drawn()
+    assert len(drawn) == plan.DRAWN_BATCHES
+    assert all(np.isin(batch, sample).all() for batch in drawn)
+    if "batch_sequences" in size:
+        assert {len(batch) for batch in drawn} == {48}
+    else:
+        assert all(0 < batch.sum() <= size["batch_tokens"] for batch in drawn)
+        assert min(batch.sum() for batch in drawn) > size["batch_tokens"] - sample.max()
+    assert all(np.array_equal(a, b) for a, b in zip(drawn, fill.drawn(), strict=True))
+    assert len({tuple(batch) for batch in drawn}) == len(drawn)
 
 
 def test_micro_steps_hold_no_more_rows_than_the_mini_batches_fill():
@@ -213,6 +245,11 @@ def test_the_written_table_loads_with_each_bucket_as_planned(tmp_path, capsys):
     assert sum(b["token_share"] for b in planned) == pytest.approx(1.0)
     for name, other in report["compared"].items():
         assert other["seconds"] >= report["plan"]["seconds"] * (1 - 1e-3), name
+    # The step a run should expect, priced on mini-batches drawn as a run draws them.
+    drawn = report["plan"]["drawn_seconds"]
+    assert len(drawn) == plan.DRAWN_BATCHES and min(drawn) > 0 and len(set(drawn)) > 1
+    assert report["plan"]["expected_seconds"] == pytest.approx(np.mean(drawn))
+    assert f"predicted {report['plan']['expected_seconds']:.3f} s per step" in out.read_text()
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -264,8 +301,8 @@ def test_strategies_auto_plans_for_this_machine_and_trains_like_one_device(tmp_p
     err = capsys.readouterr().err
     assert "--strategies auto: planned on profile a800-4x8" in err
     assert err.count("--strategies auto: steps took") == 1
-    # The step after the warm-up, held to the price of its own documents, not the typical
-    # step's that the plan printed.
+    # The step after the warm-up, held to the price of its own documents, not the one the
+    # plan printed (its drawn mini-batches' mean).
     typical = float(re.search(r"planned on profile a800-4x8, predicted ([\d,.]+) ms per step",
                               err)[1].replace(",", "")) / 1e3
     ((predicted, measured),) = checked

@@ -114,7 +114,7 @@ def _plan(args: argparse.Namespace) -> None:
         header = (f"Planned by `hotjax plan` for {run.model or DEFAULT_MODEL} on {devices} "
                   f"devices of {profile.name} ({shown_bytes(budget)} each), context {run.context}, "
                   f"{len(lengths)} sequences of {described} per step: predicted "
-                  f"{found.seconds:.3f} s per step.")
+                  f"{found.expected_seconds:.3f} s per step.")
         Path(args.out).write_text(found.table().toml(header))
     _print(args, report, target, budget)
 
@@ -247,7 +247,10 @@ def _report(found: Plan, compared: dict[str, Plan | None], lengths: np.ndarray,
             "speedup_of_plan": p.seconds / found.seconds,
             "buckets": [bucket(b) for b in p.buckets]}
 
-    return {**setting, "plan": {**summary(found), "home": str(found.home), "why": found.why},
+    drawn = {"drawn_seconds": list(found.drawn_seconds),
+             "expected_seconds": found.expected_seconds} if found.drawn_seconds else {}
+    return {**setting, "plan": {**summary(found), "home": str(found.home), "why": found.why,
+                                **drawn},
             "compared": {name: summary(p) for name, p in compared.items()}}
 
 
@@ -280,6 +283,11 @@ def _tables(data: dict, console) -> None:
         steps.add_column(column, justify="left" if not column else "right")
     steps.add_row(escape(f"the plan (home {plan['home']})"), f"{plan['seconds']:.3f}",
                   f"{plan['switch_seconds']:.3f}", "1.00x")
+    if "drawn_seconds" in plan:
+        drawn = plan["drawn_seconds"]
+        steps.add_row(f"the plan on {len(drawn)} drawn mini-batches: mean (fastest-slowest)",
+                      f"{plan['expected_seconds']:.3f} ({min(drawn):.3f}-{max(drawn):.3f})", "",
+                      "")
     for name, p in data["compared"].items():
         if p is None:
             steps.add_row(escape(name), "does not fit", "", "")

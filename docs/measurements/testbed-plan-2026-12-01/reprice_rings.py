@@ -10,13 +10,14 @@ import dataclasses
 import json
 import sys
 import tomllib
+from pathlib import Path
 
 from hotjax.models.llama import as_trained, preset
 from hotjax.planning.cost import micro_step_time
 from hotjax.planning.profile import parse_profile
 from hotjax.sharding.strategy import Strategy
 
-run = json.load(open(sys.argv[1]))
+run = json.loads(Path(sys.argv[1]).read_text())
 profile = parse_profile(tomllib.loads(run["profile"]["toml"]), "run")
 without = dataclasses.replace(profile, attention_ring_by_chunk=())
 config = as_trained(preset("tiny"), compute_dtype="bfloat16")

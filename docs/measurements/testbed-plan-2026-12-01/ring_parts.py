@@ -72,9 +72,9 @@ def measure() -> list[dict]:
             out = attention(q, k, v, segments, positions, sharding=layout)
             return jnp.sum((out * cotangent).astype(jnp.float32))
 
-        def runner():
+        def runner(arrays=(q, k, v, cotangent, segments, positions), loss=loss):
             grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-            return lambda: jax.block_until_ready(grads(q, k, v, cotangent, segments, positions))
+            return lambda: jax.block_until_ready(grads(*arrays))
 
         ring = timed(runner())
         attention_lib._rotate = made_here
@@ -86,7 +86,7 @@ def measure() -> list[dict]:
         chunk_kv = (rows, length // 2, K, H)
         ring_perm = [(0, 1), (1, 0)]
 
-        def sends(k, v, segments, positions):
+        def sends(k, v, segments, positions, ring_perm=ring_perm):
             # Forward: K/V and the three token arrays once; backward: again, and the fp32
             # K/V gradients after each of the two chunks (each send waits on the one before).
             arrays = (k, v, segments, positions, positions)
@@ -99,7 +99,9 @@ def measure() -> list[dict]:
 
         chain = jax.jit(jax.shard_map(sends, mesh=mesh, in_specs=spec, out_specs=spec,
                                       check_vma=False))
-        only_sends = timed(lambda: jax.block_until_ready(chain(k, v, segments, positions)))
+        arrays = (k, v, segments, positions)
+        only_sends = timed(lambda chain=chain, arrays=arrays: jax.block_until_ready(
+            chain(*arrays)))
         kv_bytes = 2 * int(np.prod(chunk_kv))
         found.append({"row_tokens": length, "rows": rows, "ring_ms": ring,
                       "no_sends_ms": alone, "sends_alone_ms": only_sends,

@@ -39,6 +39,7 @@ The search (after Hydraulis' assignment of length ranges to strategies by dynami
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -340,7 +341,11 @@ class Search:
         self._pairs: dict[tuple, np.ndarray] = {}
         self._placed: dict[tuple, tuple[np.ndarray, float]] = {}
         self.fill, self._filled = fill, {}
-        self.drawn = fill.drawn() if fill is not None else []
+
+    @functools.cached_property
+    def drawn(self) -> list[np.ndarray]:
+        """The mini-batches `plan` prices a step on (`Fill.drawn`); none without a `fill`."""
+        return self.fill.drawn() if self.fill is not None else []
 
     def filled(self, low: int, high: int, rows: int) -> float:
         """Rows the run's mini-batches fill in the bucket (`low`, `high`], where the typical

@@ -463,6 +463,40 @@ def test_a_checked_plan_finds_the_one_strategy_xla_fits_where_the_model_errs_bot
     assert lines[0].startswith(f"checking the plan by XLA: {wrong} at ")
 
 
+def test_a_checked_plan_goes_on_while_each_round_measures_something_new(lengths, monkeypatch):
+    """Near a tight wall the model can fit many micro-steps that XLA puts over, and find them a
+    few a round: here every strategy needing less than Megatron at the context (the rings,
+    Ulysses, megatron-sp) and the short buckets' ZeRO, measured 5 % over the model. `plan_checked`
+    goes on past eight rounds while each measures a micro-step it had not, measures each once,
+    and plans what XLA fits."""
+    from hotjax.planning.memory import micro_step_memory
+
+    profile = load_profile("a800-4x8")
+    probe = plan.Search(MODEL, profile, 2, 80 * GiB)
+
+    def least(strategy) -> int:  # one row per batch shard at the context, beside its own home
+        return min(micro_step_memory(dataclasses.replace(MODEL, remat=remat), strategy,
+                                     (strategy.batch_shards, CONTEXT), profile.platform).peak
+                   for remat in plan.REMAT_POLICIES) + probe.resident[strategy]
+
+    right = next(s for s in probe.strategies if str(s) == "tensor2 [megatron]")
+    budget = int(least(right) * 1.001)
+    assert sum(least(s) < budget for s in probe.strategies) >= 6
+    checked, rounds, planned = [], [], plan.plan
+    monkeypatch.setattr(plan, "plan", lambda *a, **k: rounds.append(1) or planned(*a, **k))
+
+    def measured(choice: plan.Choice, home) -> int:
+        checked.append((choice.strategy, choice.max_len, choice.micro_rows, choice.remat, home))
+        fits = choice.strategy == right
+        return choice.peak_bytes if fits else max(round(1.05 * choice.peak_bytes), budget + 1)
+
+    search = plan.Search(MODEL, profile, 2, budget)
+    found = plan.plan_checked(search, lengths, CONTEXT, measured)
+    assert {b.strategy for b in found.buckets if b.rows} == {right}
+    assert len(rounds) > 8 and len(checked) == len(set(checked))
+    assert all(measured(b, found.home) <= budget for b in found.buckets if b.rows)
+
+
 def test_a_strategys_measured_under_count_carries_to_its_longer_rows_not_its_shorter():
     """XLA's bytes over the model's for one micro-step scale the strategy's others not measured
     yet at that length (any remat policy) and longer, never shorter ones."""

@@ -79,7 +79,11 @@ from hotjax.sharding.table import Bucket, StrategyTable
 from hotjax.train import micro_units
 
 MIN_BUCKET = 512  # the shortest bucket boundary considered
-CHECK_ROUNDS = 8  # plans made by `plan_checked` before it gives up
+# Plans `plan_checked` makes before it gives up. Each round measures at least one micro-step not
+# measured before, or it stops sooner; near a tight wall the model can under-count a dozen
+# candidates by a few per cent and find them one a round (the 4K InfiniBand-scaled cell of
+# docs/scale-model.md, planned from a corpus sample, took 9).
+CHECK_ROUNDS = 32
 # A micro-step XLA measured over the budget stays this much over it in the corrected memory
 # model (through the model's rounding); one measured within the budget is corrected to exactly
 # what XLA measured: any margin there would exclude a strategy the budget holds by less, and a
@@ -545,16 +549,24 @@ def plan_checked(search: Search, lengths: np.ndarray, context: int,
     so that what is planned is what trains. Where the model finds no plan at all, the
     micro-steps at the context it puts just over the budget (`Search.near_budget`) are
     measured and the model corrected by them, either way, before the plan is made again.
+    Each micro-step is measured once; the rounds stop when one measures nothing new.
     `progress` gets a line per micro-step measured."""
-    def check(choice: Choice, home: Strategy) -> int:
-        used = measured(choice, home)
-        progress(f"checking the plan by XLA: {choice.strategy} at {choice.max_len} tokens, "
-                 f"{choice.micro_rows} rows, remat {choice.remat}: {used / 2**20:,.1f} MiB "
-                 f"(model {choice.peak_bytes / 2**20:,.1f}, budget "
-                 f"{search.budget / 2**20:,.1f})")
-        return used
+    seen: dict[tuple, int] = {}
 
-    for _ in range(CHECK_ROUNDS):
+    def check(choice: Choice, home: Strategy) -> int:
+        key = (choice.strategy, choice.max_len, choice.micro_rows, choice.remat,
+               choice.accumulate, home)
+        if key not in seen:
+            seen[key] = used = measured(choice, home)
+            progress(f"checking the plan by XLA: {choice.strategy} at {choice.max_len} tokens, "
+                     f"{choice.micro_rows} rows, remat {choice.remat}: {used / 2**20:,.1f} MiB "
+                     f"(model {choice.peak_bytes / 2**20:,.1f}, budget "
+                     f"{search.budget / 2**20:,.1f})")
+        return seen[key]
+
+    rounds = 0
+    while rounds < CHECK_ROUNDS:
+        rounds, known = rounds + 1, len(seen)
         try:
             found = plan(search, lengths, context, max_buckets)
         except NothingFits:
@@ -572,8 +584,10 @@ def plan_checked(search: Search, lengths: np.ndarray, context: int,
             search.correct(choice, home_bytes, used)
         if not over:
             return found
+        if len(seen) == known:  # the corrected model planned only what XLA measured before
+            break
     raise UserError(f"no plan whose buckets fit {search.budget / 2**30:.2f} GiB per device by "
-                    f"XLA's memory analysis after {CHECK_ROUNDS} corrections of the memory "
+                    f"XLA's memory analysis after {rounds} corrections of the memory "
                     f"model: raise the memory budget, or name the strategies (--strategies "
                     f"TABLE.toml)")
 

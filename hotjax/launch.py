@@ -18,9 +18,10 @@ within a minute). The launcher leaves no process behind: one that outlasts a SIG
 On CPU each process is pinned to its own share of this machine's cores (its CPU affinity, which
 XLA's thread pools inherit and size themselves by), so with one device per process a CPU machine
 is a real cluster: every device computes on its own cores in parallel with the others, and their
-collectives cross a network (gloo over loopback). Simulated devices in one process, by contrast,
-share its cores: a step costs the sum of all their work, and neither the communication a
-strategy avoids nor the imbalance between data shards shows. Measure strategies here.
+collectives cross a network (gloo over loopback, or under `--link` a shaped one). Simulated
+devices in one process, by contrast, share its cores: a step costs the sum of all their work,
+and neither the communication a strategy avoids nor the imbalance between data shards shows.
+Measure strategies here.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import IO
 
 from hotjax.distributed import HEARTBEAT_TIMEOUT_S
 from hotjax.errors import UserError
-from hotjax.link import describe_rate, shaped_namespace
+from hotjax.link import Network, describe_rate, shaped_network
 from hotjax.preemption import REQUEUE_EXIT
 
 STOP_GRACE_S = 10  # after SIGTERM, before SIGKILL
@@ -59,31 +60,33 @@ def run(program: list[str], processes: int, devices_per_process: int | None,
     as `processes` processes; 0 when all succeed, else the first failure's exit code (the rest
     stopped), or a `UserError` when JAX's runtime failed the run for a process that stopped
     answering. On CPU with `pin`, each process runs on its own cores (`core_shares`), as the
-    first line says. `link` (bytes/s): the processes run in a network namespace of their own
-    whose loopback carries at most that (`hotjax.link`), removed however the launch ends.
+    first line says. `link` (bytes/s): each process runs in a network namespace of its own,
+    joined by a switch, its cable carrying at most that each way (`hotjax.link`), all removed
+    however the launch ends.
     `verbose` passes on the lines of the runtime's chatter (`CHATTER`) too."""
     out = out or sys.stdout
     with contextlib.ExitStack() as stack:
-        namespace = stack.enter_context(shaped_namespace(link)) if link is not None else None
-        return _run(program, processes, devices_per_process, out, pin, link, namespace, verbose)
+        network = (stack.enter_context(shaped_network(link, processes)) if link is not None
+                   else None)
+        return _run(program, processes, devices_per_process, out, pin, link, network, verbose)
 
 
 def _run(program: list[str], processes: int, devices_per_process: int | None, out: IO[str],
-         pin: bool, link: float | None, namespace: str | None, verbose: bool) -> int:
-    coordinator = f"127.0.0.1:{_free_port()}"
+         pin: bool, link: float | None, network: Network | None, verbose: bool) -> int:
+    # Process 0 serves the coordinator; under --link at its own address on the switch.
+    coordinator = f"{network.addresses[0] if network else '127.0.0.1'}:{_free_port()}"
     gpus = _gpus()
     cores = core_shares(processes) if pin and not gpus else None
     first = ("" if gpus else describe_cpu_cluster(processes, devices_per_process or 4, cores))
     if processes == 1:
         first = ("1 process: it joins no cluster and runs no collectives, as the command would "
                  "without hotjax launch (pass --processes 2 or more for a cluster)")
-    if namespace:
+    if network:
         first = (f"{first or f'{processes} processes'} over a link shaped to "
-                 f"{describe_rate(link)} (tc tbf on the loopback of network namespace "
-                 f"{namespace})")
+                 f"{describe_rate(link)} each way (tc tbf on each process's cable to a switch; "
+                 f"network namespaces {network.switch}-*)")
     if first:
         print(f"hotjax launch: {first}", file=out, flush=True)
-    wrap = ["ip", "netns", "exec", namespace] if namespace else []
     started: list[subprocess.Popen] = []
     relays: list[_Relay] = []
     forwarding = threading.current_thread() is threading.main_thread()
@@ -103,6 +106,7 @@ def _run(program: list[str], processes: int, devices_per_process: int | None, ou
             if link is not None:  # what the processes' network is, for their reports
                 env[LINK_ENV] = str(link)
             # `ip netns exec` execs the program in this same process: its pinning holds.
+            wrap = ["ip", "netns", "exec", network.nodes[i]] if network else []
             argv = [*wrap, *program, "--coordinator", coordinator, "--num-processes",
                     str(processes), "--process-id", str(i)]
             own = cores[i] if cores else None

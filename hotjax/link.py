@@ -1,18 +1,27 @@
-"""A shaped link for `hotjax launch --link`: its processes run in a network namespace of their own
-whose loopback (coordinator and gloo collectives alike) carries at most a given rate (tc tbf).
+"""A shaped link for `hotjax launch --link`: each process runs in a network namespace of its
+own, plugged into a switch (a bridge in one more namespace) by a virtual cable (a veth pair)
+that carries at most a given rate each way (tc tbf at both of its ends), as a cluster node's
+network card does: a process sending while it receives gets the whole rate both ways. The
+coordinator and gloo's collectives alike cross it.
 
 The rate is given as such (`50MB/s`, `400Mbit`) or as a shipped profile's link scaled to this
 machine (`a800-4x8:intra`): the cluster's bandwidth times this machine's matmul rate per device
 over the cluster's, so that compute and network keep the cluster's ratio.
+
+Until 2026-12-02 the processes shared one namespace whose loopback was shaped: one device for
+both directions, so a collective sending both ways at once (an all-reduce, a ring's sends, an
+all-to-all) got half the rate each way, and more whenever the ranks' sends did not coincide.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tomllib
@@ -31,7 +40,14 @@ PREFIX = "hotjax"
 BURST = 192 * 1024
 _UNITS = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9}
 _RATE = re.compile(r"(\d+(?:\.\d+)?)\s*([kKMG]?)(B/s|bit(?:/s)?)")
-_OURS = re.compile(rf"{PREFIX}-(\d+)-[0-9a-f]+")
+_OURS = re.compile(rf"{PREFIX}-(\d+)-[0-9a-f]+(?:-\d+)?")  # a switch's, or a process's
+# The switched network's addresses: process i at SUBNET.(i + 1). Each launch's namespaces are
+# its own, so launches side by side reuse them.
+SUBNET = "10.77.0"
+MAX_PROCESSES = 250
+# The cables' MTU: the loopback's, so that a shaped link moves packets of the size an unshaped
+# one (loopback) does.
+MTU = 65535
 
 
 def parse_rate(text: str) -> float:
@@ -124,8 +140,8 @@ def check_tools() -> None:
         raise UserError(f"--link needs iproute2's {' and '.join(missing)}, not found: install "
                         f"iproute2 or drop --link")
     if os.geteuid() != 0:
-        raise UserError("--link needs root (a network namespace and a qdisc on its loopback): "
-                        "run as root or drop --link")
+        raise UserError("--link needs root (network namespaces, a bridge and qdiscs): run as "
+                        "root or drop --link")
 
 
 def namespaces() -> list[str]:
@@ -147,25 +163,72 @@ def remove_stale() -> list[str]:
     return stale
 
 
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """A launch's switched network: the switch's namespace, each process's namespace and its
+    address there (process i runs under `ip netns exec nodes[i]`)."""
+
+    switch: str
+    nodes: tuple[str, ...]
+    addresses: tuple[str, ...]
+
+
 @contextlib.contextmanager
-def shaped_namespace(rate: float) -> Iterator[str]:
-    """A fresh network namespace whose loopback is up and carries at most `rate` bytes/s (both
-    directions together: lo is one device), removed on leaving however the block ends."""
+def shaped_network(rate: float, processes: int) -> Iterator[Network]:
+    """`processes` namespaces, each with a cable to one switch carrying at most `rate` bytes/s
+    each way, removed on leaving however the block ends. In each, this machine's host name
+    names the process's own address (`/etc/netns/NAME/hosts`, which `ip netns exec` puts in
+    place of `/etc/hosts`): gloo binds to and announces the address its host name has."""
     check_tools()
+    if not 1 <= processes <= MAX_PROCESSES:
+        raise UserError(f"--link: {processes} processes; a shaped link takes 1 to "
+                        f"{MAX_PROCESSES}")
     remove_stale()
-    name = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
+    switch = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
+    network = Network(switch, tuple(f"{switch}-{i}" for i in range(processes)),
+                      tuple(f"{SUBNET}.{i + 1}" for i in range(processes)))
+    shaping = ("tbf", "rate", f"{int(rate * 8)}bit", "burst", str(BURST), "latency", "400ms")
     try:
-        _ip("netns", "add", name)
-        _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
-        _ip("netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
-            f"{int(rate * 8)}bit", "burst", str(BURST), "latency", "400ms")
-        yield name
+        _ip("netns", "add", switch)
+        _ip("-n", switch, "link", "add", "switch", "type", "bridge")
+        for name in ("lo", "switch"):
+            _ip("-n", switch, "link", "set", name, "up")
+        for i, (node, address) in enumerate(zip(network.nodes, network.addresses, strict=True)):
+            _ip("netns", "add", node)
+            try:
+                _hosts(node).parent.mkdir(parents=True, exist_ok=True)
+                _hosts(node).write_text(f"{address} {socket.gethostname()}\n"
+                                        f"127.0.0.1 localhost\n")
+            except OSError as e:
+                raise UserError(f"--link: cannot write {_hosts(node)} ({e.strerror}): a "
+                                f"shaped link needs /etc/netns writable, or drop --link") from e
+            port = f"port{i}"  # the switch's end of the cable; the process's end is eth0
+            _ip("-n", switch, "link", "add", port, "mtu", str(MTU), "type", "veth", "peer",
+                "name", "eth0", "mtu", str(MTU), "netns", node)
+            _ip("-n", switch, "link", "set", port, "master", "switch", "up")
+            _ip("-n", node, "addr", "add", f"{address}/24", "dev", "eth0")
+            for name in ("lo", "eth0"):
+                _ip("-n", node, "link", "set", name, "up")
+            # What the process sends, and what the switch sends it.
+            _tc(node, "eth0", shaping)
+            _tc(switch, port, shaping)
+        yield network
     finally:
-        _remove(name)
+        for name in (*network.nodes, switch):
+            _remove(name)
+
+
+def _hosts(namespace: str) -> Path:
+    return Path("/etc/netns") / namespace / "hosts"
+
+
+def _tc(namespace: str, device: str, qdisc: tuple[str, ...]) -> None:
+    _ip("netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", *qdisc)
 
 
 def _remove(name: str) -> None:
     subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+    shutil.rmtree(_hosts(name).parent, ignore_errors=True)
 
 
 def _ip(*args: str) -> None:

@@ -41,10 +41,11 @@ def add_processes_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", type=int, metavar="N", help="run as N processes of one "
                         "CPU device each, pinned to their own cores (hotjax launch): a real "
                         "N-device cluster")
-    parser.add_argument("--link", metavar="RATE", help="with --processes: the processes in a "
-                        "network namespace whose loopback carries at most RATE (50MB/s, "
-                        "400Mbit), or a profile's link scaled to this machine's compute "
-                        "(a800-4x8:intra, a800-4x8:inter); needs root and iproute2")
+    parser.add_argument("--link", metavar="RATE", help="with --processes: each process in a "
+                        "network namespace of its own, its cable to a switch carrying at most "
+                        "RATE each way (50MB/s, 400Mbit), or a profile's link scaled to this "
+                        "machine's compute (a800-4x8:intra, a800-4x8:inter); needs root and "
+                        "iproute2")
     add_process_options(parser)
     parser.add_argument("--report-file", help=argparse.SUPPRESS)  # process 0 writes it
 

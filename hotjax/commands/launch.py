@@ -22,10 +22,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                         "evenly)")
     launch.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                         help="CPU: pin each process to its own cores (default: on)")
-    launch.add_argument("--link", metavar="RATE", help="run the processes in a network "
-                        "namespace whose loopback carries at most RATE (50MB/s, 400Mbit), or a "
-                        "profile's link scaled to this machine's compute (a800-4x8:intra or "
-                        ":inter); needs root and iproute2")
+    launch.add_argument("--link", metavar="RATE", help="run each process in a network "
+                        "namespace of its own, its cable to a switch carrying at most RATE each "
+                        "way (50MB/s, 400Mbit), or a profile's link scaled to this machine's "
+                        "compute (a800-4x8:intra or :inter); needs root and iproute2")
     launch.add_argument("--verbose", action="store_true", help="also pass on the lines the "
                         "runtime prints on every run (gloo's \"Rank N is connected to M peer "
                         "ranks\"), hidden by default")

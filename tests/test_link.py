@@ -136,3 +136,22 @@ def test_without_tc_nothing_starts(monkeypatch, capsys):
     with pytest.raises(UserError, match=r"--link needs iproute2's tc, not found") as raised:
         launch.run([sys.executable, "-c", "raise SystemExit(3)"], 2, 1, link=20e6)
     assert "\n" not in str(raised.value) and capsys.readouterr().out == ""
+
+
+def test_each_process_has_its_own_namespace_address_and_host_name_on_one_switch():
+    """Three processes: a switch and three namespaces, in each this machine's host name naming
+    that process's address (gloo binds to and announces it); all gone on leaving."""
+    import socket
+
+    with link.shaped_network(20e6, 3) as network:
+        assert network.nodes == tuple(f"{network.switch}-{i}" for i in range(3))
+        assert set(network.nodes) | {network.switch} <= set(link.namespaces())
+        for node, address in zip(network.nodes, network.addresses, strict=True):
+            named = subprocess.run(["ip", "netns", "exec", node, "getent", "hosts",
+                                    socket.gethostname()], capture_output=True, text=True)
+            assert named.stdout.split()[0] == address
+            shaped = subprocess.run(["ip", "netns", "exec", node, "tc", "qdisc", "show", "dev",
+                                     "eth0"], capture_output=True, text=True).stdout
+            assert "tbf" in shaped and "rate 160Mbit" in shaped, shaped
+    assert not [n for n in link.namespaces() if n.startswith(network.switch)]
+    assert not any(os.path.exists(f"/etc/netns/{n}") for n in network.nodes)

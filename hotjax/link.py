@@ -195,23 +195,8 @@ def shaped_network(rate: float, processes: int) -> Iterator[Network]:
             _ip("-n", switch, "link", "set", name, "up")
         for i, (node, address) in enumerate(zip(network.nodes, network.addresses, strict=True)):
             _ip("netns", "add", node)
-            try:
-                _hosts(node).parent.mkdir(parents=True, exist_ok=True)
-                _hosts(node).write_text(f"{address} {socket.gethostname()}\n"
-                                        f"127.0.0.1 localhost\n")
-            except OSError as e:
-                raise UserError(f"--link: cannot write {_hosts(node)} ({e.strerror}): a "
-                                f"shaped link needs /etc/netns writable, or drop --link") from e
-            port = f"port{i}"  # the switch's end of the cable; the process's end is eth0
-            _ip("-n", switch, "link", "add", port, "mtu", str(MTU), "type", "veth", "peer",
-                "name", "eth0", "mtu", str(MTU), "netns", node)
-            _ip("-n", switch, "link", "set", port, "master", "switch", "up")
-            _ip("-n", node, "addr", "add", f"{address}/24", "dev", "eth0")
-            for name in ("lo", "eth0"):
-                _ip("-n", node, "link", "set", name, "up")
-            # What the process sends, and what the switch sends it.
-            _tc(node, "eth0", shaping)
-            _tc(switch, port, shaping)
+            _name_host(node, address)
+            _plug(switch, f"port{i}", node, address, shaping)
         yield network
     finally:
         for name in (*network.nodes, switch):
@@ -222,8 +207,27 @@ def _hosts(namespace: str) -> Path:
     return Path("/etc/netns") / namespace / "hosts"
 
 
-def _tc(namespace: str, device: str, qdisc: tuple[str, ...]) -> None:
-    _ip("netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", *qdisc)
+def _name_host(namespace: str, address: str) -> None:
+    """This machine's host name names `address` inside `namespace`."""
+    try:
+        _hosts(namespace).parent.mkdir(parents=True, exist_ok=True)
+        _hosts(namespace).write_text(f"{address} {socket.gethostname()}\n127.0.0.1 localhost\n")
+    except OSError as e:
+        raise UserError(f"--link: cannot write {_hosts(namespace)} ({e.strerror}): a shaped "
+                        f"link needs /etc/netns writable, or drop --link") from e
+
+
+def _plug(switch: str, port: str, node: str, address: str, shaping: tuple[str, ...]) -> None:
+    """A cable from the switch's `port` to `node`'s eth0 (at `address`), shaped at both ends:
+    what the process sends, and what the switch sends it."""
+    _ip("-n", switch, "link", "add", port, "mtu", str(MTU), "type", "veth", "peer", "name",
+        "eth0", "mtu", str(MTU), "netns", node)
+    _ip("-n", switch, "link", "set", port, "master", "switch", "up")
+    _ip("-n", node, "addr", "add", f"{address}/24", "dev", "eth0")
+    for name in ("lo", "eth0"):
+        _ip("-n", node, "link", "set", name, "up")
+    for namespace, device in ((node, "eth0"), (switch, port)):
+        _ip("netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", *shaping)
 
 
 def _remove(name: str) -> None:

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -141,8 +142,6 @@ def test_without_tc_nothing_starts(monkeypatch, capsys):
 def test_each_process_has_its_own_namespace_address_and_host_name_on_one_switch():
     """Three processes: a switch and three namespaces, in each this machine's host name naming
     that process's address (gloo binds to and announces it); all gone on leaving."""
-    import socket
-
     with link.shaped_network(20e6, 3) as network:
         assert network.nodes == tuple(f"{network.switch}-{i}" for i in range(3))
         assert set(network.nodes) | {network.switch} <= set(link.namespaces())

@@ -553,6 +553,15 @@ def _profile(path: tuple[str, ...] = (), value: object = DELETE) -> dict:
      "test.toml: collectives.all-reduce.intra: group size 'one' must be an integer"),
     (("collectives", "send"), DELETE,
      "test.toml: collectives.send: missing: add [collectives.send]"),
+    (("collectives", "send", "by_bytes"), {"4MB": 0.5},
+     "test.toml: collectives.send.by_bytes: size '4MB' must be a positive integer"),
+    (("collectives", "send", "by_bytes"), {"4096": 0},
+     "test.toml: collectives.send.by_bytes.4096 = 0: give a positive number"),
+    (("collectives", "send", "by_bytes"), 0.5,
+     "test.toml: collectives.send.by_bytes: give a table of size = share of the bandwidth"),
+    (("collectives", "broadcast"), {"intra": {"2": 1}, "inter": {"2": 1}},
+     "test.toml: collectives: unknown key 'broadcast': use all-reduce, all-gather, "
+     "reduce-scatter, send, all-to-all"),
     (("efficiency", "attention_cudnn"), 2, "test.toml: efficiency.attention_cudnn = 2.0 is a "
      "share of peak"),
     (("efficiency", "attention_flash"), 0.5, "test.toml: efficiency: unknown key "
@@ -728,6 +737,50 @@ def test_ulysses_all_to_alls_are_priced_as_the_compiler_emits_them(devices, rema
     saved = 3 * (remat == "none")
     assert _latencies_per_layer(config, strategy, shape, "cpu") == hlo["issued"][
         "all-to-all"] + saved == {"none": 11, "full": 12}[remat]
+
+
+@pytest.mark.parametrize("ring", [2, 4])
+def test_a_rings_sends_each_pay_a_latency_as_xla_cpu_issues_them(devices, ring):
+    """A 2-layer `small` micro-step on a ring of 2 and of 4 (XLA:CPU): K and V and their
+    gradients each a send of its own inside the layer loop (8 and 20 a layer), the chunk's
+    three token arrays once a micro-step (3 and 9, the same in every layer); the ring's price
+    pays one latency for each. Priced a send per K/V transfer (4 a layer on a ring of 2), it
+    paid 8 of 19 on a testbed whose sends cost 4 ms each besides their bytes."""
+    config = as_trained(preset("small"), compute_dtype="bfloat16", n_layers=2, scan_unroll=1)
+    strategy = Strategy.parse(f"context={ring},rules=context,balanced=true")
+    shape = (4, 256)
+    text = bucket_step(config, strategy, tuple(devices[:ring])).compiled(shape).as_text()
+    sends = [entry for entry, _, op, _ in _collectives(text) if op == "collective-permute"]
+    assert (sends.count(False), sends.count(True)) == {2: (8, 3), 4: (20, 9)}[ring]
+    data = _profile(("platform",), "cpu")
+    priced = []
+    for latency_us in (1000.0, 2000.0):
+        data["links"]["latency_us"] = latency_us
+        priced.append(micro_step_time(config, strategy, shape, parse_profile(data, "t.toml")).ring)
+    assert (priced[1] - priced[0]) / 1e-3 == pytest.approx(
+        config.n_layers * sends.count(False) + sends.count(True))
+
+
+def test_each_collective_is_priced_at_the_bandwidth_of_its_tensors_size():
+    """A collective's `by_bytes` scales its bandwidth by the size of each tensor it moves
+    (interpolated in log size, clamped at the ends); an all-to-all takes its own table where
+    the profile has one, else the all-gather's."""
+    data = _profile()
+    data["collectives"]["send"]["by_bytes"] = {"65536": 0.5, "262144": 1.0}
+    profile = parse_profile(data, "t.toml")
+    assert profile.bandwidth("send", 2, False) == 100e9  # the tables' own size
+    for nbytes, share in ((2**17, 0.75), (2**10, 0.5), (2**30, 1.0)):
+        assert profile.bandwidth("send", 2, False, nbytes) == pytest.approx(100e9 * share)
+    config, shape = as_trained(preset("tiny")), (2, 256)  # each K or V array 8 KiB in bf16
+    ring = Strategy.parse("context=2,rules=context")
+    flat = micro_step_time(config, ring, shape, parse_profile(_profile(), "t.toml"))
+    assert micro_step_time(config, ring, shape, profile).ring == pytest.approx(2 * flat.ring)
+    ulysses = Strategy.parse("context=2,rules=ulysses")
+    gathered = micro_step_time(config, ulysses, shape, parse_profile(_profile(), "t.toml"))
+    data = _profile()
+    data["collectives"]["all-to-all"] = {"intra": {"2": 50}, "inter": {"16": 5}}
+    exchanged = micro_step_time(config, ulysses, shape, parse_profile(data, "t.toml"))
+    assert exchanged.tensor == pytest.approx(2 * gathered.tensor)
 
 
 def _latencies_per_layer(config, strategy: Strategy, shape: tuple[int, int],

@@ -15,7 +15,13 @@ from hotjax.planning.measure import (
     measure_profile,
     reference_model,
 )
-from hotjax.planning.profile import COLLECTIVES, load_profile, parse_profile, profile_toml
+from hotjax.planning.profile import (
+    COLLECTIVES,
+    OPTIONAL_COLLECTIVES,
+    load_profile,
+    parse_profile,
+    profile_toml,
+)
 from hotjax.sharding.strategy import Strategy
 
 
@@ -32,11 +38,19 @@ def test_measured_profile_has_positive_figures_for_every_collective_and_group(me
     assert measured.step_overhead >= 0 and positive(measured.collective_latency)
     assert positive(measured.elementwise_bandwidth)
     assert positive(measured.intra_node_bandwidth) and positive(measured.inter_node_bandwidth)
-    assert [name for name, _ in measured.collectives] == list(COLLECTIVES)
+    assert [name for name, _ in measured.collectives] == [*COLLECTIVES, *OPTIONAL_COLLECTIVES]
     for _, bandwidths in measured.collectives:
         assert [size for size, _ in bandwidths.intra] == [2, 4, 8]
         assert all(positive(bw) for _, bw in bandwidths.intra)
         assert bandwidths.inter == bandwidths.intra  # one process: one node
+        # Timed again on the widest groups with a sixteenth and a quarter of the 1 MiB tensor,
+        # each a share of the bandwidth at the reference size.
+        assert [size for size, _ in bandwidths.by_bytes] == [2**16, 2**18, 2**20]
+        assert dict(bandwidths.by_bytes)[2**20] == 1.0
+        assert all(positive(share) for _, share in bandwidths.by_bytes)
+        widest = bandwidths.intra[-1][1]
+        for size, share in bandwidths.by_bytes:
+            assert bandwidths.at(8, False, size) == pytest.approx(widest * share)
 
 
 def test_attention_is_measured_and_priced_at_the_heads_each_device_runs(measured):

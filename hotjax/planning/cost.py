@@ -32,7 +32,8 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
 - A collective moving a tensor of `bytes` over a group of n devices takes the profile's latency
   plus factor·bytes / bus bandwidth, with factor 2(n-1)/n for all-reduce, (n-1)/n for
   all-gather and reduce-scatter, 1 for a send (nccl-tests' bus-bandwidth convention); the
-  bandwidth is the profile's for that collective, group size, and whether the group spans nodes.
+  bandwidth is the profile's for that collective, group size, and whether the group spans nodes,
+  at the size of the tensor where the profile measured sizes (`Bandwidths.by_bytes`).
 - Elementwise work (the norms, residual adds, rotary embedding, SwiGLU's activation, the
   loss's softmax over the vocabulary, the gradient accumulator's add): memory-bound, priced as
   the bytes its passes move (`ELEMENTWISE`: each array of a width read or written once between
@@ -60,10 +61,11 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   on XLA:CPU that the latencies priced are the collectives the compiled step issues.
 - Context parallelism (ring attention): per layer, the forward sends the local K/V chunk c-1
   times round the ring; the backward sends K/V c-1 times and their fp32 gradients c times; a
-  recomputed forward sends nothing again (each checked against the HLO's collective bytes in
-  tests/test_cost.py). The kernel sends a chunk before computing the one it holds, so on GPU
-  the ring hides behind attention: only what exceeds the attention time is exposed. XLA:CPU
-  runs each send to completion (`SERIAL_RING`).
+  recomputed forward sends nothing again; the chunk's token arrays go round once a micro-step
+  (each checked against the HLO's collective bytes in tests/test_cost.py, and on XLA:CPU the
+  sends against those it issues, one a K or V array). The kernel sends a chunk before
+  computing the one it holds, so on GPU the ring hides behind attention: only what exceeds
+  the attention time is exposed. XLA:CPU runs each send to completion (`SERIAL_RING`).
 - Ulysses (DeepSpeed-Ulysses: Jacobs et al. 2023, arXiv:2309.14509), in the `tensor` term
   with the other collectives of a head split: per layer q, k and v all-to-all'd from the
   sequence split to the head split and the output back, in each forward and transposed in the
@@ -72,7 +74,8 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   ones of all layers at once, after the layer loop; priced per layer, as XLA:GPU issues
   them); K/V heads fewer than the ranks are all-gathered whole instead
   and their gradients reduced. An all-to-all moves (n-1)/n of each device's tensor, at the
-  profile's all-gather bandwidth. Attention then runs on whole rows, 1/n of the heads each.
+  profile's all-to-all bandwidth (its all-gather's where it measured none). Attention then
+  runs on whole rows, 1/n of the heads each.
 - FSDP (ZeRO-3): the weights are all-gathered over the fsdp axes layer by layer in the forward
   pass, and again in the backward under remat (with remat "none" XLA keeps the gathered layers),
   one all-gather per weight array, each paying the profile's latency; the embedding and the
@@ -115,6 +118,7 @@ from hotjax.planning.memory import HELD_BYTES, SAVED
 from hotjax.planning.profile import Profile
 from hotjax.planning.shares import (
     FP32,
+    INT32,
     Shares,
     axes_size,
     fitted_strategy,
@@ -132,17 +136,19 @@ from hotjax.sharding.transfers import TransferSchedule, boxes_from_strategy
 # trained size. 5: the elementwise passes priced apart from the matmul rate. 6: attention by
 # query heads per device; one latency per collective XLA issues. 7: attention by row length
 # (the matmul rate fitted with the fit's short rows' attention at their own rate). 8: the
-# collectives outside the layer loop and those XLA:CPU does not combine, each a latency.
-COST_MODEL_VERSION = 8
+# collectives outside the layer loop and those XLA:CPU does not combine, each a latency. 9: each
+# collective at the bandwidth of its tensor's size, all-to-alls measured, the ring's sends as
+# XLA:CPU issues them.
+COST_MODEL_VERSION = 9
 # Of each collective's tensor, the bytes moved per device over a group of n (the bus-bandwidth
 # convention of nccl-tests): time = latency + factor · bytes / bus bandwidth.
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
     "reduce-scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0,
     "all-to-all": lambda n: (n - 1) / n}
-# Collectives a profile does not measure, priced at the bandwidth of one it does: an all-to-all
-# moves (n-1)/n of each device's tensor over every link at once, as an all-gather does.
-PRICED_AS = {"all-to-all": "all-gather"}
+# The int32 arrays of a context ring's chunk that travel with its K/V (segment ids, positions,
+# columns: `hotjax.models.attention.Tokens`).
+RING_TOKEN_ARRAYS = 3
 # Platforms whose compiled steps send activations at `HELD_BYTES` (what a collective next to a
 # widened dot carries) and reduce-scatter them as an all-reduce and a slice: XLA's SPMD
 # partitioner emits the latter, and the GPU pipeline fuses it back into a reduce-scatter
@@ -281,12 +287,13 @@ class _Pricing:
 
     def collective(self, name: str, nbytes: float, axes: tuple[str, ...], count: int = 1
                    ) -> float:
-        """`count` collectives moving `nbytes` in all over the devices of `axes`."""
+        """`count` collectives moving `nbytes` in all over the devices of `axes`, each at the
+        bandwidth of its share of the bytes."""
         n = axes_size(self.strategy, axes)
         if n == 1:
             return 0.0
-        bandwidth = self.profile.bandwidth(PRICED_AS.get(name, name), n, _crosses_nodes(
-            self.strategy, axes, self.profile.devices_per_node))
+        bandwidth = self.profile.bandwidth(name, n, _crosses_nodes(
+            self.strategy, axes, self.profile.devices_per_node), nbytes / count)
         return count * self.profile.collective_latency + BUS_FACTOR[name](n) * nbytes / bandwidth
 
     def gemms(self, widths: Iterable[tuple[float, float]]) -> float:
@@ -399,12 +406,24 @@ def _tensor(p: _Pricing) -> tuple[float, float]:
 
 
 def _ring(p: _Pricing) -> float:
-    """Seconds of the ring's K/V sends, hidden or not."""
+    """Seconds of the ring's sends, hidden or not: per layer K and V c-1 times forward and
+    again backward, and their fp32 gradients c times; once a micro-step the token arrays that
+    travel with each chunk (`RING_TOKEN_ARRAYS`, c-1 times: the same in every layer, so sent
+    once). Where nothing combines collectives (`UNCOMBINED`) each array is a send of its own,
+    priced at its own size (XLA:CPU: 8 sends a layer and 3 a micro-step on a ring of 2, 20
+    and 9 on a ring of 4); elsewhere each transfer is one send of a tuple."""
     c, s = p.config, p.s
     context = p.ring_size
-    chunk_kv = 2 * s.rows * p.shape[1] / context * c.n_kv_heads * c.head_dim / s.kv_ways
-    return s.layers * (2 * (context - 1) * p.collective("send", chunk_kv * p.wire, s.ring_axes)
-                       + context * p.collective("send", chunk_kv * FP32, s.ring_axes))
+    if context == 1:
+        return 0.0
+    tokens = s.rows * p.shape[1] / context  # a rank's chunk
+    kv = 2 * tokens * c.n_kv_heads * c.head_dim / s.kv_ways
+    apart = p.profile.platform in UNCOMBINED
+    send = functools.partial(p.collective, "send", axes=s.ring_axes, count=2 if apart else 1)
+    token_arrays = p.collective("send", RING_TOKEN_ARRAYS * tokens * INT32, s.ring_axes,
+                                RING_TOKEN_ARRAYS if apart else 1)
+    return (s.layers * (2 * (context - 1) * send(kv * p.wire) + context * send(kv * FP32))
+            + (context - 1) * token_arrays)
 
 
 def _fsdp(p: _Pricing) -> float:
@@ -485,8 +504,9 @@ def bucket_reduction_seconds(config: LlamaConfig, strategy: Strategy, profile: P
         return 0.0
     fitted = fitted_strategy(config, strategy)
     crosses = _crosses_nodes(fitted, s.partial_axes, profile.devices_per_node)
-    return profile.collective_latency + 2 * (n - 1) / n * s.grad_sum * FP32 / profile.bandwidth(
-        "all-reduce", n, crosses)
+    nbytes = s.grad_sum * FP32
+    return profile.collective_latency + 2 * (n - 1) / n * nbytes / profile.bandwidth(
+        "all-reduce", n, crosses, nbytes)
 
 
 def _tensor_collectives(platform: str, remat: str, staged: bool) -> tuple[int, int, int]:

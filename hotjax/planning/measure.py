@@ -35,9 +35,13 @@ node and across nodes (a node is one process: its devices share a host, or an NV
   each op a kernel of its own as the matmuls between them make it in a step, over a micro-step's
   tokens per device; the bytes `hotjax.planning.cost.ELEMENTWISE` counts for it over its time.
   Measured before the matmul rate is fitted, so that the rate no longer carries this work.
-- Collectives: all-reduce, all-gather, reduce-scatter and a ring `ppermute` (send) on groups of
-  2, 4, ... devices, every group at once; bus bandwidth as nccl-tests and
-  `hotjax.planning.cost` count it, after the latency: what each of a chain of `CHAIN` small
+- Collectives: all-reduce, all-gather, reduce-scatter, a ring `ppermute` (send) and an
+  all-to-all on groups of 2, 4, ... devices, every group at once; bus bandwidth as nccl-tests and
+  `hotjax.planning.cost` count it, and again on the widest groups with tensors a quarter and a
+  sixteenth the size (`SIZE_SHARES`: a step's sends and exchanges are often smaller than the
+  reference tensor, and gloo's rate depends on the size: between two processes on a shaped
+  link it sent 512 KiB at 0.79 of the link and 4 MiB at 0.53, all-gathered them at 1.0 and
+  0.73, and all-reduced both at 1.0), after the latency: what each of a chain of `CHAIN` small
   all-reduces costs (over gloo between processes, some milliseconds: a process waiting for its peer
   sleeps). Groups of consecutive devices lie inside a node, strided ones span nodes. With one
   process no group spans nodes: the inter tables repeat the intra ones.
@@ -62,6 +66,7 @@ import time
 import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +92,7 @@ from hotjax.planning.memory import HELD_BYTES
 from hotjax.planning.profile import (
     COLLECTIVES,
     GIGA,
+    OPTIONAL_COLLECTIVES,
     TERA,
     GiB,
     Profile,
@@ -99,6 +105,8 @@ from hotjax.step import bucket_step, micro_step_inputs
 SIGNIFICANT = 4  # digits kept of each measured figure: the repeats scatter more than that
 FIT_ROWS = 4  # the larger fitted micro-step's rows, per the smaller one's
 CHAIN = 8  # dependent all-reduces timed in one program for the latency
+MEASURED = (*COLLECTIVES, *OPTIONAL_COLLECTIVES)
+SIZE_SHARES = (16, 4)  # each collective also timed on tensors of message_bytes / these
 LATENCY_BYTES = 4096  # each one's tensor
 
 
@@ -149,7 +157,9 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     model = model or reference_model(*REFERENCE_MODELS[kind])
     intra_sizes = _group_sizes(per_node)
     inter_sizes = _group_sizes(len(devices)) if nodes > 1 else ()
-    total = 2 + len(COLLECTIVES) * (len(intra_sizes) + len(inter_sizes))
+    total = 2 + len(MEASURED) * (len(intra_sizes) + len(inter_sizes) + len(SIZE_SHARES))
+    # The tensor sizes are timed on the widest groups, across nodes where there are nodes.
+    widest = ("inter", inter_sizes[-1]) if inter_sizes else ("intra", intra_sizes[-1])
     done = 0
 
     def announce(what: str) -> None:
@@ -191,13 +201,18 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
                "memory": device_memory_bytes(devices)}
     announce(f"latency: {CHAIN} all-reduces of {LATENCY_BYTES} bytes in a row")
     latency = collective_latency(devices, work.repeats)
-    for name in COLLECTIVES:
+    for name in MEASURED:
         for side, sizes in (("intra", intra_sizes), ("inter", inter_sizes)):
             for group in sizes:
                 announce(f"{name} over groups of {group} "
                      f"({'across' if side == 'inter' else 'inside'} nodes)")
                 figures[f"{name} {side} {group}"] = bus_bandwidth(
                     devices, name, group, side == "inter", work, latency)
+        for share in SIZE_SHARES:
+            announce(f"{name} of {work.message_bytes // share} bytes over groups of {widest[1]}")
+            figures[f"{name} bytes {share}"] = bus_bandwidth(
+                devices, name, widest[1], widest[0] == "inter", work, latency,
+                work.message_bytes // share)
     figures = _agreed(figures | {"latency": latency, "small step": steps_s[0],
                                  "large step": steps_s[1]})
     source = (f"measured on {len(devices)} {platform} devices ({devices[0].device_kind}) in "
@@ -206,7 +221,8 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
               f"on data-parallel micro-steps of {step_rows} and {FIT_ROWS * step_rows} x "
               f"{work.step[1]} tokens per device of a {model.n_layers}-layer, {model.dim}-wide "
               f"model")
-    profile = functools.partial(_profile, figures, _bandwidths(figures, intra_sizes, inter_sizes),
+    bandwidths = _bandwidths(figures, intra_sizes, inter_sizes, widest, work.message_bytes)
+    profile = functools.partial(_profile, figures, bandwidths,
                                 (platform, nodes, per_node), source)
     return profile(*fitted_step(profile(figures["matmul"]), model, strategy, shapes,
                                 (figures["small step"], figures["large step"])))
@@ -226,22 +242,30 @@ def _layout(devices: Sequence[jax.Device]) -> tuple[str, int, int]:
 
 
 def _bandwidths(figures: dict[str, float], intra_sizes: tuple[int, ...],
-                inter_sizes: tuple[int, ...]) -> dict[str, dict[str, dict[str, float]]]:
-    """The profile's collectives table: per collective, side and group size, its bus GB/s."""
+                inter_sizes: tuple[int, ...], widest: tuple[str, int], message_bytes: int
+                ) -> dict[str, dict[str, Any]]:
+    """The profile's collectives table: per collective, side and group size, its bus GB/s;
+    and by tensor bytes its share of the `widest` group's bandwidth at `message_bytes`."""
     bandwidths = {}
-    for name in COLLECTIVES:
-        tables = {side: {str(group): _rounded(figures[f"{name} {side} {group}"] / GIGA)
-                         for group in sizes}
-                  for side, sizes in (("intra", intra_sizes), ("inter", inter_sizes))}
+    for name in MEASURED:
+        tables: dict[str, Any] = {
+            side: {str(group): _rounded(figures[f"{name} {side} {group}"] / GIGA)
+                   for group in sizes}
+            for side, sizes in (("intra", intra_sizes), ("inter", inter_sizes))}
         if not inter_sizes:  # one node: no group spans nodes, the cost model asks for none
             tables["inter"] = tables["intra"]
         if not intra_sizes:  # one device per node: every group spans nodes
             tables["intra"] = tables["inter"]
+        reference = figures[f"{name} {widest[0]} {widest[1]}"]
+        tables["by_bytes"] = {
+            **{str(message_bytes // share): _rounded(figures[f"{name} bytes {share}"] / reference)
+               for share in sorted(SIZE_SHARES, reverse=True)},
+            str(message_bytes): 1.0}
         bandwidths[name] = tables
     return bandwidths
 
 
-def _profile(figures: dict[str, float], bandwidths: dict[str, dict[str, dict[str, float]]],
+def _profile(figures: dict[str, float], bandwidths: dict[str, dict[str, Any]],
              layout: tuple[str, int, int], source: str, matmul_flops: float,
              overhead: float = 0.0) -> Profile:
     """The profile measured, with the model's matmuls at `matmul_flops` and each micro-step's
@@ -459,17 +483,19 @@ def collective_latency(devices: Sequence[jax.Device], repeats: int) -> float:
 
 
 def bus_bandwidth(devices: Sequence[jax.Device], collective: str, group: int,
-                  across_nodes: bool, work: Workload, latency: float = 0.0) -> float:
-    """Bytes/s per device of `collective` over groups of `group` devices, every group at once:
-    consecutive devices (inside a node) or strided ones (each group spanning nodes); the time
-    beyond `latency` (where that leaves at least half of it)."""
+                  across_nodes: bool, work: Workload, latency: float = 0.0,
+                  nbytes: int | None = None) -> float:
+    """Bytes/s per device of `collective` over groups of `group` devices, every group at once,
+    on a tensor of `nbytes` per device (None: the workload's): consecutive devices (inside a
+    node) or strided ones (each group spanning nodes); the time beyond `latency` (where that
+    leaves at least half of it)."""
     count = len(devices)
     grid = np.asarray(devices, dtype=object)
     grid = (grid.reshape(group, count // group).T if across_nodes
             else grid.reshape(count // group, group))
     mesh = Mesh(grid, ("groups", "group"))
     spec = PartitionSpec(("groups", "group"))
-    elements = work.message_bytes // 4 // group * group  # fp32, a multiple of the group
+    elements = (nbytes or work.message_bytes) // 4 // group * group  # fp32, a multiple of group
     # The tensor as the cost model sizes it: the whole one, before a reduce-scatter and after
     # an all-gather.
     local = elements // group if collective == "all-gather" else elements
@@ -477,7 +503,8 @@ def bus_bandwidth(devices: Sequence[jax.Device], collective: str, group: int,
     body = {"all-reduce": lambda x: jax.lax.psum(x, "group"),
             "all-gather": lambda x: jax.lax.all_gather(x, "group", tiled=True),
             "reduce-scatter": lambda x: jax.lax.psum_scatter(x, "group", tiled=True),
-            "send": lambda x: jax.lax.ppermute(x, "group", ring)}[collective]
+            "send": lambda x: jax.lax.ppermute(x, "group", ring),
+            "all-to-all": lambda x: jax.lax.all_to_all(x, "group", 0, 0, tiled=True)}[collective]
     run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
                                 check_vma=False))
     (x,) = _filled(((count * local,),), jnp.float32, NamedSharding(mesh, spec))

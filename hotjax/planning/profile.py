@@ -7,6 +7,9 @@ bandwidth of each collective by group size, inside one node and across nodes; op
 micro-step costs whatever its size (`[device] step_overhead_ms`) and each collective besides its
 bytes (`[links] latency_us`), which show where steps are short; and the bandwidth of the
 memory-bound elementwise work (`[device] elementwise_gbps`: norms, residual adds, the loss).
+A collective's table may also say how its bandwidth changes with the size of its tensor
+(`by_bytes`: bytes = share of the table's bandwidth), and a profile may measure all-to-all apart
+(`OPTIONAL_COLLECTIVES`; without it an all-to-all is priced at the all-gather's bandwidth).
 Measured values are written into the same format (`profile_toml`, beside its reader
 `parse_profile`), so a calibrated profile is a file like the shipped ones
 (`hotjax/planning/profiles/*.toml`).
@@ -37,6 +40,10 @@ PROFILES = Path(__file__).parent / "profiles"
 # stage transfers, ring attention's K/V). Time = bytes moved per device / bus bandwidth (see
 # `hotjax.planning.cost`).
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "send")
+# Collectives a profile may measure and need not (the shipped ones do not), each priced where it
+# has none at the bandwidth of one it must have: an all-to-all moves (n-1)/n of each device's
+# tensor over every link at once, as an all-gather does (Ulysses' exchanges).
+OPTIONAL_COLLECTIVES = {"all-to-all": "all-gather"}
 # The attention kernels a profile may price apart (`[efficiency] attention_KERNEL`, "-" as
 # "_"), by `hotjax.models.work.attention_backend`'s names; `attention` prices the others.
 ATTENTION_KERNELS = ("cudnn", "pallas", "pallas-fa2", "pallas-ring", "blockwise")
@@ -98,17 +105,26 @@ class Efficiency:
 @dataclasses.dataclass(frozen=True)
 class Bandwidths:
     """Bus bandwidth (bytes/s per device) of one collective, by group size: `intra` for groups
-    inside one node, `inter` for groups that span nodes."""
+    inside one node, `inter` for groups that span nodes; `by_bytes` (tensor bytes per device,
+    share of the table's bandwidth), where measured, scales it by the size of the tensor (the
+    tables hold it at the largest size measured): gloo between two processes sent 512 KiB at
+    0.79 of a shaped link and 4 MiB at 0.53, and all-gathered 512 KiB at 1.0 of it and 4 MiB at
+    0.73."""
 
     intra: tuple[tuple[int, float], ...]
     inter: tuple[tuple[int, float], ...]
+    by_bytes: tuple[tuple[int, float], ...] = ()
 
-    def at(self, group: int, crosses_nodes: bool) -> float:
-        """The bandwidth of a group of `group` devices; a size not listed takes the nearest
-        listed one (by ratio; the smaller on a tie)."""
+    def at(self, group: int, crosses_nodes: bool, nbytes: float | None = None) -> float:
+        """The bandwidth of a group of `group` devices moving tensors of `nbytes` (None: at
+        the tables' size); a group size not listed takes the nearest listed one (by ratio; the
+        smaller on a tie), a tensor size the interpolation in log size of `by_bytes` (clamped
+        at its ends)."""
         table = self.inter if crosses_nodes else self.intra
         _, bandwidth = min(table, key=lambda entry: (abs(math.log(entry[0] / group)), entry[0]))
-        return bandwidth
+        if nbytes is None or not self.by_bytes:
+            return bandwidth
+        return bandwidth * Efficiency(1.0, self.by_bytes).at(nbytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +143,8 @@ class Profile:
     attention_efficiency: float  # share of peak the attention kernel reaches (where none says)
     intra_node_bandwidth: float  # bytes/s per device and direction (the transfer scheduler's links)
     inter_node_bandwidth: float
-    collectives: tuple[tuple[str, Bandwidths], ...]  # (name, bandwidths) for each of COLLECTIVES
+    # (name, bandwidths) for each of COLLECTIVES and those of OPTIONAL_COLLECTIVES measured
+    collectives: tuple[tuple[str, Bandwidths], ...]
     source: str = "<profile>"
     device_bytes: int = 0  # the device's memory (0: as `memory_bytes`)
     matmul_by_size: tuple[tuple[int, float], ...] = ()  # (GEMM's smallest dimension, efficiency)
@@ -180,9 +197,15 @@ class Profile:
     def num_devices(self) -> int:
         return self.nodes * self.devices_per_node
 
-    def bandwidth(self, collective: str, group: int, crosses_nodes: bool) -> float:
-        """Bytes/s per device of `collective` over `group` devices."""
-        return dict(self.collectives)[collective].at(group, crosses_nodes)
+    def bandwidth(self, collective: str, group: int, crosses_nodes: bool,
+                  nbytes: float | None = None) -> float:
+        """Bytes/s per device of `collective` over `group` devices, each moving a tensor of
+        `nbytes` (None: at the profile's reference size); one of `OPTIONAL_COLLECTIVES` the
+        profile lacks at the bandwidth of the one it stands for."""
+        tables = dict(self.collectives)
+        if collective not in tables:
+            collective = OPTIONAL_COLLECTIVES[collective]
+        return tables[collective].at(group, crosses_nodes, nbytes)
 
     def topology(self) -> Topology:
         """The links as the transfer scheduler sees them."""
@@ -250,7 +273,9 @@ def profile_toml(profile: Profile) -> str:
         lines.append("# One node: no group spans nodes, so inter repeats intra.")
     for name, bandwidths in profile.collectives:
         lines += [f"[collectives.{name}]", f"intra = {table(bandwidths.intra)}",
-                  f"inter = {table(bandwidths.inter)}", ""]
+                  f"inter = {table(bandwidths.inter)}",
+                  *([f"by_bytes = {table(bandwidths.by_bytes, 1)}"] if bandwidths.by_bytes
+                    else []), ""]
     return "\n".join(lines)
 
 
@@ -290,7 +315,8 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
     if not isinstance(collectives, Mapping):
         raise UserError(f"{source}: no [collectives] tables: add [collectives.NAME] for each of "
                         f"{', '.join(COLLECTIVES)}")
-    _known(collectives, COLLECTIVES, f"{source}: collectives")
+    _known(collectives, (*COLLECTIVES, *OPTIONAL_COLLECTIVES), f"{source}: collectives")
+    named = (*COLLECTIVES, *(name for name in OPTIONAL_COLLECTIVES if name in collectives))
     return Profile(
         name=str(data.get("name", Path(source).stem)), platform=platform, nodes=nodes,
         devices_per_node=_count(data, "devices_per_node", source),
@@ -299,7 +325,7 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
         matmul_by_size=by_size, attention_efficiency=efficiency["attention"],
         intra_node_bandwidth=links["intra_node_gbps"] * GIGA,
         inter_node_bandwidth=links["inter_node_gbps"] * GIGA,
-        collectives=tuple((name, _bandwidths(collectives, name, source)) for name in COLLECTIVES),
+        collectives=tuple((name, _bandwidths(collectives, name, source)) for name in named),
         source=source, step_overhead=device.get("step_overhead_ms", 0.0) * 1e-3,
         collective_latency=links.get("latency_us", 0.0) * 1e-6,
         elementwise_bandwidth=device.get("elementwise_gbps", 0.0) * GIGA,
@@ -316,9 +342,11 @@ def _bandwidths(collectives: Mapping[str, Any], name: str, source: str) -> Bandw
     if not isinstance(entry, Mapping):
         raise UserError(f"{where}: missing: add [collectives.{name}] with intra and inter "
                         f"tables of group size = GB/s")
-    _known(entry, ("intra", "inter"), where)
+    _known(entry, ("intra", "inter", "by_bytes"), where)
     return Bandwidths(*(_by_size(entry.get(side), f"{where}.{side}") for side in ("intra",
-                                                                                  "inter")))
+                                                                                  "inter")),
+                      by_bytes=_efficiencies(entry.get("by_bytes", {}), f"{where}.by_bytes",
+                                             "{ 262144 = 0.9, 4194304 = 1.0 }", of=None))
 
 
 def _by_size(table: Any, where: str) -> tuple[tuple[int, float], ...]:
@@ -332,15 +360,18 @@ def _by_size(table: Any, where: str) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(entries))
 
 
-def _efficiencies(table: Any, where: str, example: str) -> tuple[tuple[int, float], ...]:
+def _efficiencies(table: Any, where: str, example: str, of: str | None = "peak"
+                  ) -> tuple[tuple[int, float], ...]:
+    """A table of size = share of `of` (None: a positive factor, more than 1 allowed)."""
     if not isinstance(table, Mapping):
-        raise UserError(f"{where}: give a table of size = share of peak, like {example}")
+        raise UserError(f"{where}: give a table of size = share of {of or 'the bandwidth'}, "
+                        f"like {example}")
     entries = []
     for size, share in table.items():
         if not size.isdecimal() or int(size) < 1:
             raise UserError(f"{where}: size {size!r} must be a positive integer")
-        if _positive(share, f"{where}.{size}") > 1:
-            raise UserError(f"{where}.{size} = {share} is a share of peak: give a number in "
+        if _positive(share, f"{where}.{size}") > 1 and of:
+            raise UserError(f"{where}.{size} = {share} is a share of {of}: give a number in "
                             f"(0, 1]")
         entries.append((int(size), float(share)))
     return tuple(sorted(entries))

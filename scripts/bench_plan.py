@@ -11,8 +11,10 @@ beside the predicted one (`hotjax.planning.memory.micro_step_memory`).
 
 Time: each (strategy, row length) runs the bucket's gradient micro-step (`hotjax.step`) on one
 micro-step of `--tokens` tokens, each row one causal document (the worst case the cost model
-prices). After a warm-up round, `--repeats` rounds run every micro-step once in turn, so that a
-machine whose load drifts slows them alike; each is the median of its runs. Over all of them:
+prices), compiled before the profile is measured, so that the timings follow the profile. After
+a warm-up round, `--repeats` rounds run every micro-step once in turn, so that a machine whose
+load drifts slows them alike; each is the median of its runs. The profile's matmul is timed
+right after the profile and again in those rounds: their ratio is the machine's drift. Over all of them:
 the Spearman rank correlation of predicted against measured, and the median relative error
 |predicted - measured| / measured; the targets are >= 0.8 and <= 25 %. The profile's matmul
 efficiency is fitted on a data-parallel micro-step of the same model on a micro-step of another
@@ -51,11 +53,14 @@ from quick_option import (  # beside this script
 from hotjax.errors import UserError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import jax
     from rich.console import Console
 
     from hotjax.data import MiniBatch
     from hotjax.models.llama import LlamaConfig
+    from hotjax.planning.measure import MicroStepRun
     from hotjax.planning.profile import Profile
     from hotjax.sharding.strategy import Strategy
 
@@ -113,7 +118,12 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     import jax
 
     from hotjax.models.llama import as_trained, preset
-    from hotjax.planning.measure import measure_profile
+    from hotjax.planning.measure import (
+        WORKLOADS,
+        matmul_runner,
+        measure_profile,
+        timed_in_rounds,
+    )
     from hotjax.planning.profile import profile_toml
     from hotjax.run import named_model
     from hotjax.sharding.strategy import Strategy
@@ -137,6 +147,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     big = preset(args.memory_model)
     big = as_trained(big, n_layers=args.memory_layers or big.n_layers)
 
+    steps = compiled_steps(config, strategies, seq_lens, devices, args, progress)
     started = time.perf_counter()
     with progress.status("measuring the devices...") as status:
         profile = measure_profile(devices, model=config, quick=args.quick,
@@ -150,7 +161,12 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
                    f"{profile.bandwidth('all-reduce', len(devices), False) / 1e9:.2f} GB/s "
                    f"after {profile.collective_latency * 1e6:.0f} us",
                    highlight=False)
-    timed = time_section(config, strategies, seq_lens, devices, profile, args, progress)
+    # The profile's matmul, timed now and again in the rounds of the strategies' steps: how much
+    # the machine's speed drifted between the profile and the timings it is judged against.
+    reference = matmul_runner(devices, config.dtype, WORKLOADS[
+        ("cpu" if devices[0].platform == "cpu" else "accelerator", args.quick)].matmul)
+    (after_profile_s,) = timed_in_rounds([reference], args.repeats)
+    timed, during_s = time_section(config, steps, profile, args, progress, reference)
     predicted_s, measured_s = ([r[k] for r in timed] for k in ("predicted_s", "measured_s"))
     targets = TARGETS.get(len(devices), TARGETS[8])
     accuracy = {"spearman": spearman(predicted_s, measured_s),
@@ -172,7 +188,10 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
         "time": {"model": {"preset": args.model, "params": config.num_params(),
                            "compute_dtype": config.compute_dtype},
                  "tokens": args.tokens, "repeats": args.repeats, "results": timed,
-                 **accuracy, "targets": targets},
+                 **accuracy, "targets": targets,
+                 # The profile's matmul timed in the steps' rounds over its time right after
+                 # the profile, less 1: > 0 where the machine ran slower for the steps.
+                 "drift": during_s / after_profile_s - 1},
         "tables": {"tokens": args.tokens, "repeats": args.repeats, "results": hot},
         "memory": {"model": {"preset": args.memory_model, "layers": big.n_layers,
                              "params": big.num_params(), "compute_dtype": big.compute_dtype},
@@ -180,12 +199,14 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     }
 
 
-def time_section(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[int],
-                 devices: tuple[jax.Device, ...], profile: Profile, args: argparse.Namespace,
-                 progress: Console) -> list[dict]:
-    """Each (strategy, row length): predicted and measured seconds of one micro-step."""
-    from hotjax.planning.cost import micro_step_time
-    from hotjax.planning.measure import MicroStepRun, timed_in_rounds
+def compiled_steps(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[int],
+                   devices: tuple[jax.Device, ...], args: argparse.Namespace, progress: Console
+                   ) -> list[tuple[Strategy, tuple[int, int], MicroStepRun]]:
+    """Each (strategy, row length)'s micro-step of `--tokens` tokens, compiled and ready to
+    time: compiled before the profile is measured, so that the profile and the timings it is
+    judged against follow each other (compiling took 7 minutes on the two pinned processes, in
+    which the machine's speed drifted by up to a quarter)."""
+    from hotjax.planning.measure import MicroStepRun
     from hotjax.step import bucket_step
 
     jobs = []
@@ -196,12 +217,26 @@ def time_section(config: LlamaConfig, strategies: list[Strategy], seq_lens: list
                                     seq_len)))
     progress.print(f"compiling {len(jobs)} micro-steps of {args.model}...", highlight=False)
     compile_s = compile_in_parallel([(config, *job) for job in jobs], devices)
-    steps = [MicroStepRun(config, strategy, devices, shape) for strategy, shape in jobs]
-    progress.print(f"compiled in {compile_s:.1f} s; timing them in {args.repeats} rounds after "
-                   f"a warm-up...", highlight=False)
-    seconds = timed_in_rounds([step.run for step in steps], args.repeats)
+    progress.print(f"compiled in {compile_s:.1f} s", highlight=False)
+    return [(strategy, shape, MicroStepRun(config, strategy, devices, shape))
+            for strategy, shape in jobs]
+
+
+def time_section(config: LlamaConfig, steps: list[tuple[Strategy, tuple[int, int],
+                                                        MicroStepRun]],
+                 profile: Profile, args: argparse.Namespace, progress: Console,
+                 reference: Callable[[], None]) -> tuple[list[dict], float]:
+    """Each compiled step's predicted and measured seconds; and the seconds of `reference`,
+    timed in the same rounds."""
+    from hotjax.planning.cost import micro_step_time
+    from hotjax.planning.measure import timed_in_rounds
+
+    progress.print(f"timing the micro-steps in {args.repeats} rounds after a warm-up...",
+                   highlight=False)
+    *seconds, reference_s = timed_in_rounds([*(step.run for _, _, step in steps), reference],
+                                            args.repeats)
     results = []
-    for (strategy, shape), step, measured in zip(jobs, steps, seconds, strict=True):
+    for (strategy, shape, step), measured in zip(steps, seconds, strict=True):
         predicted = micro_step_time(config, strategy, shape, profile)
         results.append({"strategy": str(strategy), "seq_len": shape[1], "rows": shape[0],
                         "notes": list(step.notes), "predicted_s": predicted.seconds,
@@ -209,7 +244,7 @@ def time_section(config: LlamaConfig, strategies: list[Strategy], seq_lens: list
                         "terms_s": predicted.terms(), "ring_s": predicted.ring,
                         "measured_s": measured,
                         "relative_error": abs(predicted.seconds - measured) / measured})
-    return results
+    return results, reference_s
 
 
 def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[int],
@@ -354,7 +389,9 @@ def print_table(report: dict, console: Console) -> None:
                   f"({verdict(t['median_relative_error'] <= t['targets']['median_relative_error'])}"
                   f" <= {100 * t['targets']['median_relative_error']:.0f} %). Measured: median "
                   f"of {t['repeats']} runs after a warm-up; the profile measured in "
-                  f"{report['profile']['measure_s']:.1f} s in the same run.")
+                  f"{report['profile']['measure_s']:.1f} s in the same run, its matmul "
+                  f"{100 * t['drift']:+.0f} % slower in the steps' rounds than right after it "
+                  f"(the machine's drift).")
 
     if report["tables"]["results"]:
         table = Table(title="a step of a hot table on one mini-batch: predicted (the cost "

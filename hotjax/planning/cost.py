@@ -136,10 +136,10 @@ from hotjax.sharding.transfers import TransferSchedule, boxes_from_strategy
 # trained size. 5: the elementwise passes priced apart from the matmul rate. 6: attention by
 # query heads per device; one latency per collective XLA issues. 7: attention by row length
 # (the matmul rate fitted with the fit's short rows' attention at their own rate). 8: the
-# collectives outside the layer loop and those XLA:CPU does not combine, each a latency. 9: each
-# collective at the bandwidth of its tensor's size, all-to-alls measured, the ring's sends as
-# XLA:CPU issues them.
-COST_MODEL_VERSION = 9
+# collectives outside the layer loop and those XLA:CPU does not combine, each a latency. (9: a
+# ring rate by chunk, tried and reverted.) 10: each collective at the bandwidth of its tensor's
+# size, all-to-alls measured, the ring's sends as XLA:CPU issues them.
+COST_MODEL_VERSION = 10
 # Of each collective's tensor, the bytes moved per device over a group of n (the bus-bandwidth
 # convention of nccl-tests): time = latency + factor · bytes / bus bandwidth.
 BUS_FACTOR: dict[str, Callable[[int], float]] = {

@@ -14,16 +14,16 @@ micro-step of `--tokens` tokens, each row one causal document (the worst case th
 prices), compiled before the profile is measured, so that the timings follow the profile. After
 a warm-up round, `--repeats` rounds run every micro-step once in turn, so that a machine whose
 load drifts slows them alike; each is the median of its runs. The profile's matmul is timed
-right after the profile and again in those rounds: their ratio is the machine's drift. Over all of them:
-the Spearman rank correlation of predicted against measured, and the median relative error
-|predicted - measured| / measured; the targets are >= 0.8 and <= 25 %. The profile's matmul
-efficiency is fitted on a data-parallel micro-step of the same model on a micro-step of another
-shape (see `hotjax.planning.measure`). On simulated CPU devices the devices share the machine's
-cores, in the measurements and in the steps alike. Memory: the same strategies, `--memory-model`
-cut to `--memory-layers` layers (default: all), on micro-steps of `--memory-shape` (rows x
-tokens). `--quick`: the `tiny` model in float32, short rows, the hot table's two strategies,
-one timed round after the warm-up, a quick profile and a 4-layer LLaMA2-7B (a smoke test: its
-timings are too small and noisy to judge the model by).
+right after the profile and again in those rounds: their ratio is the machine's drift. Over all
+of them: the Spearman rank correlation of predicted against measured, and the median relative
+error |predicted - measured| / measured; the targets are >= 0.8 and <= 25 %. The profile's
+matmul efficiency is fitted on a data-parallel micro-step of the same model on a micro-step of
+another shape (see `hotjax.planning.measure`). On simulated CPU devices the devices share the
+machine's cores, in the measurements and in the steps alike. Memory: the same strategies,
+`--memory-model` cut to `--memory-layers` layers (default: all), on micro-steps of
+`--memory-shape` (rows x tokens). `--quick`: the `tiny` model in float32, short rows, the hot
+table's two strategies, one timed round after the warm-up, a quick profile and a 4-layer
+LLaMA2-7B (a smoke test: its timings are too small and noisy to judge the model by).
 """
 
 from __future__ import annotations

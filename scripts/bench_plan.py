@@ -13,17 +13,16 @@ Time: each (strategy, row length) runs the bucket's gradient micro-step (`hotjax
 micro-step of `--tokens` tokens, each row one causal document (the worst case the cost model
 prices), compiled before the profile is measured, so that the timings follow the profile. After
 a warm-up round, `--repeats` rounds run every micro-step once in turn, so that a machine whose
-load drifts slows them alike; each is the median of its runs. The profile's matmul is timed
-right after the profile and again in those rounds: their ratio is the machine's drift. Over all
-of them: the Spearman rank correlation of predicted against measured, and the median relative
-error |predicted - measured| / measured; the targets are >= 0.8 and <= 25 %. The profile's
-matmul efficiency is fitted on a data-parallel micro-step of the same model on a micro-step of
-another shape (see `hotjax.planning.measure`). On simulated CPU devices the devices share the
-machine's cores, in the measurements and in the steps alike. Memory: the same strategies,
-`--memory-model` cut to `--memory-layers` layers (default: all), on micro-steps of
-`--memory-shape` (rows x tokens). `--quick`: the `tiny` model in float32, short rows, the hot
-table's two strategies, one timed round after the warm-up, a quick profile and a 4-layer
-LLaMA2-7B (a smoke test: its timings are too small and noisy to judge the model by).
+load drifts slows them alike; each is the median of its runs. Over all of them: the Spearman
+rank correlation of predicted against measured, and the median relative error |predicted -
+measured| / measured; the targets are >= 0.8 and <= 25 %. The profile's matmul efficiency is
+fitted on a data-parallel micro-step of the same model on a micro-step of another shape (see
+`hotjax.planning.measure`). On simulated CPU devices the devices share the machine's cores, in
+the measurements and in the steps alike. Memory: the same strategies, `--memory-model` cut to
+`--memory-layers` layers (default: all), on micro-steps of `--memory-shape` (rows x tokens).
+`--quick`: the `tiny` model in float32, short rows, the hot table's two strategies, one timed
+round after the warm-up, a quick profile and a 4-layer LLaMA2-7B (a smoke test: its timings are
+too small and noisy to judge the model by).
 """
 
 from __future__ import annotations
@@ -53,8 +52,6 @@ from quick_option import (  # beside this script
 from hotjax.errors import UserError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     import jax
     from rich.console import Console
 
@@ -118,12 +115,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
     import jax
 
     from hotjax.models.llama import as_trained, preset
-    from hotjax.planning.measure import (
-        WORKLOADS,
-        matmul_runner,
-        measure_profile,
-        timed_in_rounds,
-    )
+    from hotjax.planning.measure import measure_profile
     from hotjax.planning.profile import profile_toml
     from hotjax.run import named_model
     from hotjax.sharding.strategy import Strategy
@@ -161,12 +153,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
                    f"{profile.bandwidth('all-reduce', len(devices), False) / 1e9:.2f} GB/s "
                    f"after {profile.collective_latency * 1e6:.0f} us",
                    highlight=False)
-    # The profile's matmul, timed now and again in the rounds of the strategies' steps: how much
-    # the machine's speed drifted between the profile and the timings it is judged against.
-    reference = matmul_runner(devices, config.dtype, WORKLOADS[
-        ("cpu" if devices[0].platform == "cpu" else "accelerator", args.quick)].matmul)
-    (after_profile_s,) = timed_in_rounds([reference], args.repeats)
-    timed, during_s = time_section(config, steps, profile, args, progress, reference)
+    timed = time_section(config, steps, profile, args, progress)
     predicted_s, measured_s = ([r[k] for r in timed] for k in ("predicted_s", "measured_s"))
     targets = TARGETS.get(len(devices), TARGETS[8])
     accuracy = {"spearman": spearman(predicted_s, measured_s),
@@ -188,10 +175,7 @@ def run(args: argparse.Namespace, progress: Console) -> dict:
         "time": {"model": {"preset": args.model, "params": config.num_params(),
                            "compute_dtype": config.compute_dtype},
                  "tokens": args.tokens, "repeats": args.repeats, "results": timed,
-                 **accuracy, "targets": targets,
-                 # The profile's matmul timed in the steps' rounds over its time right after
-                 # the profile, less 1: > 0 where the machine ran slower for the steps.
-                 "drift": during_s / after_profile_s - 1},
+                 **accuracy, "targets": targets},
         "tables": {"tokens": args.tokens, "repeats": args.repeats, "results": hot},
         "memory": {"model": {"preset": args.memory_model, "layers": big.n_layers,
                              "params": big.num_params(), "compute_dtype": big.compute_dtype},
@@ -224,17 +208,14 @@ def compiled_steps(config: LlamaConfig, strategies: list[Strategy], seq_lens: li
 
 def time_section(config: LlamaConfig, steps: list[tuple[Strategy, tuple[int, int],
                                                         MicroStepRun]],
-                 profile: Profile, args: argparse.Namespace, progress: Console,
-                 reference: Callable[[], None]) -> tuple[list[dict], float]:
-    """Each compiled step's predicted and measured seconds; and the seconds of `reference`,
-    timed in the same rounds."""
+                 profile: Profile, args: argparse.Namespace, progress: Console) -> list[dict]:
+    """Each compiled step's predicted and measured seconds."""
     from hotjax.planning.cost import micro_step_time
     from hotjax.planning.measure import timed_in_rounds
 
     progress.print(f"timing the micro-steps in {args.repeats} rounds after a warm-up...",
                    highlight=False)
-    *seconds, reference_s = timed_in_rounds([*(step.run for _, _, step in steps), reference],
-                                            args.repeats)
+    seconds = timed_in_rounds([step.run for _, _, step in steps], args.repeats)
     results = []
     for (strategy, shape, step), measured in zip(steps, seconds, strict=True):
         predicted = micro_step_time(config, strategy, shape, profile)
@@ -244,7 +225,7 @@ def time_section(config: LlamaConfig, steps: list[tuple[Strategy, tuple[int, int
                         "terms_s": predicted.terms(), "ring_s": predicted.ring,
                         "measured_s": measured,
                         "relative_error": abs(predicted.seconds - measured) / measured})
-    return results, reference_s
+    return results
 
 
 def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[int],
@@ -389,9 +370,8 @@ def print_table(report: dict, console: Console) -> None:
                   f"({verdict(t['median_relative_error'] <= t['targets']['median_relative_error'])}"
                   f" <= {100 * t['targets']['median_relative_error']:.0f} %). Measured: median "
                   f"of {t['repeats']} runs after a warm-up; the profile measured in "
-                  f"{report['profile']['measure_s']:.1f} s in the same run, its matmul "
-                  f"{100 * t['drift']:+.0f} % slower in the steps' rounds than right after it "
-                  f"(the machine's drift).")
+                  f"{report['profile']['measure_s']:.1f} s in the same run, right before the "
+                  f"timings.")
 
     if report["tables"]["results"]:
         table = Table(title="a step of a hot table on one mini-batch: predicted (the cost "

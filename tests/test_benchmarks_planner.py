@@ -101,7 +101,6 @@ def test_bench_plan() -> None:
             abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"])
     assert -1 <= timed["spearman"] <= 1 and math.isfinite(timed["median_relative_error"])
     assert isinstance(timed["meets_targets"], bool)
-    assert math.isfinite(timed["drift"]) and timed["drift"] > -1  # a ratio of two timings, less 1
     (hot,) = report["tables"]["results"]  # one table of two buckets
     assert [b["max_len"] for b in hot["table"]] == [64, 256]
     assert positive(hot["predicted_s"]) and positive(hot["measured_s"]), hot

@@ -91,13 +91,18 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   `UNCOMBINED`). Under `sharded` accumulation the data axes are reduce-scattered every
   micro-step too, into an accumulator split over them.
 - Pipeline (`hotjax.models.pipeline`, 1F1B or GPipe by `config.pipeline_schedule`): M + S - 1 ticks
-  of each stage's forward and as many of its backward, each sending a micro-batch's activations to
-  the next stage forward (again in a stage recomputed under remat "full"), and their gradient
-  backward; the S - 1 ticks beyond M are the bubble, the same share under both schedules, priced
-  at the layers' work per tick. 1F1B also sends each micro-batch from the last stage to the
-  stage groups sharing its head, and its gradient back, and runs all of a bucket's micro-steps
-  in one schedule: n micro-steps take n·M + S - 1 ticks, one bubble
-  (`MicroStepTime.bucket_seconds`); GPipe pays the bubble every micro-step.
+  of each stage's forward and as many of its backward; the S - 1 ticks beyond M are the bubble,
+  the same share under both schedules, priced at the layers' work per tick. 1F1B runs all of a
+  bucket's micro-steps in one schedule: n micro-steps take n·M + S - 1 ticks, one bubble
+  (`MicroStepTime.bucket_seconds`); GPipe pays the bubble every micro-step. 1F1B's transfers
+  are priced as XLA compiles them (`_stages`, checked against the HLO's bytes and collectives
+  in tests/test_cost.py): each tick sends a micro-batch's activations on a stage and their
+  gradient back (a recompute under remat "full" sends nothing again), and hands stage 0's
+  input gradient to every stage group for the embedding's gradient; each of the M ticks that
+  run the head also hands the last stage's micro-batch to the stage groups sharing the head,
+  takes its gradient back (`HEAD_RETURN`) and sums the head's weight gradients over the stage
+  groups. GPipe's: each tick's activations forward (again in a stage recomputed under remat
+  "full") and their gradient backward, one send each.
 """
 
 from __future__ import annotations
@@ -170,6 +175,15 @@ UNCOMBINED = frozenset({"cpu"})
 # maximum, the sum of their exponentials, the target's logit), an all-reduce each; XLA:CPU
 # sends the third in one tuple with the head's input gradient. All-reduces issued, by platform.
 ROW_STATISTICS = {"cpu": 2}  # 3 elsewhere
+# How 1F1B's ticks that run the head take the micro-batch's gradient back from the stage groups
+# sharing it, by platform (read off the HLO of `tiny`'s 1F1B steps): XLA:CPU all-gathers it on
+# every stage; XLA:GPU exchanges it (an all-to-all), then sends it on to the last stage.
+HEAD_RETURN = {"cpu": ("all-gather",)}  # ("all-to-all", "send") elsewhere
+# The scalars a 1F1B tick all-reduces over the stage groups besides its tensors (whether its
+# micro-batch holds tokens, its target count; XLA:GPU also the loss's sum apart): in a tick
+# that runs the head, by platform, and in a drain tick. Each costs a latency.
+TICK_SCALARS = {"cpu": 2}  # 3 elsewhere
+DRAIN_SCALARS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,10 +340,11 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     attention = _attention(p)
     layer_tensor, tensor = _tensor(p)
     ring, overlaps = _ring(p), profile.platform not in SERIAL_RING
-    stages = _stages(p)
+    tick, edge = _stages(p)
+    stages = s.microbatches * tick
     layer_elementwise, other_elementwise = _elementwise(p)
-    per_iteration = (layer_matmuls + attention + layer_tensor + stages + layer_elementwise
-                     ) / s.microbatches
+    per_iteration = (layer_matmuls + attention + layer_tensor + layer_elementwise
+                     ) / s.microbatches + edge
     return MicroStepTime(
         matmuls=layer_matmuls + head_matmuls, attention=attention, tensor=tensor,
         context=_exposed(ring, attention, overlaps), fsdp=_fsdp(p), gradients=_gradients(p),
@@ -450,14 +465,32 @@ def _gradients(p: _Pricing) -> float:
             + p.collective("all-reduce", scattered, rest, issued))
 
 
-def _stages(p: _Pricing) -> float:
-    """Seconds of a pipeline's sends between stages (and to the head's groups, under 1F1B)."""
-    s = p.s
+def _stages(p: _Pricing) -> tuple[float, float]:
+    """Seconds of a pipeline's transfers in each of the M ticks that run every stage forward
+    and backward, and in the bubble per stage beyond the first: under 1F1B one tick that only
+    fills and one that only drains (the module docstring)."""
+    s, c, stage = p.s, p.config, ("stage",)
     if s.stages == 1:
-        return 0.0
-    send = p.collective("send", s.tokens / s.microbatches * p.config.dim * p.wire, ("stage",))
-    head_sends = 2 * (p.config.pipeline_schedule == "1f1b")  # to the head's groups and back
-    return (p.forwards + 1 + head_sends) * s.microbatches * send
+        return 0.0, 0.0
+    micro_batch = s.tokens / s.microbatches * c.dim * p.wire  # one device's activations
+    if c.pipeline_schedule == "gpipe":
+        tick = (p.forwards + 1) * p.collective("send", micro_batch, stage)
+        return tick, tick
+    # Forward and back, a send each (one of a tuple where the compiler combines them).
+    sends = p.collective("send", 2 * micro_batch, stage, 2 if p.profile.platform in UNCOMBINED
+                         else 1)
+    head_gradients = (c.dim + c.dim * c.vocab_size / s.vocab_ways) * p.wire
+    handed = (p.collective("all-to-all", micro_batch, stage)
+              + sum(p.collective(name, micro_batch, stage)
+                    for name in HEAD_RETURN.get(p.profile.platform, ("all-to-all", "send"))))
+    latency = p.profile.collective_latency
+    tick = (sends + p.collective("all-reduce", micro_batch + head_gradients, stage) + handed
+            + TICK_SCALARS.get(p.profile.platform, 3) * latency)
+    # The micro-batches holding tokens, agreed once a schedule over data shards splitting rows.
+    agreed = axes_size(p.strategy, s.token_axes) > 1
+    edge = (p.collective("send", 2 * micro_batch, stage, 2)
+            + p.collective("all-reduce", micro_batch, stage) + (DRAIN_SCALARS + agreed) * latency)
+    return tick, edge
 
 
 def _elementwise(p: _Pricing) -> tuple[float, float]:

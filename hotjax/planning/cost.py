@@ -340,15 +340,15 @@ def micro_step_time(config: LlamaConfig, strategy: Strategy, shape: tuple[int, i
     attention = _attention(p)
     layer_tensor, tensor = _tensor(p)
     ring, overlaps = _ring(p), profile.platform not in SERIAL_RING
-    tick, edge = _stages(p)
-    stages = s.microbatches * tick
+    tick, bubble_transfers = _stages(p)
     layer_elementwise, other_elementwise = _elementwise(p)
     per_iteration = (layer_matmuls + attention + layer_tensor + layer_elementwise
-                     ) / s.microbatches + edge
+                     ) / s.microbatches
     return MicroStepTime(
         matmuls=layer_matmuls + head_matmuls, attention=attention, tensor=tensor,
         context=_exposed(ring, attention, overlaps), fsdp=_fsdp(p), gradients=_gradients(p),
-        stages=stages, bubble=(s.stages - 1) * per_iteration if s.stages > 1 else 0.0,
+        stages=s.microbatches * tick,
+        bubble=(s.stages - 1) * per_iteration + bubble_transfers if s.stages > 1 else 0.0,
         elementwise=layer_elementwise + other_elementwise, ring=ring, ring_overlaps=overlaps,
         overhead=profile.step_overhead,
         one_schedule=s.stages > 1 and config.pipeline_schedule == "1f1b")
@@ -467,15 +467,15 @@ def _gradients(p: _Pricing) -> float:
 
 def _stages(p: _Pricing) -> tuple[float, float]:
     """Seconds of a pipeline's transfers in each of the M ticks that run every stage forward
-    and backward, and in the bubble per stage beyond the first: under 1F1B one tick that only
-    fills and one that only drains (the module docstring)."""
+    and backward, and in its bubble: under 1F1B S - 1 ticks that only fill and as many that
+    only drain (the module docstring)."""
     s, c, stage = p.s, p.config, ("stage",)
     if s.stages == 1:
         return 0.0, 0.0
     micro_batch = s.tokens / s.microbatches * c.dim * p.wire  # one device's activations
     if c.pipeline_schedule == "gpipe":
         tick = (p.forwards + 1) * p.collective("send", micro_batch, stage)
-        return tick, tick
+        return tick, (s.stages - 1) * tick
     # Forward and back, a send each (one of a tuple where the compiler combines them).
     sends = p.collective("send", 2 * micro_batch, stage, 2 if p.profile.platform in UNCOMBINED
                          else 1)
@@ -488,9 +488,9 @@ def _stages(p: _Pricing) -> tuple[float, float]:
             + TICK_SCALARS.get(p.profile.platform, 3) * latency)
     # The micro-batches holding tokens, agreed once a schedule over data shards splitting rows.
     agreed = axes_size(p.strategy, s.token_axes) > 1
-    edge = (p.collective("send", 2 * micro_batch, stage, 2)
-            + p.collective("all-reduce", micro_batch, stage) + (DRAIN_SCALARS + agreed) * latency)
-    return tick, edge
+    fill_and_drain = (p.collective("send", 2 * micro_batch, stage, 2)
+                      + p.collective("all-reduce", micro_batch, stage) + DRAIN_SCALARS * latency)
+    return tick, (s.stages - 1) * fill_and_drain + agreed * latency
 
 
 def _elementwise(p: _Pricing) -> tuple[float, float]:

@@ -58,6 +58,11 @@ class Placement(Protocol):
         well (where they divide): the work after a pipeline, shared by its stage groups."""
         ...
 
+    @property
+    def data_shards(self) -> int:
+        """How many contiguous blocks of a batch's rows the data-like axes split it into."""
+        ...
+
 
 def _no_constraint(x: Array, _axes: tuple[str | None, ...]) -> Array:
     return x
@@ -559,7 +564,7 @@ def loss_and_gradients(config: LlamaConfig, params: Params, rows: dict[str, Arra
     def head(p: Params, x_BxTxD: Array, targets_BxT: Array) -> tuple[Array, Array]:
         head_DxV = head_weights(cfg, p["head"], constrain)
         return final_loss(cfg, p["final_norm"], head_DxV, x_BxTxD, targets_BxT, seed,
-                          placement.across_stages, platform_of(placement))
+                          constrain, platform_of(placement))
 
     def block_rows(r: dict[str, Array]) -> tuple[Array, ...]:
         return (r["segment_ids"], r["positions"], *rope_tables(cfg, r["positions"]))
@@ -570,7 +575,8 @@ def loss_and_gradients(config: LlamaConfig, params: Params, rows: dict[str, Arra
         _block(cfg, placement, packed=True), head,
         lambda e, tokens_BxT: embedded(e, tokens_BxT, constrain), block_rows,
         params["layers"], head_params, embed_VxD, rows, stages, microbatches,
-        constrain=constrain, seed=seed, filled=filled, remat_stages=cfg.remat == "full")
+        constrain=constrain, seed=seed, filled=filled, row_shards=placement.data_shards,
+        remat_stages=cfg.remat == "full")
     if tied:
         d_embed_VxD = d_embed_VxD + d_head["head"]
     grads = {"embed": d_embed_VxD, "layers": d_layers, "final_norm": d_head["final_norm"]}

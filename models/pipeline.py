@@ -25,7 +25,9 @@ ticks', and nothing per micro-batch beyond its int32 rows. So the trainer runs a
 (`filled_microbatches`): the micro-batches past the last holding a token cost no tick. What a
 residual is follows the layers' remat policy, as in GPipe (under "full", the stage input; the
 stage recomputed in its backward). The weights a stage's backward reads are not copied into the
-slots: they are the stage's own, passed again. The weight gradients are summed in fp32.
+slots: they are the stage's own, passed again. The weight gradients are summed in fp32; each
+stage group keeps its own sums of the head's (and of the loss), all-reduced once after the
+schedule rather than in every tick that runs the head (a V x D all-reduce a micro-batch).
 """
 
 from __future__ import annotations
@@ -139,14 +141,16 @@ def one_f_one_b(block: Callable[[Array, Any, Any], Array], head: Head, embed: Em
                 prepare: Callable[[Any], Any], stacked: Any, head_params: Any,
                 embed_params: Array, rows: dict[str, Array], stages: int, microbatches: int,
                 constrain: Callable[[Array, tuple], Array], seed: Array, filled: Array,
-                remat_stages: bool = False) -> tuple[tuple[Array, Array], Any, Any, Array]:
+                row_shards: int = 1, remat_stages: bool = False
+                ) -> tuple[tuple[Array, Array], Any, Any, Array]:
     """The 1F1B schedule (module docstring) over `microbatches` micro-batches of `rows`
     (`tokens`, `targets` and what `prepare` turns into the rows each block reads), of which the
     first `filled` (a traced count) run: `embed(embed_params, tokens)` into the first stage,
     `block` over `stacked`'s layers, then `head(head params, x, targets)`, a loss sum and a
-    target count (its work is per token). Returns the loss sum and count over the filled
-    micro-batches, and the fp32 gradients of `seed` times the loss sum for `stacked`,
-    `head_params` and `embed_params`."""
+    target count (its work is per token), shared by the stage groups (`_head_cut`: the rows
+    of a micro-batch lie in `row_shards` blocks, one a data shard). Returns the loss sum and
+    count over the filled micro-batches, and the fp32 gradients of `seed` times the loss sum
+    for `stacked`, `head_params` and `embed_params`."""
     S, M = stages, microbatches
     slots = in_flight(S, M)
     rows_M = jax.tree.map(lambda r: _micro_batches(r, M), rows)
@@ -196,13 +200,13 @@ def one_f_one_b(block: Callable[[Array, Any, Any], Array], head: Head, embed: Em
                 ring.at[:, t % slots].set(k) for ring, k in zip(c.slots, kept, strict=True)])
         if forwards and backwards:  # the last stage's micro-batch through the head and loss
             last = t - (S - 1)
-            total, pull, count = jax.vjp(
-                lambda p, y: _per_token(head, p, y, rows_M["targets"][last], S), head_params,
+            totals, pull, counts = jax.vjp(
+                lambda p, y: head_S(p, y, rows_M["targets"][last]), head_params_S,
                 c.sent[S - 1], has_aux=True)
-            d_head, dy = pull(seed.astype(total.dtype))
+            d_head, dy = pull(jnp.broadcast_to(seed, totals.shape).astype(totals.dtype))
             returned_S = returned_S.at[S - 1].set(dy)
-            c = c._replace(d_head=add(c.d_head, d_head), total=c.total + total,
-                           count=c.count + count)
+            c = c._replace(d_head=add(c.d_head, d_head), total=c.total + totals,
+                           count=c.count + counts)
         if backwards:  # stage s runs micro-batch t - 2S + 2 + s backward
             micro_S = t - (2 * S - 2) + stage_S
             g_S = on_stages(jnp.where((stage_S == S - 1)[:, None, None, None], returned_S,
@@ -220,6 +224,13 @@ def one_f_one_b(block: Callable[[Array, Any, Any], Array], head: Head, embed: Em
                 d_embed=add(c.d_embed, pull_embed(d_x[0])[0], valid_S[0]))
         return c
 
+    # The head's work shared by the stage groups (`_shared_head`), each keeping its own sums of
+    # the head's weight gradients, the loss and the count: reduced once after the schedule,
+    # not in every tick that runs the head.
+    cut = _head_cut(*rows_M["targets"].shape[1:], S, row_shards)
+    pieces = 1 if cut is None else S
+    head_S = _shared_head(head, cut, S, row_shards)
+    head_params_S = jax.tree.map(lambda w: jnp.broadcast_to(w, (pieces, *w.shape)), head_params)
     x_S = on_stages(jnp.zeros((S, *rows_M["tokens"].shape[1:], embed_params.shape[-1]),
                               embed_params.dtype))
     _, kept = jax.eval_shape(forward_S, staged, x_S, of_stages(stage_S))
@@ -227,9 +238,9 @@ def one_f_one_b(block: Callable[[Array, Any, Any], Array], head: Head, embed: Em
     c = _Carry(
         sent=x_S, returned=x_S,
         slots=[jnp.zeros((S, slots, *k.shape[1:]), k.dtype) for k in kept],
-        d_staged=fp32_zeros(staged), d_head=fp32_zeros(head_params),
+        d_staged=fp32_zeros(staged), d_head=fp32_zeros(head_params_S),
         d_embed=fp32_zeros(embed_params),
-        total=jnp.zeros((), jnp.float32), count=jnp.zeros((), jnp.int32))
+        total=jnp.zeros((pieces,), jnp.float32), count=jnp.zeros((pieces,), jnp.int32))
     # S - 1 ticks forward only, one of both for each filled micro-batch, S - 1 backward only:
     # one fill and one drain, however many micro-batches run. Loops of static length (ticks
     # past the filled micro-batches skipped by a `cond`): in a loop of traced length XLA holds
@@ -241,15 +252,38 @@ def one_f_one_b(block: Callable[[Array, Any, Any], Array], head: Head, embed: Em
     c = jax.lax.fori_loop(0, M, middle, c)
     c = jax.lax.fori_loop(0, S - 1, lambda i, c: tick(filled + S - 1 + i, c, False, True), c)
     d_stacked = jax.tree.map(lambda g, w: g.reshape(w.shape), c.d_staged, stacked)
-    return (c.total, c.count), d_stacked, c.d_head, c.d_embed
+    d_head = jax.tree.map(lambda g: g.sum(axis=0), c.d_head)
+    return (c.total.sum(), c.count.sum()), d_stacked, d_head, c.d_embed
 
 
-def _per_token(head: Head, params: Any, x_BxTxD: Array, targets_BxT: Array, stages: int
-               ) -> tuple[Array, Array]:
-    """`head` on a micro-batch, its rows cut into `stages` pieces of tokens each when the rows
-    alone do not divide over the stage groups: the head's work is per token, and so shared."""
-    B, T = targets_BxT.shape
-    if B % stages and T % stages == 0:
-        x_BxTxD = x_BxTxD.reshape(B * stages, T // stages, -1)
-        targets_BxT = targets_BxT.reshape(B * stages, T // stages)
-    return head(params, x_BxTxD, targets_BxT)
+def _head_cut(rows: int, tokens: int, stages: int, row_shards: int) -> str | None:
+    """How the stage groups share the head's work on a micro-batch of `rows` x `tokens` (its
+    work is per token): by `rows` where each of the `row_shards` blocks of rows divides among
+    them, else by `tokens` where they divide, else not at all (None)."""
+    if stages == 1:
+        return None
+    if rows % (stages * row_shards) == 0:
+        return "rows"
+    return "tokens" if tokens % stages == 0 else None
+
+
+def _shared_head(head: Head, cut: str | None, stages: int, row_shards: int
+                 ) -> Callable[[Any, Array, Array], tuple[Array, Array]]:
+    """`head` on a micro-batch cut `cut` (`_head_cut`) into a piece per stage group, the head's
+    weights given broadcast `[pieces, ...]`: per piece the loss sum and the target count
+    `[pieces]`, so the weights' gradients `[pieces, ...]` stay on their stage group. Each data
+    shard's block of rows is cut in S contiguous runs, one a stage group; cut by tokens, each
+    row first into S rows of T/S tokens."""
+    if cut is None:
+        return lambda p, x, targets: jax.tree.map(
+            lambda a: a[None], head(jax.tree.map(lambda w: w[0], p), x, targets))
+    S = stages
+
+    def pieces(a: Array) -> Array:
+        if cut == "tokens":
+            a = a.reshape(a.shape[0] * S, a.shape[1] // S, *a.shape[2:])
+        a = a.reshape(row_shards, S, a.shape[0] // (row_shards * S), *a.shape[1:])
+        return a.swapaxes(0, 1).reshape(S, -1, *a.shape[3:])
+
+    on_pieces = jax.vmap(head, spmd_axis_name="stage")
+    return lambda p, x, targets: on_pieces(p, pieces(x), pieces(targets))

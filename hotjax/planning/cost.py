@@ -100,9 +100,10 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
   gradient back (a recompute under remat "full" sends nothing again), and hands stage 0's
   input gradient to every stage group for the embedding's gradient; each of the M ticks that
   run the head also hands the last stage's micro-batch to the stage groups sharing the head,
-  takes its gradient back (`HEAD_RETURN`) and sums the head's weight gradients over the stage
-  groups. GPipe's: each tick's activations forward (again in a stage recomputed under remat
-  "full") and their gradient backward, one send each.
+  takes its gradient back (`HEAD_RETURN`); each stage group sums its share of the head's
+  weight gradients apart, all-reduced once a schedule. GPipe's: each tick's activations
+  forward (again in a stage recomputed under remat "full") and their gradient backward, one
+  send each.
 """
 
 from __future__ import annotations
@@ -180,9 +181,9 @@ ROW_STATISTICS = {"cpu": 2}  # 3 elsewhere
 # every stage; XLA:GPU exchanges it (an all-to-all), then sends it on to the last stage.
 HEAD_RETURN = {"cpu": ("all-gather",)}  # ("all-to-all", "send") elsewhere
 # The scalars a 1F1B tick all-reduces over the stage groups besides its tensors (whether its
-# micro-batch holds tokens, its target count; XLA:GPU also the loss's sum apart): in a tick
-# that runs the head, by platform, and in a drain tick. Each costs a latency.
-TICK_SCALARS = {"cpu": 2}  # 3 elsewhere
+# micro-batch holds tokens, the micro-batch it reads): in a tick that runs the head, and in a
+# drain tick. Each costs a latency.
+TICK_SCALARS = 2
 DRAIN_SCALARS = 2
 
 
@@ -479,18 +480,24 @@ def _stages(p: _Pricing) -> tuple[float, float]:
     # Forward and back, a send each (one of a tuple where the compiler combines them).
     sends = p.collective("send", 2 * micro_batch, stage, 2 if p.profile.platform in UNCOMBINED
                          else 1)
-    head_gradients = (c.dim + c.dim * c.vocab_size / s.vocab_ways) * p.wire
     handed = (p.collective("all-to-all", micro_batch, stage)
               + sum(p.collective(name, micro_batch, stage)
                     for name in HEAD_RETURN.get(p.profile.platform, ("all-to-all", "send"))))
     latency = p.profile.collective_latency
-    tick = (sends + p.collective("all-reduce", micro_batch + head_gradients, stage) + handed
-            + TICK_SCALARS.get(p.profile.platform, 3) * latency)
+    tick = (sends + p.collective("all-reduce", micro_batch, stage) + handed
+            + TICK_SCALARS * latency)
     # The micro-batches holding tokens, agreed once a schedule over data shards splitting rows.
     agreed = axes_size(p.strategy, s.token_axes) > 1
     fill_and_drain = (p.collective("send", 2 * micro_batch, stage, 2)
                       + p.collective("all-reduce", micro_batch, stage) + DRAIN_SCALARS * latency)
-    return tick, (s.stages - 1) * fill_and_drain + agreed * latency
+    # Once a schedule the stage groups' fp32 sums of the head's weight gradients, the loss and
+    # the target count: in the last drain tick's all-reduce where that one is fp32 too (XLA
+    # combines all-reduces of one element type), else one of their own.
+    head = (c.dim + c.dim * c.vocab_size / s.vocab_ways + 1) * FP32
+    head_sums = (p.collective("all-reduce", micro_batch + head, stage)
+                 - p.collective("all-reduce", micro_batch, stage) if p.wire == FP32
+                 else p.collective("all-reduce", head, stage))
+    return tick, (s.stages - 1) * fill_and_drain + head_sums + agreed * latency
 
 
 def _elementwise(p: _Pricing) -> tuple[float, float]:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import MODEL, OPTIM, TINY_RUN, compiled_update, error, minibatch, trainer
@@ -14,7 +15,13 @@ from hotjax.cli import main
 from hotjax.data import Batch, MiniBatch
 from hotjax.errors import UserError
 from hotjax.models.llama import PRESETS, abstract_params
-from hotjax.models.pipeline import bubble, filled_microbatches, in_flight
+from hotjax.models.pipeline import (
+    _head_cut,
+    _shared_head,
+    bubble,
+    filled_microbatches,
+    in_flight,
+)
 from hotjax.sharding.report import describe
 from hotjax.sharding.strategy import Strategy
 from hotjax.step import Home, bucket_step, chain_inputs, micro_step_inputs, step_memory
@@ -116,6 +123,40 @@ def test_chained_micro_batches_are_the_micro_steps_own_on_the_same_data_shards()
     # Each data shard's half of the chain holds its own rows of every micro-step.
     for shard, half in enumerate(np.split(tokens, shards)):
         assert {t % 100 // (R // shards) for t in half if t} == {shard}
+
+
+@pytest.mark.parametrize(("rows", "tokens", "row_shards", "cut"), [
+    (8, 6, 2, "rows"), (4, 6, 4, "tokens"), (3, 5, 1, None)])
+def test_the_head_shared_by_the_stage_groups_gives_the_whole_micro_batchs_sums(
+        rows, tokens, row_shards, cut):
+    """The head's work cut among two stage groups (by rows where each data shard's block
+    divides, else by tokens, else not at all): summed over the pieces, the loss, the count and
+    the weights' gradients (each piece's kept apart, `[pieces, ...]`) are the whole
+    micro-batch's; cut by rows, each piece's rows come from every data shard's own block."""
+    def head(p, x, targets):
+        mask = targets >= 0
+        return jnp.sum(jnp.where(mask, (x @ p["w"]).sum(-1), 0.0) ** 2), jnp.sum(mask)
+
+    assert _head_cut(rows, tokens, 2, row_shards) == cut
+    pieces = 1 if cut is None else 2
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(rows, tokens, 3)), jnp.float32)
+    targets = jnp.asarray(rng.integers(-1, 5, size=(rows, tokens)), jnp.int32)
+    p = {"w": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)}
+    shared = _shared_head(head, cut, 2, row_shards)
+    p_S = jax.tree.map(lambda w: jnp.broadcast_to(w, (pieces, *w.shape)), p)
+    (totals, counts), d_S = jax.value_and_grad(
+        lambda p_S: (lambda t, c: (t.sum(), c))(*shared(p_S, x, targets)), has_aux=True)(p_S)
+    (total, count), d = jax.value_and_grad(lambda p: head(p, x, targets), has_aux=True)(p)
+    assert d_S["w"].shape == (pieces, 3, 4) and counts.shape == (pieces,)
+    np.testing.assert_allclose(totals, total, rtol=1e-6)
+    assert int(counts.sum()) == int(count)
+    np.testing.assert_allclose(d_S["w"].sum(0), d["w"], rtol=1e-5)
+    if cut == "rows":  # row r of data shard b's block of 4 goes to group (r % 4) // 2
+        ids = jnp.arange(rows, dtype=jnp.float32)[:, None, None] * jnp.ones((1, tokens, 3))
+        seen = jax.vmap(lambda a: a[:, 0, 0])(
+            _shared_head(lambda p, a, t: (a, t), cut, 2, row_shards)(p_S, ids, targets)[0])
+        np.testing.assert_array_equal(seen, [[0, 1, 4, 5], [2, 3, 6, 7]])
 
 
 def test_a_chained_schedule_holds_no_more_than_one_micro_step_by_xla(devices):

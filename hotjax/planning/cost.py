@@ -180,8 +180,8 @@ ROW_STATISTICS = {"cpu": 2}  # 3 elsewhere
 # sharing it, by platform (read off the HLO of `tiny`'s 1F1B steps): XLA:CPU all-gathers it on
 # every stage; XLA:GPU exchanges it (an all-to-all), then sends it on to the last stage.
 HEAD_RETURN = {"cpu": ("all-gather",)}  # ("all-to-all", "send") elsewhere
-# The scalars a 1F1B tick all-reduces over the stage groups besides its tensors (whether its
-# micro-batch holds tokens, the micro-batch it reads): in a tick that runs the head, and in a
+# The scalars a 1F1B tick all-reduces over the stage groups besides its tensors (a predicate
+# and an int32, read off the HLO for CPUs and H100s): in a tick that runs the head, and in a
 # drain tick. Each costs a latency.
 TICK_SCALARS = 2
 DRAIN_SCALARS = 2

@@ -147,7 +147,7 @@ def one_f_one_b(block: Callable[[Array, Any, Any], Array], head: Head, embed: Em
     (`tokens`, `targets` and what `prepare` turns into the rows each block reads), of which the
     first `filled` (a traced count) run: `embed(embed_params, tokens)` into the first stage,
     `block` over `stacked`'s layers, then `head(head params, x, targets)`, a loss sum and a
-    target count (its work is per token), shared by the stage groups (`_head_cut`: the rows
+    target count (its work is per token), shared by the stage groups (`head_cut`: the rows
     of a micro-batch lie in `row_shards` blocks, one a data shard). Returns the loss sum and
     count over the filled micro-batches, and the fp32 gradients of `seed` times the loss sum
     for `stacked`, `head_params` and `embed_params`."""
@@ -227,7 +227,7 @@ def one_f_one_b(block: Callable[[Array, Any, Any], Array], head: Head, embed: Em
     # The head's work shared by the stage groups (`_shared_head`), each keeping its own sums of
     # the head's weight gradients, the loss and the count: reduced once after the schedule,
     # not in every tick that runs the head.
-    cut = _head_cut(*rows_M["targets"].shape[1:], S, row_shards)
+    cut = head_cut(*rows_M["targets"].shape[1:], S, row_shards)
     pieces = 1 if cut is None else S
     head_S = _shared_head(head, cut, S, row_shards)
     head_params_S = jax.tree.map(lambda w: jnp.broadcast_to(w, (pieces, *w.shape)), head_params)
@@ -256,7 +256,7 @@ def one_f_one_b(block: Callable[[Array, Any, Any], Array], head: Head, embed: Em
     return (c.total.sum(), c.count.sum()), d_stacked, d_head, c.d_embed
 
 
-def _head_cut(rows: int, tokens: int, stages: int, row_shards: int) -> str | None:
+def head_cut(rows: int, tokens: int, stages: int, row_shards: int) -> str | None:
     """How the stage groups share the head's work on a micro-batch of `rows` x `tokens` (its
     work is per token): by `rows` where each of the `row_shards` blocks of rows divides among
     them, else by `tokens` where they divide, else not at all (None)."""
@@ -269,7 +269,7 @@ def _head_cut(rows: int, tokens: int, stages: int, row_shards: int) -> str | Non
 
 def _shared_head(head: Head, cut: str | None, stages: int, row_shards: int
                  ) -> Callable[[Any, Array, Array], tuple[Array, Array]]:
-    """`head` on a micro-batch cut `cut` (`_head_cut`) into a piece per stage group, the head's
+    """`head` on a micro-batch cut `cut` (`head_cut`) into a piece per stage group, the head's
     weights given broadcast `[pieces, ...]`: per piece the loss sum and the target count
     `[pieces]`, so the weights' gradients `[pieces, ...]` stay on their stage group. Each data
     shard's block of rows is cut in S contiguous runs, one a stage group; cut by tokens, each

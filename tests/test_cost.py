@@ -446,6 +446,23 @@ def test_the_pipeline_bubble_is_the_share_of_the_stage_work(schedule):
         share / (1 - share) * layers / H100.elementwise_bandwidth)
 
 
+def test_a_1f1b_head_the_stage_groups_cannot_split_is_priced_whole_on_each():
+    """1F1B shares a micro-batch's head among the stage groups by rows where they divide, else
+    by tokens (`hotjax.models.pipeline.head_cut`); where neither does, every stage group runs
+    the whole head, and the price says so."""
+    strategy = Strategy.parse("stage=2,tensor=4,microbatches=2,rules=megatron")
+    pieces = {shape: shares(LLAMA2_7B, strategy, shape).head_pieces
+              for shape in ((4, 4095), (2, 4096), (2, 4095))}
+    assert pieces == {(4, 4095): 2, (2, 4096): 2, (2, 4095): 1}  # rows, tokens, neither
+    per_token = {shape: micro_step_time(LLAMA2_7B, strategy, shape, H100).matmuls
+                 / (shape[0] * shape[1]) for shape in pieces}
+    # The layers' matmuls cost the same per token at every shape; the head's, whole, is
+    # 6 FLOPs per token and weight of its quarter of the vocabulary.
+    head = 6 * 4096 * 32000 / 4 / (989e12 * 0.52)
+    assert per_token[(4, 4095)] == pytest.approx(per_token[(2, 4096)])
+    assert per_token[(2, 4095)] - per_token[(2, 4096)] == pytest.approx(head / 2)
+
+
 def test_a_1f1b_bucket_pays_one_bubble_for_all_its_micro_steps_and_gpipe_one_each():
     """Three micro-steps of M = 4 over two stages: 1F1B runs 12 micro-batches in 13 ticks, as
     one micro-step of M = 12 prices them; GPipe runs three schedules of 5 ticks."""

@@ -16,10 +16,10 @@ from hotjax.data import Batch, MiniBatch
 from hotjax.errors import UserError
 from hotjax.models.llama import PRESETS, abstract_params
 from hotjax.models.pipeline import (
-    _head_cut,
     _shared_head,
     bubble,
     filled_microbatches,
+    head_cut,
     in_flight,
 )
 from hotjax.sharding.report import describe
@@ -137,7 +137,7 @@ def test_the_head_shared_by_the_stage_groups_gives_the_whole_micro_batchs_sums(
         mask = targets >= 0
         return jnp.sum(jnp.where(mask, (x @ p["w"]).sum(-1), 0.0) ** 2), jnp.sum(mask)
 
-    assert _head_cut(rows, tokens, 2, row_shards) == cut
+    assert head_cut(rows, tokens, 2, row_shards) == cut
     pieces = 1 if cut is None else 2
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(rows, tokens, 3)), jnp.float32)

@@ -128,7 +128,6 @@ from hotjax.planning.shares import (
     Shares,
     axes_size,
     fitted_strategy,
-    head_share,
     shares,
 )
 from hotjax.sharding.strategy import MESH_AXES, Strategy
@@ -368,8 +367,7 @@ def _matmuls(p: _Pricing) -> tuple[float, float]:
     # reads). Measured on an H200, the 1B model: full over dots cost 30 ms at 8 x 2,048, priced
     # 55 ms recomputing every matmul.
     layers = ((p.forwards + 2) * layer - (c.remat == "full") * down) * s.inner_tokens * s.layers
-    head = 3 * s.inner_tokens * p.gemms(((D, V / s.vocab_ways),)) / head_share(
-        s, c.pipeline_schedule)
+    head = 3 * s.inner_tokens * p.gemms(((D, V / s.vocab_ways),)) / s.head_pieces
     return layers, head
 
 
@@ -511,7 +509,7 @@ def _elementwise(p: _Pricing) -> tuple[float, float]:
     accumulated = s.grad_sum / (axes_size(p.strategy, s.partial_axes)
                                 if p.accumulate == "sharded" else 1)
     other = (ELEMENTWISE.logits * FP32 * s.inner_tokens * c.vocab_size / s.vocab_ways
-             / head_share(s, c.pipeline_schedule)
+             / s.head_pieces
              + accumulated * (ELEMENTWISE.accumulator * FP32 + p.compute)) / rate
     return layers, other
 

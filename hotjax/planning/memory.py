@@ -45,7 +45,7 @@ import dataclasses
 from hotjax.models.head_loss import loss_chunks
 from hotjax.models.llama import LlamaConfig, layers_unrolled
 from hotjax.models.pipeline import in_flight
-from hotjax.planning.shares import FP32, INT32, axes_size, head_share, shares
+from hotjax.planning.shares import FP32, INT32, axes_size, shares
 from hotjax.sharding.strategy import Strategy
 
 BATCH_ARRAYS = 4  # tokens, segment ids, positions, targets
@@ -179,7 +179,7 @@ def micro_step_memory(config: LlamaConfig, strategy: Strategy, shape: tuple[int,
     elif S > 1:  # the micro-batches in flight, and the carry (held once)
         activations = kept * activations + 2 * tokens * D * held
     # 1F1B runs the head inside the schedule, one micro-batch at a time.
-    head_rows = head_share(s, config.pipeline_schedule) * (M if S > 1 and not gpipe else 1)
+    head_rows = s.head_pieces * (M if S > 1 and not gpipe else 1)
     # A pipeline carries its stage's gradient sum through the iterations at the matmuls' width,
     # into and out of each one; otherwise the layer loop stacks them in the accumulator's layout.
     # 1F1B's carry holds the head's and the embedding's gradient sums too, in fp32, and each

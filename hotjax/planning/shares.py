@@ -14,6 +14,7 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from hotjax.models.llama import LlamaConfig, param_leaves
+from hotjax.models.pipeline import head_cut
 from hotjax.sharding.strategy import MESH_AXES, Strategy, fit_to_model, partial_axes, ways
 
 FP32, INT32 = 4, 4
@@ -33,6 +34,7 @@ class Shares:
     vocab_ways: int
     stages: int
     microbatches: int
+    head_pieces: int  # ways the stage groups split the head's work (`_head_pieces`)
     layers: int  # layers on this device's stage
     weights: int  # parameter layout
     grad_sum: int  # gradient layout
@@ -71,6 +73,7 @@ def shares(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int]) -> S
         head_ways=split((None, "heads")), kv_ways=split((None, "kv_heads")),
         mlp_ways=split((None, "mlp")), vocab_ways=split((None, "vocab")),
         stages=strategy.stages, microbatches=strategy.microbatches or 1,
+        head_pieces=_head_pieces(config, strategy, rows / split(("batch",)), shape),
         layers=config.n_layers // strategy.stages, **count,
         partial_axes=partial_axes(strategy), **axes)
 
@@ -131,12 +134,20 @@ def _layout(config: LlamaConfig, strategy: Strategy) -> tuple[Strategy, dict[str
         "sequence_parallel": bool(_mesh_axes(act(("seq",))) & tensor_axes)}
 
 
-def head_share(s: Shares, schedule: str) -> int:
-    """How many ways a pipeline's stage groups split the head's work (`across_stages`): GPipe's
-    rows after it where they divide, 1F1B's micro-batch rows, or else their tokens."""
-    if s.stages > 1 and (schedule == "1f1b" or s.rows % s.stages == 0):
-        return s.stages
-    return 1
+def _head_pieces(config: LlamaConfig, strategy: Strategy, device_rows: float,
+                 shape: tuple[int, int]) -> int:
+    """How many ways a pipeline's stage groups split the head's work, as the model cuts it:
+    GPipe's rows after it where a device's rows divide (`across_stages`), 1F1B's micro-batch
+    by rows or tokens where they divide (`hotjax.models.pipeline.head_cut`), else not at all
+    (each stage group runs the whole head)."""
+    S = strategy.stages
+    if S == 1:
+        return 1
+    if config.pipeline_schedule == "gpipe":
+        return S if device_rows % S == 0 else 1
+    rows, seq_len = shape
+    micro_rows = rows // (strategy.microbatches or 1)
+    return S if head_cut(micro_rows, seq_len, S, strategy.data_shards) else 1
 
 
 def axes_size(strategy: Strategy, axes: tuple[str, ...]) -> int:

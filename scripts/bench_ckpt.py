@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from quick_option import parse_args  # beside this script
+from quick_option import in_one_line, parse_args  # beside this script
 
 from hotjax.checkpoint.formats import fakes
 
@@ -495,4 +495,4 @@ def _conversions_table(r: dict, console: Console) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(in_one_line("bench_ckpt", main))

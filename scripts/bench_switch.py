@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.console import Console
 
+from quick_option import in_one_line  # beside this script
+
 from hotjax.targets import quiet_plugin_without_a_driver
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX is imported, below
@@ -285,4 +287,4 @@ def _short(strategy: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(in_one_line("bench_switch", main))

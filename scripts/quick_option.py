@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hotjax.targets import quiet_plugin_without_a_driver
@@ -32,6 +32,18 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
         args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
+
+
+def in_one_line(name: str, main: Callable[[], int]) -> int:
+    """`main()`'s exit code, or 2 after one line on a `UserError` (bad input: the message
+    names the problem and the fix), as `report` ends the benchmarks it runs."""
+    from hotjax.errors import UserError
+
+    try:
+        return main()
+    except UserError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 2
 
 
 def add_processes_option(parser: argparse.ArgumentParser) -> None:

@@ -230,3 +230,16 @@ def test_bench_gpu_refuses_an_unknown_kernel_name() -> None:
     done = python("scripts/bench_gpu.py", "kernels", "--kernels", "packed,bogus", ok=False)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "--kernels: unknown bogus: choose from packed," in done.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (("scripts/bench_switch.py", "--quick", "--table", "missing.toml"),
+     "bench_switch: error: strategy table not found: missing.toml: pass an existing .toml file"),
+    (("scripts/bench_ckpt.py", "--quick", "--model", "nope"),
+     "bench_ckpt: error: unknown model preset 'nope': choose one of tiny,")])
+def test_a_benchmark_given_bad_input_exits_2_with_one_line(argv, line) -> None:
+    """The benchmarks that end without `quick_option.report` end as it does on bad input."""
+    done = python(*argv, ok=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    (last,) = done.stderr.splitlines()[-1:]
+    assert last.startswith(line) and done.stderr.count("error:") == 1, done.stderr[-2000:]

@@ -133,9 +133,9 @@ def report(name: str, args: argparse.Namespace, run, print_table, devices: int |
     from hotjax.errors import UserError
     from hotjax.startup import SIMULATED_CPU_DEVICES, simulate_cpu_devices, start_jax
 
-    progress = console(stderr=True, width=width)
-    processes = _process_args(args)
-    try:
+    def finish() -> int:
+        progress = console(stderr=True, width=width)
+        processes = _process_args(args)
         if getattr(args, "link", None) and not getattr(args, "processes", None):
             raise UserError(f"--link {args.link}: a link joins processes: add --processes 2")
         if getattr(args, "processes", None) and processes[2] is None:
@@ -156,13 +156,12 @@ def report(name: str, args: argparse.Namespace, run, print_table, devices: int |
                 if processes[2] == 0 and args.report_file:
                     Path(args.report_file).write_text(json.dumps(found))
                 return 0
-    except UserError as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
-        return 2
-    print_table(found, progress if args.json else console(stderr=False, width=width))
-    if args.json:
-        print(json.dumps(found, indent=1))
-    return exit_code(found)
+        print_table(found, progress if args.json else console(stderr=False, width=width))
+        if args.json:
+            print(json.dumps(found, indent=1))
+        return exit_code(found)
+
+    return in_one_line(name, finish)
 
 
 def _run_launched(run, args: argparse.Namespace, progress: Console, processes) -> dict:

@@ -241,5 +241,5 @@ def test_a_benchmark_given_bad_input_exits_2_with_one_line(argv, line) -> None:
     """The benchmarks that end without `quick_option.report` end as it does on bad input."""
     done = python(*argv, ok=False)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
-    (last,) = done.stderr.splitlines()[-1:]
-    assert last.startswith(line) and done.stderr.count("error:") == 1, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1].startswith(line), done.stderr[-2000:]
+    assert done.stderr.count("error:") == 1, done.stderr[-2000:]

@@ -66,14 +66,15 @@ def shares(config: LlamaConfig, strategy: Strategy, shape: tuple[int, int]) -> S
     def split(axes: tuple[str | None, ...]) -> int:
         return ways(act(axes), sizes)[-1] if len(act(axes)) == len(axes) else 1
 
+    device_rows = rows / split(("batch",))
     return Shares(
-        rows=rows / split(("batch",)), tokens=rows * seq_len / math.prod(
+        rows=device_rows, tokens=rows * seq_len / math.prod(
             ways(act(("batch", "seq")), sizes)),
         inner_tokens=rows * seq_len / math.prod(ways(act(("batch", "inner_seq")), sizes)),
         head_ways=split((None, "heads")), kv_ways=split((None, "kv_heads")),
         mlp_ways=split((None, "mlp")), vocab_ways=split((None, "vocab")),
         stages=strategy.stages, microbatches=strategy.microbatches or 1,
-        head_pieces=_head_pieces(config, strategy, rows / split(("batch",)), shape),
+        head_pieces=_head_pieces(config, strategy, device_rows, shape),
         layers=config.n_layers // strategy.stages, **count,
         partial_axes=partial_axes(strategy), **axes)
 

@@ -74,8 +74,11 @@ class BucketMetrics:
     imbalance_before: float  # busiest over mean data shard's estimated work, rows in order
     imbalance: float  # the same, rows where they ran (`hotjax.balance`)
     shard_flops: float  # the mean data shard's estimated FLOPs
+    # When timed: its micro-steps; the weights into its layout; its gradients into the home's
+    # (the one reduction of `local` accumulation, or their switch) and added to the step's.
     compute_s: float | None = None
     switch_s: float | None = None
+    gradients_s: float | None = None
 
 
 class Trainer:
@@ -98,8 +101,8 @@ class Trainer:
         resharding) or "auto" (whichever measures faster, per pair of layouts). `balance`: place
         each bucket's rows so that its data shards have equal estimated work (`hotjax.balance`;
         off: in order).
-        `timings`: wait for each bucket to report its compute and switch seconds (a host
-        synchronisation per bucket)."""
+        `timings`: wait for each part of each bucket to report its seconds (`BucketMetrics`:
+        a host synchronisation per part)."""
         self.config, self.table, self.timings = config, table, timings
         self.balance = balance
         self.topology = topology or job_topology()
@@ -310,7 +313,7 @@ class Trainer:
                 len(micro) * rows * batch.tokens.shape[1], moved, placement.before,
                 placement.after if self.balance else placement.before, placement.mean_work,
                 computed - switched if timed else None,
-                (switched - started) + (timed - computed) if timed else None))
+                switched - started if timed else None, timed - computed if timed else None))
         state, metrics = self.home.apply(state, total)
         self._wait(state)  # timed: the update inside its own step, not the next's first bucket
         return state, metrics, report

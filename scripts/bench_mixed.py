@@ -404,7 +404,13 @@ def predict(search: Any, trainer: Trainer, method: str, lengths: list[np.ndarray
     if plans is None:
         return None
     return [{"seconds": p.seconds, "switch_s": p.switch_seconds,
-             "buckets": {b.max_len: b.seconds for b in p.buckets}} for p in plans]
+             "buckets": {b.max_len: {"predicted_s": b.seconds,
+                                     "predicted_compute_s": b.seconds - b.reduction_seconds,
+                                     "predicted_switch_s": weights,
+                                     "predicted_gradients_s": b.reduction_seconds + home}
+                         for b, weights, home in zip(p.buckets, p.weights_in,
+                                                     p.gradients_home, strict=True)}}
+            for p in plans]
 
 
 def summarize(records: dict[str, list[dict]], trainers: dict[str, Trainer],
@@ -418,7 +424,7 @@ def summarize(records: dict[str, list[dict]], trainers: dict[str, Trainer],
             step["predicted_s"] = plan["seconds"]
             step["predicted_switch_s"] = plan["switch_s"]
             for bucket in step["buckets"]:
-                bucket["predicted_s"] = plan["buckets"][bucket["max_len"]]
+                bucket.update(plan["buckets"][bucket["max_len"]])
         timed_steps, trainer = steps[warmup:], trainers[m]
         forecast = all("predicted_s" in r for r in timed_steps)
         methods[m] = {
@@ -459,27 +465,34 @@ def summarize(records: dict[str, list[dict]], trainers: dict[str, Trainer],
 
 
 def print_bucket_timings(report: dict, console: Console) -> None:
-    """With `--bucket-timings`: each timed step's buckets, measured against predicted."""
+    """With `--bucket-timings`: each timed step's buckets, each part measured against its
+    price: the micro-steps, the weights into the bucket's layout, its gradients home (the one
+    reduction of `local` accumulation with their move, or their switch)."""
     from rich.table import Table
 
-    table = Table(title="buckets of the timed steps: measured (compute + switching) and "
-                        "predicted seconds (its micro-steps and gradient reduction)",
+    table = Table(title="buckets of the timed steps, measured / predicted seconds: micro-steps, "
+                        "weights in, gradients home, and the three together",
                   title_justify="left")
     for column in ("method", "step", "bucket", "rows", "micro-steps", "remat", "compute s",
-                   "switch s", "predicted s", "measured / predicted"):
+                   "weights in s", "gradients s", "all s", "measured / predicted"):
         table.add_column(column, justify="left" if column == "method" else "right")
+    parts = (("compute_s", "predicted_compute_s"), ("switch_s", "predicted_switch_s"),
+             ("gradients_s", "predicted_gradients_s"))
     for name, r in report["methods"].items():
         for number, step in enumerate(r["steps"][report["warmup"]:], report["warmup"] + 1):
             for b in step["buckets"]:
                 if b.get("compute_s") is None:
                     continue
-                measured = b["compute_s"] + b["switch_s"]
-                guess = b.get("predicted_s")
+                priced = "predicted_s" in b
+                cells = [f"{b[m]:.2f} / {b[p]:.2f}" if priced else f"{b[m]:.2f}"
+                         for m, p in parts]
+                measured = sum(b[m] for m, _ in parts)
+                guess = sum(b[p] for _, p in parts) if priced else None
                 table.add_row(name, str(number), str(b["max_len"]), str(b["rows"]),
-                              str(b["micro_steps"]), b["remat"], f"{b['compute_s']:.2f}",
-                              f"{b['switch_s']:.2f}",
-                              "-" if guess is None else f"{guess:.2f}",
-                              "-" if not guess else f"{measured / guess:.2f}")
+                              str(b["micro_steps"]), b["remat"], *cells,
+                              f"{measured:.2f}" if guess is None
+                              else f"{measured:.2f} / {guess:.2f}",
+                              f"{measured / guess:.2f}" if guess else "-")
     if table.row_count:
         console.print(table)
 

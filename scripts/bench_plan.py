@@ -237,8 +237,9 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
     mini-batch has rows in every bucket (else seed 0). The cost model plans the table's
     micro-batches for those documents (`hotjax.plan.fixed_table`, switches included) and the
     trainer runs that plan: a warm-up step, then the median of `--repeats`. Then as many steps
-    again, waiting for each bucket (`Run`'s bucket timings): each bucket's compute and switch
-    seconds beside its price, and what the step spends outside its buckets (the update)."""
+    again, waiting for each bucket (`Run`'s bucket timings): each bucket's micro-steps, the
+    weights into it and its gradients home, each beside its price, and what the step spends
+    outside its buckets (the update)."""
 
     from hotjax.data import MiniBatches, load_tokenizer, open_corpus
     from hotjax.optim import OptimConfig
@@ -289,14 +290,18 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
     # buckets do not run).
     middle = seconds[1].index(statistics.median_low(seconds[1][1:]), 1)
     ran = {b["max_len"]: b for b in buckets[middle]}
-    in_buckets = sum(b["compute_s"] + b["switch_s"] for b in ran.values())
-    idle = {"compute_s": 0.0, "switch_s": 0.0}
+    parts = ("compute_s", "switch_s", "gradients_s")
+    in_buckets = sum(b[k] for b in ran.values() for k in parts)
+    idle = dict.fromkeys(parts, 0.0)
     return {"name": name, "table": [{
                 "max_len": b.max_len, "strategy": str(b.strategy), "micro_rows": b.micro_rows,
                 "micro_steps": b.micro_steps, "rows": b.rows, "predicted_s": b.seconds,
-                "compute_s": ran.get(b.max_len, idle)["compute_s"],
-                "switch_s": ran.get(b.max_len, idle)["switch_s"]}
-                for b in found.buckets],
+                "predicted_compute_s": b.seconds - b.reduction_seconds,
+                "predicted_switch_s": weights,
+                "predicted_gradients_s": b.reduction_seconds + home,
+                **{k: ran.get(b.max_len, idle)[k] for k in parts}}
+                for b, weights, home in zip(found.buckets, found.weights_in,
+                                            found.gradients_home, strict=True)],
             "home": str(found.home), "tokens": minibatch.real_tokens,
             "switch_predicted_s": found.switch_seconds,
             "switched_bytes": metrics["switched_bytes"], "predicted_s": found.seconds,
@@ -388,22 +393,23 @@ def print_table(report: dict, console: Console) -> None:
                 f"{100 * (r['predicted_s'] / r['measured_s'] - 1):+.0f} %")
         console.print(table)
         buckets = Table(title="the same tables' buckets, waiting for each (the median of as "
-                              "many steps again): measured compute + switch against predicted",
+                              "many steps again), measured / predicted seconds: micro-steps, "
+                              "weights in, gradients home (reduction or switch)",
                         title_justify="left")
-        for column in ("table", "bucket", "strategy", "predicted s", "compute s", "switch s",
-                       "error"):
+        for column in ("table", "bucket", "strategy", "compute s", "weights in s",
+                       "gradients s", "error"):
             buckets.add_column(column, justify="left" if column in ("table", "strategy")
                                else "right")
+        parts = ("compute_s", "switch_s", "gradients_s")
         for r in report["tables"]["results"]:
             for b in r["table"]:
-                measured = b["compute_s"] + b["switch_s"]
+                measured = sum(b[k] for k in parts)
+                guess = sum(b[f"predicted_{k}"] for k in parts)
                 buckets.add_row(escape(r["name"]), f"<={b['max_len']}", escape(b["strategy"]),
-                                f"{b['predicted_s']:.3f}", f"{b['compute_s']:.3f}",
-                                f"{b['switch_s']:.3f}",
-                                f"{100 * (b['predicted_s'] / measured - 1):+.0f} %"
-                                if measured else "-")
-            buckets.add_row(escape(r["name"]), "outside", "the update, the host", "-",
-                            f"{r['outside_buckets_s']:.3f}", "-", "-")
+                                *(f"{b[k]:.3f} / {b[f'predicted_{k}']:.3f}" for k in parts),
+                                f"{100 * (guess / measured - 1):+.0f} %" if measured else "-")
+            buckets.add_row(escape(r["name"]), "outside", "the update, the host",
+                            f"{r['outside_buckets_s']:.3f}", "-", "-", "-")
         console.print(buckets)
 
     unit, scale = ("GiB", GiB) if max(r["xla_bytes"] for r in mem["results"]) >= GiB else (

@@ -44,7 +44,14 @@ def test_bench_mixed() -> None:
             assert s["predicted_s"] == pytest.approx(
                 sum(b["predicted_s"] for b in s["buckets"]) + s["predicted_switch_s"])
             assert all(positive(b["compute_s"]) and b["switch_s"] >= 0
-                       and positive(b["predicted_s"]) for b in s["buckets"])
+                       and b["gradients_s"] >= 0 and positive(b["predicted_s"])
+                       for b in s["buckets"])
+            # Each timed part has its price: the bucket's micro-steps, the weights into it and
+            # its gradients home (its reduction and their switch) make up the step's.
+            assert s["predicted_s"] == pytest.approx(sum(
+                b[f"predicted_{k}"] for b in s["buckets"]
+                for k in ("compute_s", "switch_s", "gradients_s")))
+            assert all(positive(b["predicted_compute_s"]) for b in s["buckets"])
     # auto says why its table: one strategy unless a table gains past the model's error.
     planned = len(methods["auto"]["buckets"])
     assert report["auto_why"].startswith("one strategy" if planned == 1
@@ -104,12 +111,18 @@ def test_bench_plan() -> None:
     (hot,) = report["tables"]["results"]  # one table of two buckets
     assert [b["max_len"] for b in hot["table"]] == [64, 256]
     assert positive(hot["predicted_s"]) and positive(hot["measured_s"]), hot
+    parts = ("compute_s", "switch_s", "gradients_s")
     assert hot["predicted_s"] == pytest.approx(
         sum(b["predicted_s"] for b in hot["table"]) + hot["switch_predicted_s"])
+    assert hot["predicted_s"] == pytest.approx(
+        sum(b[f"predicted_{k}"] for b in hot["table"] for k in parts))
+    # The weights switch into a bucket whose layout is not the home's.
+    assert hot["switch_predicted_s"] > 0 and all(
+        b["predicted_switch_s"] >= 0 for b in hot["table"])
     # Timed bucket by bucket: each ran, and the step is its buckets and what lies outside.
     assert all(positive(b["compute_s"]) for b in hot["table"]), hot
     assert hot["timed_step_s"] == pytest.approx(hot["outside_buckets_s"] + sum(
-        b["compute_s"] + b["switch_s"] for b in hot["table"]))
+        b[k] for b in hot["table"] for k in parts))
     assert hot["outside_buckets_s"] >= 0
     memory = report["memory"]
     assert memory["model"]["layers"] == 4 and len(memory["results"]) == 2

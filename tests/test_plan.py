@@ -17,9 +17,10 @@ from helpers import MODEL
 from hotjax.checkpoint import meta
 from hotjax.cli import main
 from hotjax.planning import search as plan
-from hotjax.planning.cost import COST_MODEL_VERSION
+from hotjax.planning.cost import COST_MODEL_VERSION, bucket_reduction_seconds
 from hotjax.planning.measure import profile_path
 from hotjax.planning.profile import load_profile
+from hotjax.sharding.strategy import Strategy
 from hotjax.sharding.table import load_table, parse_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +64,33 @@ def test_the_search_finds_the_fastest_table_brute_force_finds(search, lengths):
     # The buckets cover every sequence once, and the step's tokens.
     assert sum(b.sequences for b in found.buckets) == len(lengths)
     assert sum(b.tokens for b in found.buckets) == lengths.sum()
+
+
+def test_a_tables_switches_and_reduction_are_priced_bucket_by_bucket(search, lengths):
+    """The weights go from home through each bucket that runs, in turn; each bucket's fp32
+    gradients go home; a bucket without rows moves nothing; a `local` bucket's one reduction
+    is part of its seconds, and said apart."""
+    dp, tp, fsdp = (Strategy.parse(t) for t in (
+        "data=8,rules=dp", "data=2,tensor=4,rules=megatron-sp", "fsdp=8,rules=fsdp"))
+    table = [(512, dp), (1024, tp), (CONTEXT, fsdp)]
+    run = [plan.RunAs(8, "none", "local"), *[plan.RunAs(8, "none", "sharded")] * 2]
+    found = plan.fixed_table(search, lengths, table, run=run)
+    widen = 4 / MODEL.dtype.itemsize
+    assert found.home == fsdp
+    assert found.weights_in == tuple(search.switch_seconds(a, b) for a, b in (
+        (fsdp, dp), (dp, tp), (tp, fsdp)))
+    assert found.gradients_home == tuple(widen * search.switch_seconds(s, fsdp)
+                                         for s in (dp, tp, fsdp))
+    # Gathering the weights moves bytes, splitting them none; tensor's gradients are re-split.
+    assert found.weights_in[0] > 0 == found.weights_in[1] and found.gradients_home[1] > 0
+    assert found.switch_seconds == pytest.approx(sum(found.weights_in + found.gradients_home))
+    local, *sharded = found.buckets
+    assert local.reduction_seconds == pytest.approx(bucket_reduction_seconds(
+        MODEL, dp, search.profile, "local")) and 0 < local.reduction_seconds < local.seconds
+    assert all(b.reduction_seconds == 0 for b in sharded)
+    # Nothing longer than 1,024 tokens: the last bucket is empty, and it moves nothing.
+    idle = plan.fixed_table(search, np.minimum(lengths, 1024), table, run=run)
+    assert idle.weights_in[2] == idle.gradients_home[2] == idle.buckets[2].seconds == 0
 
 
 def test_buckets_fit_the_budget_and_a_budget_too_small_is_one_line(lengths):

@@ -160,8 +160,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
                       "budget, like 80GiB or 512MiB (a bare number is MiB): the model state "
                       "and every compiled step must fit, as XLA's memory analysis reports "
                       "them; micro-steps are sized to it"},
-    "bucket_timings": {"action": "store_true", "help": "time each bucket's compute and "
-                       "switches (waits for the devices after each bucket)"},
+    "bucket_timings": {"action": "store_true", "help": "time each bucket's micro-steps, "
+                       "the weights into it and its gradients home (waits for the devices after "
+                       "each part)"},
     "balance": {"action": argparse.BooleanOptionalAction, "default": _RUN.balance,
                 "help": "place each bucket's rows on data shards so that their estimated work "
                 "is equal (default: on; --no-balance: in packing order)"},

@@ -123,10 +123,11 @@ class Choice:
     rows: int  # packed rows in a typical step
     sequences: int
     tokens: int
-    seconds: float  # the bucket's micro-steps
+    seconds: float  # the bucket's micro-steps and its one gradient reduction
     peak_bytes: int  # per device, home state included
     imbalance: float = 1.0  # the busiest device's attention over the mean's, summed over steps
     accumulate: str = ACCUMULATE[0]  # how its micro-steps accumulate gradients
+    reduction_seconds: float = 0.0  # of `seconds`, the one reduction (`local` accumulation)
 
     @property
     def run_as(self) -> RunAs:
@@ -144,13 +145,22 @@ class RunAs:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """A strategy table priced: each bucket, and per bucket its switches, the weights into
+    its layout (from the previous bucket that runs, or home) and its gradients home (0 where
+    the bucket has no rows)."""
+
     buckets: tuple[Choice, ...]
     home: Strategy
-    switch_seconds: float
+    weights_in: tuple[float, ...]
+    gradients_home: tuple[float, ...]
     why: str = ""  # why this table over the best single strategy, or the reverse (`plan`)
     # The step priced on each of the drawn mini-batches (`Fill.drawn`); empty where the search
     # knows no corpus to draw from.
     drawn_seconds: tuple[float, ...] = ()
+
+    @property
+    def switch_seconds(self) -> float:
+        return sum(self.weights_in) + sum(self.gradients_home)
 
     @property
     def seconds(self) -> float:
@@ -483,7 +493,8 @@ class Search:
         seconds = micro.time.bucket_seconds(shares) + (micro.reduction if len(shares) else 0.0)
         return Choice(low, max_len, strategy, micro.rows, micro.remat, micro.steps, len(rows),
                       sum(len(r) for r in rows), int(sum(lengths[i] for r in rows for i in r)),
-                      seconds, micro.peak_bytes + home_bytes, imbalance, micro.accumulate)
+                      seconds, micro.peak_bytes + home_bytes, imbalance, micro.accumulate,
+                      micro.reduction if len(shares) else 0.0)
 
     def _attention_shares(self, lengths: np.ndarray, rows: list[list[int]], max_len: int,
                           strategy: Strategy, micro_rows: int, masked: bool,
@@ -714,11 +725,13 @@ def _as_plan(search: Search, chosen: Sequence[Choice]) -> Plan:
     """Buckets with their switches: the weights from home through each bucket in turn, and
     each bucket's fp32 gradients home (in the reverse direction, twice the bytes of bf16)."""
     home = most_sharded([c.strategy for c in chosen], search.config, search.optimizer)
-    running = [c.strategy for c in chosen if c.rows]
-    weights = sum(search.switch_seconds(a, b) for a, b in itertools.pairwise([home, *running]))
     widen = 4 / search.config.dtype.itemsize
-    gradients = sum(widen * search.switch_seconds(s, home) for s in running)
-    return Plan(tuple(chosen), home, weights + gradients)
+    weights, gradients, previous = [], [], home
+    for c in chosen:
+        weights.append(search.switch_seconds(previous, c.strategy) if c.rows else 0.0)
+        gradients.append(widen * search.switch_seconds(c.strategy, home) if c.rows else 0.0)
+        previous = c.strategy if c.rows else previous
+    return Plan(tuple(chosen), home, tuple(weights), tuple(gradients))
 
 
 def fixed_table(search: Search, lengths: np.ndarray, table: Sequence[tuple[int, Strategy]],

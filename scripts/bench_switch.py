@@ -3,13 +3,13 @@ transfer scheduler's bytes, max per-device send and lower bound, its planning ti
 executor's time beside `jax.device_put`'s, measured side by side on the model's parameters.
 
     python scripts/bench_switch.py [--json] [--quick] [--table TABLE.toml] [--model tiny|small]
-                                   [--processes N]
+                                   [--devices N] [--processes N]
 
 Every scheduled switch's result is checked against `device_put`'s, bit for bit. On a CPU-only
-machine it runs on 8 simulated devices; `--devices-per-node` puts node boundaries between them
-for the transfer scheduler (the executor's timings do not depend on it). Times are medians of
-`--repeats` runs after one untimed run that compiles. `--quick`: the `tiny` model, two strategies
-of the table (two switches), two repeats (a smoke test).
+machine it runs on 8 simulated devices (`--devices N`: N); `--devices-per-node` puts node
+boundaries between them for the transfer scheduler (the executor's timings do not depend on
+it). Times are medians of `--repeats` runs after one untimed run that compiles. `--quick`:
+the `tiny` model, two strategies of the table (two switches), two repeats (a smoke test).
 
 `--processes N` runs the benchmark as N processes joined by JAX's runtime, as `hotjax launch`
 starts them (on CPU, 8/N simulated devices each), so every switch crosses a real process
@@ -93,6 +93,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=None, help="of the switched params (default: the "
                                                       "model's compute dtype)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--devices", type=int, help="use N devices: on CPU, N simulated ones "
+                        "(split over --processes), on accelerators the first N (default: 8 "
+                        "simulated CPUs, or all accelerators)")
     parser.add_argument("--devices-per-node", type=int, default=None,
                         help="simulated node size for the transfer scheduler (default: all "
                         "local devices)")
@@ -111,6 +114,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.devices is not None:
+        from hotjax.config import at_least
+
+        at_least("--devices", args.devices, args.processes)
+        if args.coordinator is None:  # a launched process has its share set by the launch
+            os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
     if args.processes > 1 and args.coordinator is None:
         return _launch(sys.argv[1:] if argv is None else argv, args)
     if args.coordinator is not None:
@@ -126,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     from hotjax.sharding.strategy import Layout, fit_to_model
     from hotjax.sharding.table import load_table, parse_table
     from hotjax.sharding.transfers import Topology
+    from hotjax.startup import select_devices
 
     enable_compilation_cache()
-    devices = jax.devices()
+    devices = jax.devices() if args.processes > 1 else select_devices(args.devices)
     if args.table:
         table = load_table(args.table)
     else:

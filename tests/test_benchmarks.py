@@ -34,6 +34,16 @@ def test_bench_switch() -> None:
         assert positive(pair["executor_s"]) and positive(pair["device_put_s"])
 
 
+def test_bench_switch_on_the_devices_its_table_names(tmp_path) -> None:
+    """`--devices N` runs on N devices: a table of four, its two switches checked."""
+    table = tmp_path / "four.toml"
+    table.write_text('[[bucket]]\nmax_len = 256\nmesh = { data = 2, tensor = 2 }\n\n'
+                     '[[bucket]]\nmax_len = 1024\nmesh = { fsdp = 2, context = 2 }\n')
+    report = run_quick("bench_switch", "--devices", "4", "--table", str(table))
+    assert report["machine"]["devices"] == "4 cpu" and len(report["pairs"]) == 2
+    assert all(pair["equal"] and pair["bytes_moved"] > 0 for pair in report["pairs"])
+
+
 def test_bench_switch_across_two_processes() -> None:
     report = run_quick("bench_switch", "--processes", "2")
     assert report["machine"]["processes"] == 2 and len(report["pairs"]) == 2
@@ -235,6 +245,9 @@ def test_bench_gpu_refuses_an_unknown_kernel_name() -> None:
 @pytest.mark.parametrize(("argv", "line"), [
     (("scripts/bench_switch.py", "--quick", "--table", "missing.toml"),
      "bench_switch: error: strategy table not found: missing.toml: pass an existing .toml file"),
+    (("scripts/bench_switch.py", "--quick", "--devices", "2"),
+     "bench_switch: error: built-in table: bucket 1 (max_len 1024): mesh data2·tensor4 [auto] "
+     "uses 8 devices but 2 are in use: make its sizes multiply to 2, or pass --devices 8"),
     (("scripts/bench_ckpt.py", "--quick", "--model", "nope"),
      "bench_ckpt: error: unknown model preset 'nope': choose one of tiny,")])
 def test_a_benchmark_given_bad_input_exits_2_with_one_line(argv, line) -> None:

@@ -23,6 +23,7 @@ from hotjax.planning.cost import (
     layer_elementwise_bytes,
     micro_step_time,
     step_seconds,
+    switch_seconds,
     visible_pairs,
 )
 from hotjax.planning.memory import micro_step_memory
@@ -489,6 +490,27 @@ def test_a_step_adds_its_micro_steps_and_the_planned_switches():
     assert plan.estimated_seconds == pytest.approx(4 * 2**20 / (450 * GB))
     assert step_seconds([(time, 3)], [plan]) == pytest.approx(3 * time.seconds
                                                                + plan.estimated_seconds)
+
+
+def test_a_switch_is_priced_at_the_rate_device_put_measures_where_it_applies():
+    """The bytes a device lacks over the profile's measured switch rate, for a switch across
+    nodes on a profile of several, or any on a profile of one node; a switch inside a node of
+    several, or on a profile that measured none, at the link's rate."""
+    source, target = Strategy.parse("data=2,tensor=4"), Strategy.parse("data=8")
+    at_link = switch_seconds(LLAMA2_7B, source, target, H100)
+    assert at_link > 0
+    measured = dataclasses.replace(H100, switch_bandwidth=100 * GB, switch_latency=0.01)
+    assert switch_seconds(LLAMA2_7B, source, target, measured) == pytest.approx(
+        0.01 + at_link * H100.intra_node_bandwidth / (100 * GB))
+    # Measured across two nodes: it prices switches that span them, not those inside one.
+    two = dataclasses.replace(A800, nodes=2)
+    wide, narrow = Strategy.parse("data=4,tensor=4"), Strategy.parse("data=16")
+    across = switch_seconds(LLAMA2_7B, wide, narrow, two)
+    inside = switch_seconds(LLAMA2_7B, source, target, two)
+    two_measured = dataclasses.replace(two, switch_bandwidth=10 * GB)
+    assert switch_seconds(LLAMA2_7B, wide, narrow, two_measured) == pytest.approx(
+        across * A800.inter_node_bandwidth / (10 * GB))
+    assert switch_seconds(LLAMA2_7B, source, target, two_measured) == inside
 
 
 def test_shipped_profiles_hold_the_papers_cluster_and_an_h100_node():

@@ -38,6 +38,12 @@ def test_measured_profile_has_positive_figures_for_every_collective_and_group(me
     assert measured.step_overhead >= 0 and positive(measured.collective_latency)
     assert positive(measured.elementwise_bandwidth)
     assert positive(measured.intra_node_bandwidth) and positive(measured.inter_node_bandwidth)
+    # One node: its switches move at the rate measured, with their fixed cost; those that
+    # would span nodes at the link's.
+    assert positive(measured.switch_bandwidth) and measured.switch_latency >= 0
+    assert measured.switch_seconds(2**20, False) == pytest.approx(
+        measured.switch_latency + 2**20 / measured.switch_bandwidth)
+    assert measured.switch_seconds(2**20, True) == 2**20 / measured.inter_node_bandwidth
     assert [name for name, _ in measured.collectives] == [*COLLECTIVES, *OPTIONAL_COLLECTIVES]
     for _, bandwidths in measured.collectives:
         assert [size for size, _ in bandwidths.intra] == [2, 4, 8]

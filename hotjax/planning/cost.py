@@ -143,8 +143,9 @@ from hotjax.sharding.transfers import TransferSchedule, boxes_from_strategy
 # (the matmul rate fitted with the fit's short rows' attention at their own rate). 8: the
 # collectives outside the layer loop and those XLA:CPU does not combine, each a latency. (9: a
 # ring rate by chunk, tried and reverted.) 10: each collective at the bandwidth of its tensor's
-# size, all-to-alls measured, the ring's sends as XLA:CPU issues them.
-COST_MODEL_VERSION = 10
+# size, all-to-alls measured, the ring's sends as XLA:CPU issues them. 11: switches at the
+# rate and fixed cost `jax.device_put` measures (a profile's `switch_gbps`, `switch_latency_ms`).
+COST_MODEL_VERSION = 11
 # Of each collective's tensor, the bytes moved per device over a group of n (the bus-bandwidth
 # convention of nccl-tests): time = latency + factor · bytes / bus bandwidth.
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
@@ -631,7 +632,8 @@ def visible_pairs(seq_len: int, context: int, balanced: bool, block: int) -> flo
 def switch_seconds(config: LlamaConfig, source: Strategy, target: Strategy,
                    profile: Profile) -> float:
     """A weight switch's time from `source`'s layout to `target`'s: the most compute-dtype
-    bytes any device lacks, over the slower link the devices span (the transfer scheduler
+    bytes any device lacks, at the rate a switch over the devices moves
+    (`Profile.switch_seconds`: measured, or the slower link they span; the transfer scheduler
     plans the exact transfers: `step_seconds`)."""
     if source == target:
         return 0.0
@@ -645,9 +647,7 @@ def switch_seconds(config: LlamaConfig, source: Strategy, target: Strategy,
             overlap = math.prod(max(0, min(x1, y1) - max(x0, y0))
                                 for (x0, x1), (y0, y1) in zip(before[d], after[d], strict=True))
             lacking[d] += (math.prod(b - a for a, b in after[d]) - overlap) * config.dtype.itemsize
-    bandwidth = (profile.inter_node_bandwidth if devices > profile.devices_per_node
-                 else profile.intra_node_bandwidth)
-    return float(lacking.max()) / bandwidth
+    return profile.switch_seconds(float(lacking.max()), devices > profile.devices_per_node)
 
 
 def step_seconds(micro_steps: Iterable[tuple[MicroStepTime, int]],

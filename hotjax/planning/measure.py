@@ -45,6 +45,12 @@ node and across nodes (a node is one process: its devices share a host, or an NV
   all-reduces costs (over gloo between processes, some milliseconds: a process waiting for its peer
   sleeps). Groups of consecutive devices lie inside a node, strided ones span nodes. With one
   process no group spans nodes: the inter tables repeat the intra ones.
+- Switch rate: `jax.device_put` of arrays split over all the devices, put whole on each, at
+  two sizes: the rate the bytes each device lacks move at and what every switch costs besides
+  (across processes JAX moves them by its own transfers, not gloo's collectives: between two
+  processes on a link shaped to 7.7 MB/s each way the weights' 11.3 MB switches took 1.48-1.72
+  s, 1.47 s at the link's rate; one 4 MiB put measured 0.70 of the link, gloo's ring send of 4
+  MiB 0.53).
 - Memory: what the runtime lets a device allocate, or on XLA:CPU (which says nothing) the
   host's memory shared by its devices.
 
@@ -106,6 +112,10 @@ SIGNIFICANT = 4  # digits kept of each measured figure: the repeats scatter more
 FIT_ROWS = 4  # the larger fitted micro-step's rows, per the smaller one's
 CHAIN = 8  # dependent all-reduces timed in one program for the latency
 MEASURED = (*COLLECTIVES, *OPTIONAL_COLLECTIVES)
+# The switches timed, in `Workload.message_bytes` each device lacks, each of as many arrays as
+# a model's weights are (`switch_rate`).
+SWITCH_SIZES = (1, 4)
+SWITCH_ARRAYS = 16
 SIZE_SHARES = (16, 4)  # each collective also timed on tensors of message_bytes / these
 LATENCY_BYTES = 4096  # each one's tensor
 
@@ -157,7 +167,7 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
     model = model or reference_model(*REFERENCE_MODELS[kind])
     intra_sizes = _group_sizes(per_node)
     inter_sizes = _group_sizes(len(devices)) if nodes > 1 else ()
-    total = 2 + len(MEASURED) * (len(intra_sizes) + len(inter_sizes) + len(SIZE_SHARES))
+    total = 3 + len(MEASURED) * (len(intra_sizes) + len(inter_sizes) + len(SIZE_SHARES))
     # The tensor sizes are timed on the widest groups, across nodes where there are nodes.
     widest = ("inter", inter_sizes[-1]) if inter_sizes else ("intra", intra_sizes[-1])
     done = 0
@@ -213,6 +223,8 @@ def measure_profile(devices: Sequence[jax.Device], *, model: LlamaConfig | None 
             figures[f"{name} bytes {share}"] = bus_bandwidth(
                 devices, name, widest[1], widest[0] == "inter", work, latency,
                 work.message_bytes // share)
+    announce(f"a switch: jax.device_put of split arrays whole onto {len(devices)} devices")
+    figures["switch"], figures["switch latency"] = switch_rate(devices, work)
     figures = _agreed(figures | {"latency": latency, "small step": steps_s[0],
                                  "large step": steps_s[1]})
     source = (f"measured on {len(devices)} {platform} devices ({devices[0].device_kind}) in "
@@ -296,7 +308,9 @@ def _profile(figures: dict[str, float], bandwidths: dict[str, dict[str, Any]],
         # device of the largest group sends too.
         "links": {"intra_node_gbps": send["intra"][max(send["intra"], key=int)],
                   "inter_node_gbps": send["inter"][max(send["inter"], key=int)],
-                  **_if_positive("latency_us", figures["latency"] * 1e6)},
+                  **_if_positive("latency_us", figures["latency"] * 1e6),
+                  "switch_gbps": _rounded(figures["switch"] / GIGA),
+                  **_if_positive("switch_latency_ms", figures["switch latency"] * 1e3)},
         "collectives": bandwidths}, source)
 
 
@@ -510,6 +524,29 @@ def bus_bandwidth(devices: Sequence[jax.Device], collective: str, group: int,
     (x,) = _filled(((count * local,),), jnp.float32, NamedSharding(mesh, spec))
     (seconds,) = timed_in_rounds([lambda: jax.block_until_ready(run(x))], work.repeats)
     return BUS_FACTOR[collective](group) * elements * 4 / max(seconds - latency, seconds / 2)
+
+
+def switch_rate(devices: Sequence[jax.Device], work: Workload) -> tuple[float, float]:
+    """A hot switch as the trainer makes it (`jax.device_put` between layouts): bytes/s per
+    device and the seconds every switch costs besides its bytes. `SWITCH_ARRAYS` fp32 arrays
+    split over all `devices` are put whole on each, so that each device lacks all but its own
+    pieces (as the weights lack in a switch from a split home into a replicated layout):
+    `SWITCH_SIZES` times `work.message_bytes` from each other device, the rate and the fixed
+    cost fitted through the two times (a rate alone, the larger's, where noise leaves them no
+    slope)."""
+    mesh = Mesh(np.asarray(devices, dtype=object), ("all",))
+    whole = NamedSharding(mesh, PartitionSpec())
+    lacking = [(len(devices) - 1) * work.message_bytes * k for k in SWITCH_SIZES]
+    split = NamedSharding(mesh, PartitionSpec("all"))
+    trees = [_filled(((work.message_bytes * k // 4 * len(devices) // SWITCH_ARRAYS,),)
+                     * SWITCH_ARRAYS, jnp.float32, split) for k in SWITCH_SIZES]
+    small, large = timed_in_rounds(
+        [functools.partial(lambda x: jax.block_until_ready(jax.device_put(x, whole)), tree)
+         for tree in trees], work.repeats)
+    if large <= small:
+        return lacking[1] / large, 0.0
+    rate = (lacking[1] - lacking[0]) / (large - small)
+    return rate, max(small - lacking[0] / rate, 0.0)
 
 
 def device_memory_bytes(devices: Sequence[jax.Device]) -> int:

@@ -171,6 +171,14 @@ class Profile:
     # matmul rate fitted on 128-token rows took for slow matmuls (and priced 512-token rows
     # 10-25 % high).
     attention_by_length: tuple[tuple[int, float], ...] = ()
+    # Bytes/s per device `jax.device_put` reached resharding arrays on all the profile's
+    # devices, counted as the bytes a device lacks, and the seconds each switch cost besides
+    # (`hotjax.planning.measure.switch_rate`): across nodes where there are several, else
+    # inside the node; 0: not measured (the links stand in). Between two processes on a link
+    # shaped to 7.7 MB/s each way the weights' switches moved near the link's rate, where
+    # gloo's ring send of 4 MiB (the node link) measured 0.45-0.53 of it.
+    switch_bandwidth: float = 0.0
+    switch_latency: float = 0.0
 
     @property
     def matmul(self) -> Efficiency:
@@ -206,6 +214,15 @@ class Profile:
         if collective not in tables:
             collective = OPTIONAL_COLLECTIVES[collective]
         return tables[collective].at(group, crosses_nodes, nbytes)
+
+    def switch_seconds(self, nbytes: float, crosses_nodes: bool) -> float:
+        """A hot switch in which a device lacks at most `nbytes`: at the rate measured where
+        it applies (a switch that spans nodes, or any on one node), with its fixed cost, else
+        at the link's rate."""
+        if self.switch_bandwidth and crosses_nodes == (self.nodes > 1):
+            return self.switch_latency + nbytes / self.switch_bandwidth
+        return nbytes / (self.inter_node_bandwidth if crosses_nodes
+                         else self.intra_node_bandwidth)
 
     def topology(self) -> Topology:
         """The links as the transfer scheduler sees them."""
@@ -266,7 +283,12 @@ def profile_toml(profile: Profile) -> str:
              "[links]", f"intra_node_gbps = {_in_units(profile.intra_node_bandwidth, GIGA)}",
              f"inter_node_gbps = {_in_units(profile.inter_node_bandwidth, GIGA)}",
              *([f"latency_us = {_in_units(profile.collective_latency, 1e-6)}"]
-               if profile.collective_latency else []), "",
+               if profile.collective_latency else []),
+             *([f"switch_gbps = {_in_units(profile.switch_bandwidth, GIGA)}"
+                "  # jax.device_put resharding, per device"]
+               if profile.switch_bandwidth else []),
+             *([f"switch_latency_ms = {_in_units(profile.switch_latency, 1e-3)}"]
+               if profile.switch_latency else []), "",
              "# Bus bandwidth of each collective (nccl-tests' busbw) by group size, for groups "
              "inside one node", "# (intra) and groups spanning nodes (inter)."]
     if profile.nodes == 1 and all(b.intra == b.inter for _, b in profile.collectives):
@@ -290,7 +312,7 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
                         ("matmul_by_size", "attention_by_heads", "attention_by_length",
                          *kernels))
     links = _table(data, "links", source, ("intra_node_gbps", "inter_node_gbps"),
-                   ("latency_us",))
+                   ("latency_us", "switch_gbps", "switch_latency_ms"))
     by_size, by_heads, by_length = (
         _efficiencies(data["efficiency"].get(f"{of}_by_{size}", {}),
                       f"{source}: efficiency.{of}_by_{size}", example)
@@ -328,6 +350,8 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Profile:
         collectives=tuple((name, _bandwidths(collectives, name, source)) for name in named),
         source=source, step_overhead=device.get("step_overhead_ms", 0.0) * 1e-3,
         collective_latency=links.get("latency_us", 0.0) * 1e-6,
+        switch_bandwidth=links.get("switch_gbps", 0.0) * GIGA,
+        switch_latency=links.get("switch_latency_ms", 0.0) * 1e-3,
         elementwise_bandwidth=device.get("elementwise_gbps", 0.0) * GIGA,
         attention_by_kernel=tuple((kernel, efficiency[key]) for key, kernel in kernels.items()
                                   if key in efficiency),

@@ -404,12 +404,9 @@ def predict(search: Any, trainer: Trainer, method: str, lengths: list[np.ndarray
     if plans is None:
         return None
     return [{"seconds": p.seconds, "switch_s": p.switch_seconds,
-             "buckets": {b.max_len: {"predicted_s": b.seconds,
-                                     "predicted_compute_s": b.seconds - b.reduction_seconds,
-                                     "predicted_switch_s": weights,
-                                     "predicted_gradients_s": b.reduction_seconds + home}
-                         for b, weights, home in zip(p.buckets, p.weights_in,
-                                                     p.gradients_home, strict=True)}}
+             "buckets": {b.max_len: {"predicted_s": b.seconds, **dict(zip(
+                 ("predicted_compute_s", "predicted_switch_s", "predicted_gradients_s"), parts,
+                 strict=True))} for b, parts in zip(p.buckets, p.bucket_parts(), strict=True)}}
             for p in plans]
 
 

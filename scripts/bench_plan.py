@@ -296,12 +296,9 @@ def table_step(config: LlamaConfig, strategies: list[Strategy], seq_lens: list[i
     return {"name": name, "table": [{
                 "max_len": b.max_len, "strategy": str(b.strategy), "micro_rows": b.micro_rows,
                 "micro_steps": b.micro_steps, "rows": b.rows, "predicted_s": b.seconds,
-                "predicted_compute_s": b.seconds - b.reduction_seconds,
-                "predicted_switch_s": weights,
-                "predicted_gradients_s": b.reduction_seconds + home,
+                **{f"predicted_{k}": x for k, x in zip(parts, priced, strict=True)},
                 **{k: ran.get(b.max_len, idle)[k] for k in parts}}
-                for b, weights, home in zip(found.buckets, found.weights_in,
-                                            found.gradients_home, strict=True)],
+                for b, priced in zip(found.buckets, found.bucket_parts(), strict=True)],
             "home": str(found.home), "tokens": minibatch.real_tokens,
             "switch_predicted_s": found.switch_seconds,
             "switched_bytes": metrics["switched_bytes"], "predicted_s": found.seconds,

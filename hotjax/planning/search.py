@@ -162,6 +162,13 @@ class Plan:
     def switch_seconds(self) -> float:
         return sum(self.weights_in) + sum(self.gradients_home)
 
+    def bucket_parts(self) -> list[tuple[float, float, float]]:
+        """Per bucket, the prices a trainer's bucket timings are set beside: its micro-steps,
+        the weights into it, its gradients home (its one reduction and their switch)."""
+        return [(b.seconds - b.reduction_seconds, weights, b.reduction_seconds + home)
+                for b, weights, home in zip(self.buckets, self.weights_in, self.gradients_home,
+                                            strict=True)]
+
     @property
     def seconds(self) -> float:
         """The typical batch's step."""

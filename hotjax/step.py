@@ -9,7 +9,8 @@ per (config, strategy, devices, accumulation, shape) and cached here, so trainer
 
 How a bucket accumulates (`ACCUMULATE`), as Megatron's and DeepSpeed's data parallelism do:
 - `local`: each data shard adds its own, unreduced gradients to its own fp32 partial sum, and
-  the bucket's end reduces the partial sums once, straight into the home's gradient layout.
+  the bucket's end reduces the partial sums once, straight into the home's gradient layout
+  (reduce-scattered where the home splits an array as the scatter would, else all-reduced).
   The partials are one stacked array `[data shards, ...]` split over the data axes; the
   micro-step is a `vmap` over that axis (`spmd_axis_name`), so XLA computes each shard's
   gradients where its rows are and never adds them up inside a micro-step. The data axes are
@@ -62,6 +63,7 @@ from hotjax.sharding.strategy import (
     as_tuple,
     fit_to_model,
     partial_axes,
+    scatter_dim,
     ways,
 )
 
@@ -290,10 +292,40 @@ class BucketStep:
         accumulator moved there as it is."""
         key = tuple(jax.tree.leaves(shardings))
         if key not in self._reduce:
-            self._reduce[key] = jax.jit(
-                lambda a: jax.tree.map(lambda x: x.sum(axis=0), a) if self.shards > 1 else a,
-                out_shardings=shardings)
+            self._reduce[key] = jax.jit(self._reduction(shardings) if self.shards > 1
+                                        else lambda a: a, out_shardings=shardings)
         return self._reduce[key]
+
+    def _reduction(self, shardings: Accumulator) -> Callable[[Accumulator], Accumulator]:
+        """The partial sums reduced over the partial axes: each array reduce-scattered where
+        its scattered layout is the home's (`scatter_dim`: half an all-reduce's bytes, and
+        nothing moves after), else all-reduced (XLA then lays it out as the home's)."""
+        mesh, partial = self.layout.mesh, self.partial
+        specs, tree = jax.tree.flatten(self.grad_shardings)
+        shapes = jax.tree.leaves(abstract_params(self.config))
+        scatters = [scatter_dim(shape.shape, sharding.spec, partial, self.shards,
+                                lambda spec, target=target, shape=shape:
+                                NamedSharding(mesh, spec).is_equivalent_to(target,
+                                                                           len(shape.shape)))
+                    for sharding, shape, target in zip(specs, shapes,
+                                                       jax.tree.leaves(shardings.grads),
+                                                       strict=True)]
+
+        def reduce(acc: Accumulator) -> Accumulator:
+            grads = [jax.lax.psum(x[0], partial) if scatter is None else
+                     jax.lax.psum_scatter(x[0], partial, scatter_dimension=scatter[0],
+                                          tiled=True)
+                     for x, scatter in zip(jax.tree.leaves(acc.grads), scatters, strict=True)]
+            return Accumulator(jax.tree.unflatten(tree, grads),
+                               jax.lax.psum(acc.loss_sum[0], partial),
+                               jax.lax.psum(acc.targets[0], partial))
+
+        out = [s.spec if scatter is None else scatter[1]
+               for s, scatter in zip(specs, scatters, strict=True)]
+        return jax.shard_map(
+            reduce, mesh=mesh,
+            in_specs=(jax.tree.map(lambda s: s.spec, self.acc_shardings),),
+            out_specs=Accumulator(jax.tree.unflatten(tree, out), P(), P()))
 
     def reduce(self, acc: Accumulator, shardings: Accumulator) -> Accumulator:
         return self.reducer(shardings)(acc)
@@ -301,6 +333,13 @@ class BucketStep:
     def peak_bytes(self, shape: tuple[int, int]) -> int:
         """XLA's per-device peak of one micro-step: weights, accumulator, batch, temporaries."""
         return step_memory(self.compiled(shape))["peak"]
+
+    def abstract_accumulator(self) -> Accumulator:
+        """The accumulator as `jax.ShapeDtypeStruct`s on its shardings (what `reducer`'s
+        functions take, to lower without arrays)."""
+        return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                                     sharding=sharding),
+                            _accumulator_shapes(self.config, self.shards), self.acc_shardings)
 
     def accumulator_bytes(self) -> int:
         """Per-device bytes of the fp32 gradient sum (partial sums, under `local`)."""

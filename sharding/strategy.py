@@ -419,6 +419,25 @@ def partial_axes(strategy: Strategy) -> tuple[str, ...]:
     return tuple(axes)
 
 
+def scatter_dim(shape: Sequence[int], spec: PartitionSpec, partial: tuple[str, ...],
+                pieces: int, lands: Callable[[PartitionSpec], bool]
+                ) -> tuple[int, PartitionSpec] | None:
+    """Where a `local` bucket's partial gradient sums of an array of `shape` (laid out by `spec`
+    within each data shard) are reduce-scattered over the `pieces` shards of its `partial`
+    axes: a dimension `spec` leaves whole that splits evenly, the largest first, whose
+    scattered layout `lands` exactly on the home's (nothing moves after it), as (dimension,
+    scattered spec). None where no dimension does: the sums are all-reduced, then laid out as
+    the home's. A reduce-scatter moves half an all-reduce's bytes; XLA:GPU finds it itself
+    where the layouts agree, XLA:CPU does not."""
+    parts = list(spec) + [None] * (len(shape) - len(spec))
+    for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        if parts[dim] is None and shape[dim] % pieces == 0:
+            scattered = PartitionSpec(*parts[:dim], _joined(partial), *parts[dim + 1:])
+            if lands(scattered):
+                return dim, scattered
+    return None
+
+
 def independent_shards(strategy: Strategy, accumulate: str = "local") -> bool:
     """Whether a bucket's data shards run its micro-steps without meeting: under `local`
     accumulation over every mesh axis that splits the rows (`partial_axes`: no weight nor

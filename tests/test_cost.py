@@ -12,7 +12,7 @@ import pytest
 from hotjax import targets
 from hotjax.errors import UserError
 from hotjax.models.attention import Tokens, block_edge, ring_block_counts, visible_blocks
-from hotjax.models.llama import as_trained, preset
+from hotjax.models.llama import abstract_params, as_trained, param_axes, preset
 from hotjax.models.pipeline import bubble
 from hotjax.models.work import attention_backend, attention_kernel
 from hotjax.optim import OptimConfig
@@ -22,6 +22,8 @@ from hotjax.planning.cost import (
     document_pairs,
     layer_elementwise_bytes,
     micro_step_time,
+    reduced_bytes,
+    reduction_home_seconds,
     step_seconds,
     switch_seconds,
     visible_pairs,
@@ -36,9 +38,9 @@ from hotjax.planning.profile import (
 )
 from hotjax.planning.shares import shares
 from hotjax.sharding.report import resident_bytes
-from hotjax.sharding.strategy import Strategy
+from hotjax.sharding.strategy import Layout, Strategy, fit_to_model
 from hotjax.sharding.transfers import ArraySwitch, schedule_transfers
-from hotjax.step import Home, bucket_step, step_memory
+from hotjax.step import Accumulator, Home, bucket_step, step_memory
 
 LLAMA2_7B = preset("llama2-7b")
 # LLaMA2-7B's widths (hidden 4096, MLP 11008, 32 heads, vocabulary 32000) with 4 of its 32
@@ -150,12 +152,19 @@ def test_data_parallel_time_is_six_flops_per_weight_and_token_plus_causal_attent
     pairs = 528 * 128 * 128
     assert time.attention == pytest.approx(3.5 * 4 * 128 * 32 * pairs * L / (989e12 * 0.32))
     # Each data shard keeps its own partial sum: no gradient moves within a micro-step, and
-    # the bucket all-reduces the fp32 sums over 8 devices at 450 GB/s once.
+    # the bucket reduces the fp32 sums over 8 devices at 450 GB/s once: a reduce-scatter into
+    # a home that splits them as it scatters (ZeRO-2's; its norms it keeps whole, which are
+    # all-reduced), an all-reduce into one that keeps them whole (data parallelism's).
     assert time.gradients == time.tensor == time.context == time.fsdp == time.stages == \
         time.bubble == 0
     assert time.seconds == pytest.approx(time.matmuls + time.attention + time.elementwise)
-    assert bucket_reduction_seconds(LLAMA2_7B, Strategy.parse("data=8"), H100) == \
-        pytest.approx(2 * 7 / 8 * LLAMA2_7B.num_params() * 4 / (450 * GB))
+    data, zero2 = Strategy.parse("data=8"), Strategy.parse("fsdp=8,rules=zero2")
+    scatter = 7 / 8 * LLAMA2_7B.num_params() * 4 / (450 * GB)
+    assert bucket_reduction_seconds(LLAMA2_7B, data, H100) == pytest.approx(scatter)
+    assert reduction_home_seconds(LLAMA2_7B, data, data, H100) == pytest.approx(scatter)
+    norms = (2 * 32 + 1) * 4096 * 4
+    assert reduction_home_seconds(LLAMA2_7B, data, zero2, H100) == pytest.approx(
+        7 / 8 * norms / (450 * GB))
     # A sharded accumulator instead reduce-scatters the bf16 gradients every micro-step.
     sharded = micro_step_time(LLAMA2_7B, Strategy.parse("data=8"), (8, 4096), H100, "sharded")
     assert sharded.gradients == pytest.approx(7 / 8 * LLAMA2_7B.num_params() * 2 / (450 * GB))
@@ -400,10 +409,10 @@ def test_groups_spanning_nodes_take_the_inter_node_bandwidth():
     assert time.tensor == pytest.approx(((4 * 32 + 1 + 2) * activation + statistics) * 2 * 7 / 8
                                         / (200 * GB))
     s = shares(LLAMA2_7B, strategy, (8, 2048))
-    # The data shards' fp32 partial sums, all-reduced across nodes once per bucket.
+    # The data shards' fp32 partial sums, reduce-scattered across nodes once per bucket.
     assert time.gradients == 0
     assert bucket_reduction_seconds(LLAMA2_7B, strategy, A800) == pytest.approx(
-        2 * 3 / 4 * s.grad_sum * 4 / (25 * GB))
+        3 / 4 * s.grad_sum * 4 / (25 * GB))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -770,6 +779,66 @@ def test_every_collective_the_compiler_issues_pays_one_latency(devices, platform
                       "megatron-sp": 30 + 2 * full, "fsdp": 20 + 14 * full, "zero2": 4}[rules]
     # The target count (a scalar) alone crosses devices as integers.
     assert integers == (["s32[]"] if rules in ("fsdp", "zero2") else [])
+
+
+# (a `local` bucket, the home its partial sums are reduced into)
+REDUCTIONS = [("fsdp=2,rules=zero1", "tensor=2,rules=megatron-sp"),
+              ("fsdp=2,rules=zero1", "data=2,rules=dp"),
+              ("data=2,rules=dp", "fsdp=2,rules=zero2"),
+              ("data=8,rules=zero1", "tensor=8,rules=megatron-sp"),
+              ("data=4,tensor=2,rules=megatron", "fsdp=8,rules=fsdp")]
+
+
+def _reduced(compiled_text: str, pieces: int) -> tuple[float, float]:
+    """Per device, the fp32 bytes of partial sums a compiled reduction reduce-scatters over
+    `pieces` devices and all-reduces (the loss sum and the target count, scalars, left out)."""
+    scattered = whole = 0.0
+    for _, result, op, start in _collectives(compiled_text):
+        elements = [math.prod(int(n) for n in dims.split(",") if n)
+                    for dims in re.findall(r"\bf32\[([\d,]*)\]", result)]
+        sizes = [4 * n for n in elements if n > 1]
+        if op == "reduce-scatter":  # async: (operands, results); else the scattered results
+            scattered += sum(sizes[:len(sizes) // 2]) if start else pieces * sum(sizes)
+        elif op == "all-reduce":
+            whole += sum(sizes)
+    return scattered, whole
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_a_local_buckets_reduction_is_priced_as_it_compiles(devices, platform):
+    """A `local` bucket's one reduction of a 2-layer `small`, compiled for CPUs or for H100s
+    into each home: the fp32 bytes it reduce-scatters and all-reduces per device are those the
+    cost model prices (`reduced_bytes`). Reduce-scattered where the scattered layout is the
+    home's (ZeRO-1's or data parallelism's sums into megatron-sp's or ZeRO-2's split ones),
+    all-reduced where the home keeps them whole (norms; data parallelism's home). Where it
+    splits them otherwise (a tensor-parallel bucket's into FSDP's) XLA:CPU all-reduces, then
+    exchanges; XLA:GPU finds a reduce-scatter there itself, which the price counts as an
+    all-reduce. Before, every reduction was priced and compiled for CPUs as an all-reduce:
+    on two processes over an 8.0 MB/s link, 2.83-2.91 s for ZeRO-1's sums into megatron-sp's,
+    a reduce-scatter of the same bytes 1.44-1.49 s."""
+    config = as_trained(preset("small"), compute_dtype="bfloat16", n_layers=2)
+    axes, shapes = param_axes(config), abstract_params(config)
+    for bucket, home in REDUCTIONS:
+        source, target = Strategy.parse(bucket), Strategy.parse(home)
+        chosen = (tuple(devices[:source.num_devices]) if platform == "cpu" else
+                  tuple(targets.devices(targets.prepare("h100"), source.num_devices)))
+        step = bucket_step(config, source, chosen)
+        layout = Layout(fit_to_model(target, config)[0], chosen)
+        into = Accumulator(layout.param_shardings(axes, shapes, layout.strategy.grad_spec),
+                           layout.replicated, layout.replicated)
+        lowered = step.reducer(into).lower(step.abstract_accumulator())
+        compiled = _reduced(lowered.compile().as_text(), step.shards)
+        priced = reduced_bytes(config, source, target)
+        if platform == "gpu" and bucket.startswith("data=4,tensor=2"):
+            assert priced[0] == 0 < compiled[0] and sum(compiled) - sum(priced) in (0, 4)
+        else:
+            # XLA may concatenate the loss sum (an fp32 scalar) with the norms' sums.
+            assert compiled[0] == priced[0] and compiled[1] - priced[1] in (0, 4), (bucket,
+                                                                                  home)
+    # Data parallelism's home keeps every sum whole; megatron-sp's only the norms.
+    assert reduced_bytes(config, *map(Strategy.parse, REDUCTIONS[1]))[0] == 0
+    assert 0 < reduced_bytes(config, *map(Strategy.parse, REDUCTIONS[0]))[1] < 1e-3 * sum(
+        reduced_bytes(config, *map(Strategy.parse, REDUCTIONS[0])))
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])

@@ -83,8 +83,10 @@ Time (seconds per micro-step; `MicroStepTime` keeps each term):
 - Gradient reduction (`hotjax.step.ACCUMULATE`): under `local` accumulation each data shard
   keeps its own fp32 partial sum over the leading data axes no gradient is split on
   (`hotjax.sharding.strategy.partial_axes`), and the bucket reduces them once at its end
-  (`bucket_reduction_seconds`: an all-reduce of the fp32 sums, as Megatron's and DeepSpeed's
-  data parallelism reduce once per optimizer step). Every micro-step still reduces its
+  (`bucket_reduction_seconds`, as Megatron's and DeepSpeed's data parallelism reduce once per
+  optimizer step): a reduce-scatter of the fp32 sums of each array whose scattered layout is
+  the home's gradient layout, an all-reduce of the rest (`reduced_bytes`,
+  `reduction_home_seconds`). Every micro-step still reduces its
   compute-dtype gradients over the other axes that split its tokens (fsdp under ZeRO-2/3,
   context): a reduce-scatter over those the accumulator is split on, an all-reduce over the
   rest (XLA:CPU: one collective per layer, one for the other weights, one for the target count;
@@ -130,8 +132,8 @@ from hotjax.planning.shares import (
     fitted_strategy,
     shares,
 )
-from hotjax.sharding.strategy import MESH_AXES, Strategy
-from hotjax.sharding.transfers import TransferSchedule, boxes_from_strategy
+from hotjax.sharding.strategy import MESH_AXES, Strategy, scatter_dim, ways
+from hotjax.sharding.transfers import TransferSchedule, boxes_from_spec, boxes_from_strategy
 
 # Bumped whenever a change to this model changes what a measured profile's fitted constants
 # mean (they are fitted through `micro_step_time`): cached profiles of another version are
@@ -145,7 +147,9 @@ from hotjax.sharding.transfers import TransferSchedule, boxes_from_strategy
 # ring rate by chunk, tried and reverted.) 10: each collective at the bandwidth of its tensor's
 # size, all-to-alls measured, the ring's sends as XLA:CPU issues them. 11: switches at the
 # rate and fixed cost `jax.device_put` measures (a profile's `switch_gbps`, `switch_latency_ms`).
-COST_MODEL_VERSION = 11
+# 12: a `local` bucket's reduction reduce-scatters the arrays whose scattered layout is the
+# home's, and is priced so (`reduced_bytes`).
+COST_MODEL_VERSION = 12
 # Of each collective's tensor, the bytes moved per device over a group of n (the bus-bandwidth
 # convention of nccl-tests): time = latency + factor · bytes / bus bandwidth.
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
@@ -535,17 +539,87 @@ def layer_elementwise_bytes(config: LlamaConfig, tokens: float, inner_tokens: fl
 
 def bucket_reduction_seconds(config: LlamaConfig, strategy: Strategy, profile: Profile,
                              accumulate: str = "local") -> float:
-    """Seconds of a `local` bucket's one gradient reduction: the data shards' fp32 partial sums
-    all-reduced over the axes they were kept apart on (0 under `sharded`, or without them)."""
-    s = shares(config, strategy, (1, 1))  # the layouts alone: any shape
-    n = axes_size(strategy, s.partial_axes)
-    if accumulate != "local" or n == 1:
+    """Seconds of a `local` bucket's one gradient reduction (0 under `sharded`, or without
+    partial axes), whatever its home: the data shards' fp32 partial sums reduce-scattered over
+    the axes they were kept apart on where an array can be (`reduced_bytes`), all-reduced
+    where it cannot. An array the home does not lay out as scattered is all-reduced instead:
+    the rest of that price is its way home (`reduction_home_seconds`)."""
+    if accumulate != "local":
         return 0.0
+    n, crosses = _partial_group(config, strategy, profile)
+    if n == 1:
+        return 0.0
+    scattered, whole = reduced_bytes(config, strategy)
+    return (_reduction(profile, "reduce-scatter", scattered, n, crosses)
+            + _reduction(profile, "all-reduce", whole, n, crosses))
+
+
+def reduction_home_seconds(config: LlamaConfig, strategy: Strategy, home: Strategy,
+                           profile: Profile, accumulate: str = "local") -> float:
+    """What a `local` bucket's reduction costs beyond `bucket_reduction_seconds` under `home`:
+    the arrays that could be reduce-scattered but whose scattered layout is not `home`'s
+    gradient layout are all-reduced (then laid out as the home's), the all-reduce's price
+    beyond the reduce-scatter's."""
+    if accumulate != "local":
+        return 0.0
+    n, crosses = _partial_group(config, strategy, profile)
+    if n == 1:
+        return 0.0
+    rest = reduced_bytes(config, strategy)[0] - reduced_bytes(config, strategy, home)[0]
+    if rest <= 0:
+        return 0.0
+    return max(0.0, _reduction(profile, "all-reduce", rest, n, crosses)
+               - _reduction(profile, "reduce-scatter", rest, n, crosses))
+
+
+def _partial_group(config: LlamaConfig, strategy: Strategy, profile: Profile
+                   ) -> tuple[int, bool]:
+    """The size of a bucket's partial group (`partial_axes`), and whether it spans nodes."""
+    s = shares(config, strategy, (1, 1))  # the layouts alone: any shape
     fitted = fitted_strategy(config, strategy)
-    crosses = _crosses_nodes(fitted, s.partial_axes, profile.devices_per_node)
-    nbytes = s.grad_sum * FP32
-    return profile.collective_latency + 2 * (n - 1) / n * nbytes / profile.bandwidth(
-        "all-reduce", n, crosses, nbytes)
+    return (axes_size(strategy, s.partial_axes),
+            _crosses_nodes(fitted, s.partial_axes, profile.devices_per_node))
+
+
+def _reduction(profile: Profile, collective: str, nbytes: float, n: int,
+               crosses: bool) -> float:
+    """One reduction of `nbytes` per device over `n` devices (`BUS_FACTOR`)."""
+    if not nbytes:
+        return 0.0
+    return profile.collective_latency + BUS_FACTOR[collective](n) * nbytes / profile.bandwidth(
+        collective, n, crosses, nbytes)
+
+
+@functools.lru_cache(maxsize=4096)
+def reduced_bytes(config: LlamaConfig, strategy: Strategy, home: Strategy | None = None
+                  ) -> tuple[float, float]:
+    """Per device, the fp32 bytes of a `local` bucket's partial sums its one reduction
+    reduce-scatters, and those it all-reduces, as `hotjax.step.BucketStep` compiles it: an
+    array is scattered where `scatter_dim` finds it a dimension whose scattered layout is the
+    home's gradient layout (without `home`: wherever it finds a dimension at all)."""
+    fitted = fitted_strategy(config, strategy)
+    partial = shares(config, strategy, (1, 1)).partial_axes
+    pieces = axes_size(fitted, partial)
+    sizes = dict(zip(MESH_AXES, fitted.sizes, strict=True))
+    ids = list(range(fitted.num_devices))
+    target = None if home is None else fitted_strategy(config, home)
+    scattered = whole = 0.0
+    for axes, leaf in param_leaves(config):
+        spec = fitted.grad_spec(axes)
+        per_device = math.prod(leaf.shape) * FP32 / math.prod(ways(spec, sizes))
+        if target is None or target.num_devices != fitted.num_devices:
+            found = scatter_dim(leaf.shape, spec, partial, pieces,
+                                lambda _, anywhere=target is None: anywhere)
+        else:
+            want = boxes_from_strategy(target, ids, axes, leaf.shape, "grad")
+            found = scatter_dim(leaf.shape, spec, partial, pieces,
+                                lambda scattered, shape=leaf.shape, want=want:
+                                boxes_from_spec(scattered, sizes, ids, shape) == want)
+        if found:
+            scattered += per_device
+        else:
+            whole += per_device
+    return scattered, whole
 
 
 def _tensor_collectives(platform: str, remat: str, staged: bool) -> tuple[int, int, int]:

@@ -59,6 +59,7 @@ from hotjax.planning.cost import (
     bucket_reduction_seconds,
     document_pairs,
     micro_step_time,
+    reduction_home_seconds,
     switch_seconds,
     visible_pairs,
 )
@@ -730,13 +731,18 @@ def _best_for_home(search: Search, lengths: np.ndarray, cuts: list[int], home_by
 
 def _as_plan(search: Search, chosen: Sequence[Choice]) -> Plan:
     """Buckets with their switches: the weights from home through each bucket in turn, and
-    each bucket's fp32 gradients home (in the reverse direction, twice the bytes of bf16)."""
+    each bucket's fp32 gradients home (in the reverse direction, twice the bytes of bf16;
+    a `local` bucket's arrays that its reduction cannot scatter into the home's layout are
+    all-reduced instead: `reduction_home_seconds`)."""
     home = most_sharded([c.strategy for c in chosen], search.config, search.optimizer)
     widen = 4 / search.config.dtype.itemsize
     weights, gradients, previous = [], [], home
     for c in chosen:
         weights.append(search.switch_seconds(previous, c.strategy) if c.rows else 0.0)
-        gradients.append(widen * search.switch_seconds(c.strategy, home) if c.rows else 0.0)
+        gradients.append(widen * search.switch_seconds(c.strategy, home)
+                         + reduction_home_seconds(search.config, c.strategy, home,
+                                                  search.profile, c.accumulate)
+                         if c.rows else 0.0)
         previous = c.strategy if c.rows else previous
     return Plan(tuple(chosen), home, tuple(weights), tuple(gradients))
 

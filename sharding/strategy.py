@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -373,6 +374,15 @@ def canonical_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.D
 
 def _spec(axes: Sequence[str | None], mapping: AxisMap, sizes: Mapping[str, int]
           ) -> PartitionSpec:
+    return _spec_of(tuple(axes), mapping, tuple(sizes.items()))
+
+
+# A plan asks for the same few arrays' specs under the same ~90 strategies again and again (a
+# search prices thousands of tables).
+@functools.lru_cache(maxsize=65536)
+def _spec_of(axes: tuple[str | None, ...], mapping: AxisMap,
+             mesh: tuple[tuple[str, int], ...]) -> PartitionSpec:
+    sizes = dict(mesh)
     lookup = {"stages": ("stage",), **dict(mapping)}  # a pipeline's stage buffer
     taken: set[str] = set()
     parts: list[Any] = []

@@ -712,16 +712,27 @@ def switch_seconds(config: LlamaConfig, source: Strategy, target: Strategy,
     if source == target:
         return 0.0
     devices = max(source.num_devices, target.num_devices)
+    lacking = np.zeros(devices, dtype=np.int64)
+    for before, after in zip(_param_boxes(config, source, devices),
+                             _param_boxes(config, target, devices), strict=True):
+        overlap = np.maximum(0, np.minimum(before[..., 1], after[..., 1])
+                             - np.maximum(before[..., 0], after[..., 0])).prod(axis=-1)
+        lacking += (after[..., 1] - after[..., 0]).prod(axis=-1) - overlap
+    return profile.switch_seconds(float(lacking.max() * config.dtype.itemsize),
+                                  devices > profile.devices_per_node)
+
+
+@functools.lru_cache(maxsize=1024)
+def _param_boxes(config: LlamaConfig, strategy: Strategy, devices: int) -> list[np.ndarray]:
+    """[devices, dims, 2] each device's index box (start, stop per dimension) of each parameter
+    under `strategy`, the mesh laid over devices 0 to `devices` - 1."""
     ids = list(range(devices))
-    lacking = np.zeros(devices)
+    found = []
     for axes, leaf in param_leaves(config):
-        before = boxes_from_strategy(source, ids, axes, leaf.shape)
-        after = boxes_from_strategy(target, ids, axes, leaf.shape)
-        for d in ids:
-            overlap = math.prod(max(0, min(x1, y1) - max(x0, y0))
-                                for (x0, x1), (y0, y1) in zip(before[d], after[d], strict=True))
-            lacking[d] += (math.prod(b - a for a, b in after[d]) - overlap) * config.dtype.itemsize
-    return profile.switch_seconds(float(lacking.max()), devices > profile.devices_per_node)
+        boxes = boxes_from_strategy(strategy, ids, axes, leaf.shape)
+        found.append(np.asarray([boxes[d] for d in ids], np.int64).reshape(
+            devices, len(leaf.shape), 2))
+    return found
 
 
 def step_seconds(micro_steps: Iterable[tuple[MicroStepTime, int]],

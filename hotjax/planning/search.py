@@ -363,11 +363,23 @@ class Search:
         self._pairs: dict[tuple, np.ndarray] = {}
         self._placed: dict[tuple, tuple[np.ndarray, float]] = {}
         self.fill, self._filled = fill, {}
+        self._rows: dict[tuple, list[list[int]]] = {}
 
     @functools.cached_property
     def drawn(self) -> list[np.ndarray]:
         """The mini-batches `plan` prices a step on (`Fill.drawn`); none without a `fill`."""
         return self.fill.drawn() if self.fill is not None else []
+
+    def packed(self, lengths: np.ndarray, low: int, high: int) -> list[list[int]]:
+        """The sequences of `lengths` in the bucket (`low`, `high`], packed into rows as the
+        trainer packs them (first-fit-decreasing): each row the indices of its sequences. A
+        search packs the same bucket for every strategy it prices there."""
+        key = (lengths.tobytes(), lengths.dtype.str, low, high)
+        if key not in self._rows:
+            members = [n for n in range(len(lengths)) if low < lengths[n] <= high]
+            self._rows[key] = [[members[n] for n in row] for row in pack_buckets(
+                [int(lengths[n]) for n in members], [high])[0]]
+        return self._rows[key]
 
     def filled(self, low: int, high: int, rows: int) -> float:
         """Rows the run's mini-batches fill in the bucket (`low`, `high`], where the typical
@@ -703,11 +715,9 @@ def _best_for_home(search: Search, lengths: np.ndarray, cuts: list[int], home_by
     for end, high in enumerate(cuts, 1):
         for begin in range(end):
             low = cuts[begin - 1] if begin else 0
-            members = [n for n in range(len(lengths)) if low < lengths[n] <= high]
-            if not reach[begin] or (not members and end < len(cuts)):
+            rows = search.packed(lengths, low, high)
+            if not reach[begin] or (not rows and end < len(cuts)):
                 continue
-            rows = [[members[n] for n in row]
-                    for row in pack_buckets([int(lengths[n]) for n in members], [high])[0]]
             choices = [c for s in search.strategies if search.resident[s] >= home_bytes
                        and (c := search.bucket(lengths, rows, low, high, s, home_bytes, masked))]
             fastest = min(choices, key=lambda c: c.seconds, default=None)
@@ -763,8 +773,7 @@ def fixed_table(search: Search, lengths: np.ndarray, table: Sequence[tuple[int, 
         if padded:
             rows = [[n] for n in members]
         elif packed:
-            rows = [[members[n] for n in row]
-                    for row in pack_buckets([int(lengths[n]) for n in members], [high])[0]]
+            rows = search.packed(lengths, low, high)
         else:
             tokens = sum(int(lengths[n]) for n in members)
             rows = [[] for _ in range(math.ceil(tokens / high))]
